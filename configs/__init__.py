@@ -1,0 +1,1 @@
+"""Hydra configs shipped with robo-post (data package)."""

@@ -1,0 +1,1 @@
+"""Fleet clients, launchers and the ROS 2 bridge."""

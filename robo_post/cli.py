@@ -1,0 +1,135 @@
+"""`robo-post` command line.
+
+Jobs (``collect``, ``run``, ...) take hydra overrides composed over ``configs/``,
+e.g. ``robo-post collect fleet.n_clients=4 env=tabletop``. Tools that act on a
+path (``store info PATH``) take ordinary flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import json
+import sys
+from typing import Callable
+
+from omegaconf import DictConfig
+
+from robo_post.store.schema import StoreError
+
+
+def compose(config_name: str, overrides: list[str]) -> DictConfig:
+    """Compose a hydra config from the packaged ``configs/`` directory."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    config_dir = str(importlib.resources.files("robo_post.configs"))
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=overrides)
+
+
+# --- store ----------------------------------------------------------------------
+def _store_info(args: argparse.Namespace) -> int:
+    from robo_post.store import PolicyRegistry, Store
+
+    store = Store.open(args.path)
+    snap = store.snapshot()
+    episodes = snap.episodes()
+    judged = [e for e in episodes if e.success is not None]
+    tasks: dict[str, list] = {}
+    for e in episodes:
+        tasks.setdefault(e.task_id, []).append(e)
+    info = {
+        "path": store.root,
+        "snapshot": snap.id,
+        "schema_version": store.schema.schema_version,
+        "episodes": len(episodes),
+        "steps": snap.num_steps,
+        "shards": len(snap.counts),
+        "success_rate": (sum(bool(e.success) for e in judged) / len(judged)) if judged else None,
+        "tasks": {
+            t: {"episodes": len(es), "success_rate": _rate(es)} for t, es in sorted(tasks.items())
+        },
+        "policy_versions": PolicyRegistry(store.root).versions(),
+        "size_bytes": store.size_bytes(),
+    }
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]{info['path']}[/]  snapshot {info['snapshot']}")
+    rate = "n/a" if info["success_rate"] is None else f"{info['success_rate']:.1%}"
+    console.print(
+        f"episodes {info['episodes']}  steps {info['steps']}  shards {info['shards']}  "
+        f"success {rate}  size {info['size_bytes'] / 1e6:.2f} MB  policies {info['policy_versions'] or 'none'}"
+    )
+    table = Table("task", "episodes", "success")
+    for t, d in info["tasks"].items():
+        table.add_row(t or "(none)", str(d["episodes"]), "n/a" if d["success_rate"] is None else f"{d['success_rate']:.1%}")
+    console.print(table)
+    return 0
+
+
+def _rate(episodes) -> float | None:
+    judged = [e for e in episodes if e.success is not None]
+    return sum(bool(e.success) for e in judged) / len(judged) if judged else None
+
+
+def _store_validate(args: argparse.Namespace) -> int:
+    from robo_post.store.integrity import validate_store
+
+    checked, problems = validate_store(args.path)
+    for p in problems:
+        print(f"PROBLEM: {p}", file=sys.stderr)
+    print(f"{checked} episodes checked, {len(problems)} problems")
+    return 1 if problems else 0
+
+
+def _store_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="robo-post store", description="Inspect and check a trajectory store.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("info", help="episodes, steps, shards, tasks, success rate, size on disk")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(fn=_store_info)
+    p = sub.add_parser("validate", help="full integrity scan; non-zero exit on any problem")
+    p.add_argument("path")
+    p.set_defaults(fn=_store_validate)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+# --- dispatch -------------------------------------------------------------------
+COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+    "store": ("info | validate: inspect and check a trajectory store", _store_main),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: robo-post COMMAND [ARGS | hydra overrides]", "", "commands:"]
+    lines += [f"  {name:<12} {help_}" for name, (help_, _) in COMMANDS.items()]
+    lines += ["", "`robo-post COMMAND --help` for a command's own help."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"robo-post: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[name][1](rest)
+    except StoreError as e:
+        print(f"robo-post {name}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

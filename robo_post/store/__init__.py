@@ -1,0 +1,41 @@
+"""Trajectory store: zarr v3 shards (one writer each), atomic episode commits,
+consistent snapshots, chunked-window sampling and a policy registry."""
+
+from robo_post.store.registry import PolicyNotFoundError, PolicyRegistry, PolicyVersionExistsError
+from robo_post.store.sampler import MixedSampler, WindowSampler
+from robo_post.store.schema import (
+    SCHEMA_VERSION,
+    ArraySpec,
+    EpisodeValidationError,
+    InvalidNameError,
+    SchemaVersionError,
+    ShardLockedError,
+    StoreError,
+    StoreIntegrityError,
+    StoreNotFoundError,
+    StoreSchema,
+)
+from robo_post.store.store import EpisodeInfo, Snapshot, Store
+from robo_post.store.writer import ShardWriter
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ArraySpec",
+    "EpisodeInfo",
+    "EpisodeValidationError",
+    "InvalidNameError",
+    "MixedSampler",
+    "PolicyNotFoundError",
+    "PolicyRegistry",
+    "PolicyVersionExistsError",
+    "SchemaVersionError",
+    "ShardLockedError",
+    "ShardWriter",
+    "Snapshot",
+    "Store",
+    "StoreError",
+    "StoreIntegrityError",
+    "StoreNotFoundError",
+    "StoreSchema",
+    "WindowSampler",
+]

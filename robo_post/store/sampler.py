@@ -1,0 +1,226 @@
+"""Action-chunk window sampling with chunked n-step returns.
+
+A window starts at any step ``t`` of an episode of length ``T`` and covers the
+action chunk ``a_{t:t+H}``. Batches (``B`` windows) are dicts of torch tensors:
+
+=================  ================  ===========================================
+key                shape             meaning
+=================  ================  ===========================================
+``obs[k]``         (B, *obs_shape)   observation at t (uint8 images stay uint8)
+``actions``        (B, H, A)         a_t .. a_{t+H-1}; past the episode end the
+                                     last action is repeated
+``action_mask``    (B, H) bool       True where the action is real, not padding
+``rewards``        (B,) float32      sum_{i<K} gamma^i r_{t+i}, K = n_step * H,
+                                     stopping at the episode end
+``next_obs[k]``    (B, *obs_shape)   bootstrap observation s_{t+K}; if the window
+                                     runs past the end: the final observation
+``discounts``      (B,) float32      gamma^K inside the episode; gamma^(T-t) when
+                                     a truncated episode ends inside the window;
+                                     0 when a terminated one does (no bootstrap)
+``policy_version`` (B,) int64        version that produced a_t
+``indices``        (B,) int64        global step index (for priorities)
+=================  ================  ===========================================
+
+This is the chunk TD target of ``docs/specs/lwd_divl_qam.md`` §2.2.9: the critic
+target is ``rewards + discounts * V(next_obs)``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from robo_post.store.store import EpisodeInfo, Snapshot
+
+
+class _Grow:
+    """A numpy array that grows along axis 0 by doubling (amortised O(1) appends)."""
+
+    def __init__(self, dtype, shape):
+        self.data = np.zeros((0, *shape), dtype=dtype)
+        self.n = 0
+
+    def extend(self, rows: np.ndarray) -> None:
+        need = self.n + len(rows)
+        if need > len(self.data):
+            new = np.zeros((max(need, 2 * len(self.data), 1024), *self.data.shape[1:]), dtype=self.data.dtype)
+            new[: self.n] = self.data[: self.n]
+            self.data = new
+        self.data[self.n : need] = rows
+        self.n = need
+
+    @property
+    def view(self) -> np.ndarray:
+        return self.data[: self.n]
+
+
+class WindowSampler:
+    """Uniform random windows over episodes loaded into memory.
+
+    Args:
+        horizon: H, the action-chunk length.
+        n_step: number of chunks in the TD backup (K = n_step * H env steps).
+        gamma: per-step discount.
+        obs_keys: observation keys to keep (default: all in the schema).
+        device: torch device for returned tensors.
+        seed: RNG seed for window selection.
+    """
+
+    def __init__(
+        self,
+        horizon: int = 5,
+        n_step: int = 1,
+        gamma: float = 0.99,
+        obs_keys: Iterable[str] | None = None,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+    ):
+        if horizon < 1 or n_step < 1:
+            raise ValueError("horizon and n_step must be >= 1")
+        self.horizon, self.n_step, self.gamma = horizon, n_step, gamma
+        self.obs_keys = None if obs_keys is None else list(obs_keys)
+        self.device = torch.device(device)
+        self.rng = np.random.default_rng(seed)
+        self.episodes: list[EpisodeInfo] = []
+        self._obs: dict[str, _Grow] = {}
+        self._action: _Grow | None = None
+        self._reward = _Grow(np.float32, ())
+        self._version = _Grow(np.int64, ())
+        self._ep_end = _Grow(np.int64, ())  # per step: exclusive end step of its episode
+        self._ep_ord = _Grow(np.int64, ())  # per step: ordinal of its episode (obs row = step + ordinal)
+        self._ep_term = _Grow(bool, ())  # per step: did its episode terminate (vs. truncate)
+        self._pow = gamma ** np.arange(n_step * horizon + 1, dtype=np.float64)
+
+    @classmethod
+    def from_snapshot(cls, snapshot: Snapshot, episodes: Iterable[EpisodeInfo] | None = None, **kwargs) -> "WindowSampler":
+        sampler = cls(**kwargs)
+        sampler.add_episodes(snapshot, snapshot.episodes() if episodes is None else episodes)
+        return sampler
+
+    def __len__(self) -> int:
+        """Number of steps (= possible window starts) held."""
+        return self._reward.n
+
+    def add_episodes(self, snapshot: Snapshot, episodes: Iterable[EpisodeInfo]) -> None:
+        """Load ``episodes`` of ``snapshot`` into memory (one read per shard)."""
+        by_shard: dict[str, list[EpisodeInfo]] = {}
+        for ep in episodes:
+            by_shard.setdefault(ep.client_id, []).append(ep)
+        keys = self.obs_keys or list(snapshot.store.schema.observations)
+        for shard, eps in sorted(by_shard.items()):
+            data = snapshot.load_shard(shard)
+            for ep in eps:
+                self._append(ep, data, keys)
+
+    def _append(self, ep: EpisodeInfo, data: dict, keys: list[str]) -> None:
+        T, s0, o0 = ep.length, ep.step_start, ep.obs_start
+        if self._action is None:
+            self.obs_keys = keys
+            for k in keys:
+                self._obs[k] = _Grow(data["obs"][k].dtype, data["obs"][k].shape[1:])
+            self._action = _Grow(np.float32, data["action"].shape[1:])
+        start, ordinal = self._reward.n, len(self.episodes)
+        for k in keys:
+            self._obs[k].extend(data["obs"][k][o0 : o0 + T + 1])
+        self._action.extend(data["action"][s0 : s0 + T])
+        table = data["step"][s0 : s0 + T]
+        self._reward.extend(table[:, 0])
+        self._version.extend(table[:, 3])
+        self._ep_end.extend(np.full(T, start + T))
+        self._ep_ord.extend(np.full(T, ordinal))
+        self._ep_term.extend(np.full(T, ep.terminated))
+        self.episodes.append(ep)
+
+    def sample(
+        self, batch_size: int, min_policy_version: int | None = None, starts: np.ndarray | None = None
+    ) -> dict:
+        """Sample ``batch_size`` windows (see module docstring for the batch layout).
+
+        Args:
+            min_policy_version: bounded staleness: only start windows on steps whose
+                ``policy_version`` is at least this.
+            starts: explicit global step indices instead of uniform sampling.
+        """
+        if len(self) == 0:
+            raise ValueError("sampler holds no episodes")
+        if starts is None:
+            if min_policy_version is None:
+                starts = self.rng.integers(0, len(self), batch_size)
+            else:
+                eligible = np.flatnonzero(self._version.view >= min_policy_version)
+                if len(eligible) == 0:
+                    raise ValueError(f"no steps with policy_version >= {min_policy_version}")
+                starts = eligible[self.rng.integers(0, len(eligible), batch_size)]
+        t = np.asarray(starts, dtype=np.int64)
+        H, K = self.horizon, self.n_step * self.horizon
+        end, ordinal = self._ep_end.view[t], self._ep_ord.view[t]
+
+        a_idx = t[:, None] + np.arange(H)
+        action_mask = a_idx < end[:, None]
+        actions = self._action.view[np.minimum(a_idx, end[:, None] - 1)]
+
+        r_idx = t[:, None] + np.arange(K)
+        r_valid = r_idx < end[:, None]
+        r = self._reward.view[np.minimum(r_idx, end[:, None] - 1)] * r_valid
+        rewards = r @ self._pow[:K]
+
+        taken = np.minimum(K, end - t)  # env steps until bootstrap (or episode end)
+        overrun = t + K >= end
+        discounts = self._pow[taken] * ~(overrun & self._ep_term.view[t])
+        next_rows = t + taken + ordinal  # == final-observation row when the window overruns
+
+        def to(x):
+            return torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
+
+        return {
+            "obs": {k: to(self._obs[k].view[t + ordinal]) for k in self.obs_keys},
+            "actions": to(actions.astype(np.float32, copy=False)),
+            "action_mask": to(action_mask),
+            "rewards": to(rewards.astype(np.float32)),
+            "next_obs": {k: to(self._obs[k].view[next_rows]) for k in self.obs_keys},
+            "discounts": to(discounts.astype(np.float32)),
+            "policy_version": to(self._version.view[t]),
+            "indices": to(t),
+        }
+
+
+class MixedSampler:
+    """Draw a fixed fraction of each batch from a second (online) sampler.
+
+    Args:
+        offline: sampler over the offline dataset.
+        online: sampler over fleet data gathered online.
+        online_fraction: share of each batch taken from ``online`` (once it holds data).
+    """
+
+    def __init__(self, offline: WindowSampler, online: WindowSampler, online_fraction: float = 0.5):
+        if not 0.0 <= online_fraction <= 1.0:
+            raise ValueError("online_fraction must be in [0, 1]")
+        self.offline, self.online, self.online_fraction = offline, online, online_fraction
+
+    def sample(self, batch_size: int, **kwargs) -> dict:
+        """A batch whose ``source`` tensor is 0 for offline rows and 1 for online rows."""
+        n_on = int(round(batch_size * self.online_fraction)) if len(self.online) else 0
+        n_off = batch_size - n_on
+        if n_off and not len(self.offline):
+            n_on, n_off = batch_size, 0
+        parts = [(s.sample(n, **kwargs), src) for s, n, src in ((self.offline, n_off, 0), (self.online, n_on, 1)) if n]
+        batch = _concat([p for p, _ in parts])
+        batch["source"] = torch.cat([torch.full((len(p["rewards"]),), src, dtype=torch.int64) for p, src in parts]).to(
+            batch["rewards"].device
+        )
+        return batch
+
+
+def _concat(batches: list[dict]) -> dict:
+    if len(batches) == 1:
+        return batches[0]
+    out = {}
+    for key, value in batches[0].items():
+        if isinstance(value, dict):
+            out[key] = {k: torch.cat([b[key][k] for b in batches]) for k in value}
+        else:
+            out[key] = torch.cat([b[key] for b in batches])
+    return out

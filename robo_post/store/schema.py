@@ -1,0 +1,238 @@
+"""Store schema, typed errors, and episode validation.
+
+The schema is written once into ``store.json`` when a store is created; every
+writer validates each episode against it before anything touches disk.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+STORE_FORMAT = "robo-post-store"
+
+OBS_DTYPES = ("float32", "float64", "uint8", "int32", "int64", "bool")
+
+# Per-step scalar columns, stored together as one (T, len(STEP_COLUMNS)) float64
+# table so a commit costs one array write instead of seven. float64 holds every
+# value exactly: bools, policy versions < 2**53, unix timestamps to the microsecond.
+STEP_COLUMNS = (
+    "reward",
+    "terminated",
+    "truncated",
+    "policy_version",
+    "intervention",
+    "timestamp",
+    "behavior_logprob",
+)
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class StoreError(Exception):
+    """Base class for every error the store raises on purpose."""
+
+
+class EpisodeValidationError(StoreError, ValueError):
+    """An episode does not match the store schema. Nothing was written.
+
+    Attributes:
+        field: name of the offending field (e.g. ``"obs/image"``, ``"action"``).
+        step: index of the offending step inside the episode, or ``None`` when the
+            problem is not tied to one step.
+    """
+
+    def __init__(self, field: str, message: str, step: int | None = None):
+        self.field = field
+        self.step = step
+        where = f"field {field!r}" + (f" at step {step}" if step is not None else "")
+        super().__init__(f"invalid episode: {where}: {message}")
+
+
+class InvalidNameError(StoreError, ValueError):
+    """A client id or other path component is not a safe name."""
+
+
+class SchemaVersionError(StoreError):
+    """The store was written by a newer, unknown schema version."""
+
+
+class StoreNotFoundError(StoreError, FileNotFoundError):
+    """No store exists at the given path."""
+
+
+class ShardLockedError(StoreError):
+    """Another live process already writes to this shard."""
+
+
+class StoreIntegrityError(StoreError):
+    """On-disk data does not match its committed record (corruption)."""
+
+
+def check_name(name: str, what: str = "client id") -> str:
+    """Return ``name`` if it is safe as a single path component, else raise.
+
+    Safe means: 1-128 chars of ``[A-Za-z0-9_.-]``, starting alphanumeric (so no
+    ``..``, no ``/``, no hidden files, no empty string).
+    """
+    if not isinstance(name, str) or not _SAFE_NAME.match(name):
+        raise InvalidNameError(
+            f"{what} {name!r} is not a safe name: use 1-128 characters of "
+            "[A-Za-z0-9_.-] starting with a letter or digit"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """dtype, per-step shape and optional elementwise bounds of one field."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    low: float | list | None = None
+    high: float | list | None = None
+    unit: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if np.dtype(self.dtype).name != self.dtype:
+            object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "low": self.low, "high": self.high, "unit": self.unit}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ArraySpec":
+        return cls(d["dtype"], tuple(d["shape"]), d.get("low"), d.get("high"), d.get("unit", ""))
+
+    @property
+    def step_nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class StoreSchema:
+    """What every episode in a store looks like.
+
+    Args:
+        observations: observation key -> spec. Images are ``uint8`` of shape (H, W, C).
+        action: spec of one action (per step, not per chunk); ``low``/``high`` are enforced.
+        schema_version: format version; readers refuse versions newer than theirs.
+    """
+
+    observations: dict[str, ArraySpec]
+    action: ArraySpec
+    schema_version: int = SCHEMA_VERSION
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.observations:
+            raise ValueError("a schema needs at least one observation key")
+        for key, spec in self.observations.items():
+            check_name(key, "observation key")
+            if spec.dtype not in OBS_DTYPES:
+                raise ValueError(f"observation {key!r}: dtype {spec.dtype} not in {OBS_DTYPES}")
+        if np.dtype(self.action.dtype).kind != "f":
+            raise ValueError("actions must be floating point")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": STORE_FORMAT,
+            "schema_version": self.schema_version,
+            "observations": {k: v.to_json() for k, v in self.observations.items()},
+            "action": self.action.to_json(),
+            "step_columns": list(STEP_COLUMNS),
+            "attrs": self.attrs,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "StoreSchema":
+        if d.get("format") != STORE_FORMAT:
+            raise StoreError(f"not a robo-post store (format={d.get('format')!r})")
+        version = d.get("schema_version")
+        if not isinstance(version, int) or version > SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"store has schema_version {version!r} but this robo-post reads up to "
+                f"{SCHEMA_VERSION}; upgrade robo-post to open it"
+            )
+        return cls(
+            observations={k: ArraySpec.from_json(v) for k, v in d["observations"].items()},
+            action=ArraySpec.from_json(d["action"]),
+            schema_version=version,
+            attrs=d.get("attrs", {}),
+        )
+
+    @classmethod
+    def from_spaces(cls, observation_space, action_space, **attrs) -> "StoreSchema":
+        """Build a schema from gymnasium spaces (a Dict of Boxes/Discretes, and a Box)."""
+        import gymnasium as gym
+
+        obs = {}
+        for key, space in observation_space.spaces.items():
+            if isinstance(space, gym.spaces.Box):
+                bounded = np.all(np.isfinite(space.low)) and np.all(np.isfinite(space.high))
+                obs[key] = ArraySpec(
+                    space.dtype.name,
+                    space.shape,
+                    space.low.tolist() if bounded and space.dtype != np.uint8 else None,
+                    space.high.tolist() if bounded and space.dtype != np.uint8 else None,
+                )
+            elif isinstance(space, gym.spaces.Discrete):
+                obs[key] = ArraySpec("int64", (), int(space.start), int(space.start + space.n - 1))
+            else:
+                raise ValueError(f"observation {key!r}: unsupported space {space}")
+        act = ArraySpec(action_space.dtype.name, action_space.shape, action_space.low.tolist(), action_space.high.tolist())
+        return cls(observations=obs, action=act, attrs=attrs)
+
+
+def _first_bad_step(mask_per_step: np.ndarray) -> int:
+    return int(np.flatnonzero(mask_per_step)[0])
+
+
+def _check_bounds(name: str, arr: np.ndarray, spec: ArraySpec) -> None:
+    flat = arr.reshape(len(arr), -1)
+    if spec.low is not None:
+        low = np.broadcast_to(np.asarray(spec.low, dtype=np.float64).reshape(-1), flat.shape[1:])
+        below = (flat < low).any(axis=1)
+        if below.any():
+            i = _first_bad_step(below)
+            raise EpisodeValidationError(name, f"value below lower bound {spec.low}: {arr[i].tolist()}", i)
+    if spec.high is not None:
+        high = np.broadcast_to(np.asarray(spec.high, dtype=np.float64).reshape(-1), flat.shape[1:])
+        above = (flat > high).any(axis=1)
+        if above.any():
+            i = _first_bad_step(above)
+            raise EpisodeValidationError(name, f"value above upper bound {spec.high}: {arr[i].tolist()}", i)
+
+
+def validate_array(name: str, arr: np.ndarray, spec: ArraySpec, length: int) -> None:
+    """Check one stacked field (leading axis = steps) against its spec."""
+    if arr.shape[0] != length:
+        raise EpisodeValidationError(name, f"has {arr.shape[0]} rows, expected {length}")
+    if arr.shape[1:] != spec.shape:
+        raise EpisodeValidationError(name, f"shape {arr.shape[1:]} per step, schema says {spec.shape}")
+    if arr.dtype != np.dtype(spec.dtype):
+        # Floats may widen/narrow between float32/float64; anything else must match exactly.
+        if not (arr.dtype.kind == "f" and np.dtype(spec.dtype).kind == "f"):
+            raise EpisodeValidationError(name, f"dtype {arr.dtype}, schema says {spec.dtype}")
+    if arr.dtype.kind == "f":
+        bad = ~np.isfinite(arr.reshape(len(arr), -1)).all(axis=1)
+        if bad.any():
+            raise EpisodeValidationError(name, "contains NaN or inf", _first_bad_step(bad))
+    _check_bounds(name, arr, spec)
+
+
+def stack_field(name: str, values: list, spec: ArraySpec) -> np.ndarray:
+    """Stack per-step values, naming the first step whose shape is wrong."""
+    try:
+        arr = np.stack([np.asarray(v) for v in values])
+    except ValueError:
+        for i, v in enumerate(values):
+            if np.shape(v) != spec.shape:
+                raise EpisodeValidationError(name, f"shape {np.shape(v)}, schema says {spec.shape}", i) from None
+        raise
+    return arr

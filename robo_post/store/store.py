@@ -1,0 +1,271 @@
+"""The trajectory store: many single-writer shards, read through consistent snapshots.
+
+Layout on disk::
+
+    ROOT/store.json                      schema (+ schema_version)
+    ROOT/shards/<client>/data/           zarr v3 group: obs/<key>, action, step
+    ROOT/shards/<client>/episodes.jsonl  one JSON record per episode
+    ROOT/shards/<client>/commit.json     {"episodes", "steps", "meta_bytes"}: what is committed
+    ROOT/snapshots/<id>.json             shard -> committed counts, to reopen a snapshot
+    ROOT/policies/v000001/               policy registry (see registry.py)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import zarr
+
+from robo_post.store.schema import (
+    STEP_COLUMNS,
+    InvalidNameError,
+    StoreError,
+    StoreNotFoundError,
+    StoreSchema,
+    check_name,
+)
+from robo_post.store.writer import ShardWriter, write_json_atomic
+
+_EMPTY_COMMIT = {"episodes": 0, "steps": 0, "meta_bytes": 0}
+
+
+@dataclass(frozen=True)
+class EpisodeInfo:
+    """Metadata of one committed episode (what ``episodes.jsonl`` holds)."""
+
+    client_id: str
+    episode: int
+    task_id: str
+    instruction: str
+    seed: int | None
+    success: bool | None
+    length: int
+    step_start: int
+    obs_start: int
+    policy_version: int
+    terminated: bool
+    start_time: float
+    end_time: float
+    attrs: dict
+    crc32: int
+    ret: float
+
+    @property
+    def key(self) -> str:
+        """Store-wide episode id: ``client/index``."""
+        return f"{self.client_id}/{self.episode}"
+
+    @classmethod
+    def from_record(cls, r: dict[str, Any]) -> "EpisodeInfo":
+        return cls(
+            r["client_id"], r["episode"], r["task_id"], r["instruction"], r["seed"], r["success"], r["length"],
+            r["step_start"], r["obs_start"], r["policy_version"], r["terminated"], r["start_time"], r["end_time"],
+            r["attrs"], r["crc32"], r["return"],
+        )
+
+
+class Store:
+    """A trajectory store rooted at a directory.
+
+    Create with ``Store.create(path, schema)``, open with ``Store.open(path)``.
+    Write through ``store.writer(client_id)``; read through ``store.snapshot()``.
+    """
+
+    def __init__(self, root: str, schema: StoreSchema):
+        self.root = os.path.abspath(root)
+        self.schema = schema
+
+    @classmethod
+    def create(cls, root: str, schema: StoreSchema, exist_ok: bool = False) -> "Store":
+        """Create a store with ``schema``. With ``exist_ok``, open it if it already exists
+        (its schema must then equal ``schema``)."""
+        path = os.path.join(root, "store.json")
+        if os.path.exists(path):
+            if not exist_ok:
+                raise StoreError(f"a store already exists at {root}")
+            store = cls.open(root)
+            if store.schema.to_json() != schema.to_json():
+                raise StoreError(f"store at {root} has a different schema than requested")
+            return store
+        for sub in ("shards", "snapshots", "policies"):
+            os.makedirs(os.path.join(root, sub), exist_ok=True)
+        write_json_atomic(path, schema.to_json())
+        return cls(root, schema)
+
+    @classmethod
+    def open(cls, root: str) -> "Store":
+        """Open an existing store. Raises ``StoreNotFoundError`` or ``SchemaVersionError``."""
+        path = os.path.join(root, "store.json")
+        if not os.path.exists(path):
+            raise StoreNotFoundError(f"no robo-post store at {root} (missing store.json)")
+        with open(path) as f:
+            return cls(root, StoreSchema.from_json(json.load(f)))
+
+    # --- writing -----------------------------------------------------------------
+    def writer(self, client_id: str, fsync: bool = True) -> ShardWriter:
+        """Open the shard ``client_id`` for writing (creating it if new)."""
+        return ShardWriter(self, client_id, fsync=fsync)
+
+    # --- shards ------------------------------------------------------------------
+    def shards(self) -> list[str]:
+        """Names of all shards, sorted."""
+        d = os.path.join(self.root, "shards")
+        return sorted(n for n in os.listdir(d) if os.path.isdir(os.path.join(d, n))) if os.path.isdir(d) else []
+
+    def read_commit(self, shard: str) -> dict[str, int]:
+        """The committed counts of one shard (zeros for a shard never committed)."""
+        path = os.path.join(self.root, "shards", shard, "commit.json")
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return dict(_EMPTY_COMMIT)
+
+    # --- snapshots ---------------------------------------------------------------
+    def snapshot(self, snapshot_id: str | None = None) -> "Snapshot":
+        """A consistent view of every shard's committed episodes.
+
+        With no id, take a new snapshot of what is committed now (and record it so
+        its id can be reopened later). With an id, reopen exactly that snapshot.
+        """
+        if snapshot_id is not None:
+            check_name(snapshot_id, "snapshot id")
+            path = os.path.join(self.root, "snapshots", f"{snapshot_id}.json")
+            if not os.path.exists(path):
+                raise StoreError(f"unknown snapshot id {snapshot_id!r} in store {self.root}")
+            with open(path) as f:
+                counts = json.load(f)["shards"]
+            return Snapshot(self, snapshot_id, counts)
+        counts = {s: self.read_commit(s) for s in self.shards()}
+        counts = {s: c for s, c in counts.items() if c["episodes"] > 0}
+        digest = hashlib.sha256(json.dumps(counts, sort_keys=True).encode()).hexdigest()[:16]
+        snapshot_id = f"snap-{digest}"
+        path = os.path.join(self.root, "snapshots", f"{snapshot_id}.json")
+        if not os.path.exists(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            write_json_atomic(path, {"shards": counts}, fsync=False)
+        return Snapshot(self, snapshot_id, counts)
+
+    def size_bytes(self) -> int:
+        """Bytes on disk under the store root."""
+        total = 0
+        for dirpath, _, files in os.walk(self.root):
+            total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files)
+        return total
+
+
+class Snapshot:
+    """Read-only view of a fixed set of committed episodes across all shards.
+
+    Committed rows are never rewritten, so a snapshot reopened by id later sees
+    byte-identical data.
+    """
+
+    def __init__(self, store: Store, snapshot_id: str, counts: dict[str, dict[str, int]]):
+        self.store = store
+        self.id = snapshot_id
+        self.counts = counts
+        self._episodes: list[EpisodeInfo] = []
+        for shard, c in sorted(counts.items()):
+            with open(os.path.join(store.root, "shards", shard, "episodes.jsonl"), "rb") as f:
+                raw = f.read(c["meta_bytes"])
+            lines = raw.decode().splitlines()
+            if len(lines) != c["episodes"]:
+                raise StoreError(f"shard {shard!r}: {len(lines)} metadata records, commit says {c['episodes']}")
+            self._episodes.extend(EpisodeInfo.from_record(json.loads(line)) for line in lines)
+        self._arrays: dict[str, dict[str, zarr.Array]] = {}
+
+    def __len__(self) -> int:
+        return len(self._episodes)
+
+    @property
+    def num_steps(self) -> int:
+        return sum(e.length for e in self._episodes)
+
+    def episodes(
+        self,
+        task: str | Iterable[str] | None = None,
+        client: str | Iterable[str] | None = None,
+        policy_version: int | Iterable[int] | None = None,
+        min_policy_version: int | None = None,
+        success: bool | None = None,
+        since: float | None = None,
+        until: float | None = None,
+    ) -> list[EpisodeInfo]:
+        """Episodes matching every given filter (times compare against ``end_time``)."""
+
+        def _set(x):
+            return None if x is None else ({x} if isinstance(x, (str, int)) else set(x))
+
+        tasks, clients, versions = _set(task), _set(client), _set(policy_version)
+        return [
+            e
+            for e in self._episodes
+            if (tasks is None or e.task_id in tasks)
+            and (clients is None or e.client_id in clients)
+            and (versions is None or e.policy_version in versions)
+            and (min_policy_version is None or e.policy_version >= min_policy_version)
+            and (success is None or e.success == success)
+            and (since is None or e.end_time >= since)
+            and (until is None or e.end_time <= until)
+        ]
+
+    def new_since(self, previous: "Snapshot | None") -> list[EpisodeInfo]:
+        """Episodes in this snapshot that ``previous`` did not have (for online learning)."""
+        if previous is None:
+            return list(self._episodes)
+        seen = {s: c["episodes"] for s, c in previous.counts.items()}
+        return [e for e in self._episodes if e.episode >= seen.get(e.client_id, 0)]
+
+    def _shard_arrays(self, shard: str) -> dict[str, zarr.Array]:
+        if shard not in self._arrays:
+            if shard not in self.counts:
+                raise InvalidNameError(f"shard {shard!r} is not in snapshot {self.id}")
+            group = zarr.open_group(os.path.join(self.store.root, "shards", shard, "data"), mode="r")
+            names = [f"obs/{k}" for k in self.store.schema.observations] + ["action", "step"]
+            self._arrays[shard] = {n: group[n] for n in names}
+        return self._arrays[shard]
+
+    def load(self, episode: EpisodeInfo) -> dict[str, Any]:
+        """Load one episode as numpy arrays.
+
+        Returns a dict with ``obs`` (key -> (T + 1, ...); row T is the final
+        observation), ``action`` (T, ...), one (T,) array per step column
+        (``reward``, ``terminated``, ``truncated``, ``policy_version``,
+        ``intervention``, ``timestamp``, ``behavior_logprob``) and ``info``.
+        """
+        arrays = self._shard_arrays(episode.client_id)
+        T, s0, o0 = episode.length, episode.step_start, episode.obs_start
+        out: dict[str, Any] = {"obs": {k: arrays[f"obs/{k}"][o0 : o0 + T + 1] for k in self.store.schema.observations}}
+        out["action"] = arrays["action"][s0 : s0 + T]
+        table = arrays["step"][s0 : s0 + T]
+        out.update(_split_table(table))
+        out["info"] = episode
+        return out
+
+    def load_shard(self, shard: str) -> dict[str, Any]:
+        """Every committed row of a shard in one read: ``obs``, ``action``, ``step`` table."""
+        arrays = self._shard_arrays(shard)
+        c = self.counts[shard]
+        return {
+            "obs": {k: arrays[f"obs/{k}"][: c["steps"] + c["episodes"]] for k in self.store.schema.observations},
+            "action": arrays["action"][: c["steps"]],
+            "step": arrays["step"][: c["steps"]],
+        }
+
+    def __iter__(self) -> Iterator[EpisodeInfo]:
+        return iter(self._episodes)
+
+
+def _split_table(table: np.ndarray) -> dict[str, np.ndarray]:
+    cols = {name: table[:, i] for i, name in enumerate(STEP_COLUMNS)}
+    for name in ("terminated", "truncated", "intervention"):
+        cols[name] = cols[name].astype(bool)
+    cols["policy_version"] = cols["policy_version"].astype(np.int64)
+    cols["reward"] = cols["reward"].astype(np.float32)
+    return cols

@@ -1,0 +1,373 @@
+"""One writer per shard: buffer an episode's steps, validate, commit atomically.
+
+Commit protocol (why a killed writer never exposes a partial episode):
+
+1. validate the whole episode in memory; on any problem raise and touch nothing;
+2. write the step rows past the committed end of each zarr array (zarr's local
+   store replaces chunk files atomically, so already-committed rows inside a
+   shared chunk are never torn);
+3. append the episode record to ``episodes.jsonl``;
+4. atomically replace ``commit.json`` (fsync'd), which is the only thing readers
+   trust for how many episodes, steps and metadata bytes exist.
+
+A crash before step 4 leaves bytes past the committed end, which readers ignore
+and the next writer of the shard overwrites.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+import zarr
+from zarr.codecs import BloscCodec
+
+from robo_post.store.schema import (
+    STEP_COLUMNS,
+    ArraySpec,
+    EpisodeValidationError,
+    ShardLockedError,
+    check_name,
+    stack_field,
+    validate_array,
+)
+
+if TYPE_CHECKING:
+    from robo_post.store.store import Store
+
+CHUNK_BYTES = 1 << 20  # target ~1 MiB chunks along time
+_COL = {name: i for i, name in enumerate(STEP_COLUMNS)}
+
+
+def write_json_atomic(path: str, obj: Any, fsync: bool = True) -> None:
+    """Write JSON to ``path`` so readers see the old or the new file, never a mix."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def time_chunk(spec: ArraySpec) -> int:
+    """Rows per chunk so one chunk holds about CHUNK_BYTES (16..4096 rows)."""
+    return int(np.clip(CHUNK_BYTES // max(spec.step_nbytes, 1), 16, 4096))
+
+
+def episode_checksum(arrays: Mapping[str, np.ndarray]) -> int:
+    """CRC32 over every stored array of an episode, in a fixed key order."""
+    crc = 0
+    for key in sorted(arrays):
+        crc = zlib.crc32(np.ascontiguousarray(arrays[key]).view(np.uint8), crc)
+    return crc
+
+
+class ShardWriter:
+    """Appends episodes to one shard of a store. One live writer per shard.
+
+    Use ``add()`` once per step, then ``commit()`` (or ``discard()``). Or hand a
+    whole episode to ``write_episode()``.
+
+    Args:
+        store: the open store.
+        client_id: shard name; must be a safe name (``check_name``).
+        fsync: fsync the commit record, so a committed episode survives power loss
+            of the metadata as well as process kills.
+    """
+
+    def __init__(self, store: "Store", client_id: str, fsync: bool = True):
+        self.store = store
+        self.client_id = check_name(client_id)
+        self.fsync = fsync
+        self.schema = store.schema
+        self.path = os.path.join(store.root, "shards", self.client_id)
+        os.makedirs(self.path, exist_ok=True)
+        self._lock_fd = os.open(os.path.join(self.path, ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise ShardLockedError(f"shard {self.client_id!r} is already open for writing by another process") from None
+        self._recover()
+        self._pool = ThreadPoolExecutor(max_workers=len(self._arrays))
+        self._steps: list[dict[str, Any]] = []
+
+    # --- recovery -----------------------------------------------------------
+    def _recover(self) -> None:
+        """Open (or create) the shard and drop anything past the last commit."""
+        commit = self.store.read_commit(self.client_id)
+        self.n_episodes, self.n_steps, self._meta_bytes = commit["episodes"], commit["steps"], commit["meta_bytes"]
+        meta_path = os.path.join(self.path, "episodes.jsonl")
+        with open(meta_path, "ab") as f:  # creates the file on first open
+            f.truncate(self._meta_bytes)
+        root = zarr.open_group(os.path.join(self.path, "data"), mode="a")
+        self._arrays: dict[str, zarr.Array] = {}
+        specs = {f"obs/{k}": s for k, s in self.schema.observations.items()}
+        specs["action"] = self.schema.action
+        specs["step"] = ArraySpec("float64", (len(STEP_COLUMNS),))
+        for name, spec in specs.items():
+            if name in root:
+                self._arrays[name] = root[name]
+            else:
+                self._arrays[name] = root.create_array(
+                    name,
+                    shape=(0, *spec.shape),
+                    chunks=(time_chunk(spec), *spec.shape),
+                    dtype=spec.dtype,
+                    compressors=BloscCodec(cname="lz4", clevel=5),
+                    fill_value=0,
+                )
+        if commit["episodes"] == 0 and not os.path.exists(os.path.join(self.path, "commit.json")):
+            write_json_atomic(os.path.join(self.path, "commit.json"), commit, self.fsync)
+
+    # --- step-wise API --------------------------------------------------------
+    def add(
+        self,
+        obs: Mapping[str, Any],
+        action: Any,
+        reward: float,
+        terminated: bool = False,
+        truncated: bool = False,
+        policy_version: int = 0,
+        intervention: bool = False,
+        timestamp: float | None = None,
+        behavior_logprob: float | None = None,
+    ) -> None:
+        """Buffer one step: ``obs`` is the observation the ``action`` was taken in."""
+        self._steps.append(
+            {
+                "obs": obs,
+                "action": action,
+                "step": (
+                    reward,
+                    terminated,
+                    truncated,
+                    policy_version,
+                    intervention,
+                    time.time() if timestamp is None else timestamp,
+                    np.nan if behavior_logprob is None else behavior_logprob,
+                ),
+            }
+        )
+
+    def discard(self) -> None:
+        """Drop the buffered steps of the current episode."""
+        self._steps = []
+
+    def commit(self, final_obs: Mapping[str, Any] | None = None, **meta: Any) -> int:
+        """Validate and durably append the buffered episode; return its index in the shard.
+
+        Args:
+            final_obs: the observation after the last action (used to bootstrap
+                truncated episodes). Defaults to the last step's observation.
+            **meta: per-episode metadata, see ``write_episode``.
+        """
+        steps, self._steps = self._steps, []
+        if not steps:
+            raise EpisodeValidationError("steps", "episode is empty")
+        obs_keys = set(self.schema.observations)
+        for i, s in enumerate(steps):
+            if set(s["obs"]) != obs_keys:
+                raise _key_error("obs", set(s["obs"]), obs_keys, i)
+        obs_rows = [s["obs"] for s in steps] + [final_obs if final_obs is not None else steps[-1]["obs"]]
+        observations = {
+            k: stack_field(f"obs/{k}", [o[k] for o in obs_rows], spec) for k, spec in self.schema.observations.items()
+        }
+        actions = stack_field("action", [s["action"] for s in steps], self.schema.action)
+        table = np.array([s["step"] for s in steps], dtype=np.float64)
+        return self.write_episode(observations, actions, table=table, **meta)
+
+    # --- whole-episode API ------------------------------------------------------
+    def write_episode(
+        self,
+        observations: Mapping[str, np.ndarray],
+        actions: np.ndarray,
+        rewards: np.ndarray | None = None,
+        terminated: np.ndarray | None = None,
+        truncated: np.ndarray | None = None,
+        policy_versions: np.ndarray | int = 0,
+        interventions: np.ndarray | None = None,
+        timestamps: np.ndarray | None = None,
+        behavior_logprobs: np.ndarray | None = None,
+        *,
+        table: np.ndarray | None = None,
+        task_id: str = "",
+        instruction: str = "",
+        seed: int | None = None,
+        success: bool | None = None,
+        policy_version: int | None = None,
+        start_time: float | None = None,
+        end_time: float | None = None,
+        attrs: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Validate and durably append one whole episode of T steps.
+
+        Args:
+            observations: key -> (T + 1, ...) array; row T is the observation after
+                the last action. (T, ...) is accepted and the last row repeated.
+            actions: (T, *action_shape).
+            rewards, terminated, truncated, interventions, timestamps,
+            behavior_logprobs: (T,) per-step columns (``table`` replaces them all).
+            policy_versions: (T,) or one int for every step.
+            task_id, instruction, seed, success, policy_version, start_time,
+            end_time, attrs: per-episode metadata (``attrs`` must be JSON-serialisable).
+
+        Raises:
+            EpisodeValidationError: naming the field and step; nothing is written.
+        """
+        actions = np.asarray(actions)
+        T = len(actions) if actions.ndim else 0
+        if T == 0:
+            raise EpisodeValidationError("action", "episode is empty")
+        if table is None:
+            table = self._build_table(
+                T, rewards, terminated, truncated, policy_versions, interventions, timestamps, behavior_logprobs
+            )
+        observations = dict(observations)
+        obs_keys = set(self.schema.observations)
+        if set(observations) != obs_keys:
+            raise _key_error("obs", set(observations), obs_keys, None)
+        for key, spec in self.schema.observations.items():
+            arr = np.asarray(observations[key])
+            if arr.ndim and len(arr) == T:
+                arr = np.concatenate([arr, arr[-1:]])
+            validate_array(f"obs/{key}", arr, spec, T + 1)
+            observations[key] = arr.astype(spec.dtype, copy=False)
+        validate_array("action", actions, self.schema.action, T)
+        actions = actions.astype(self.schema.action.dtype, copy=False)
+        self._validate_table(table, T)
+        meta = self._episode_meta(T, table, task_id, instruction, seed, success, policy_version, start_time, end_time, attrs)
+
+        arrays = {f"obs/{k}": v for k, v in observations.items()}
+        arrays["action"] = actions
+        arrays["step"] = table
+        meta["crc32"] = episode_checksum(arrays)
+        line = (json.dumps(meta, allow_nan=False) + "\n").encode()
+
+        obs_start = self.n_steps + self.n_episodes  # each episode keeps T + 1 observation rows
+        starts = {name: (obs_start if name.startswith("obs/") else self.n_steps) for name in arrays}
+        list(self._pool.map(lambda name: self._write_rows(name, starts[name], arrays[name]), arrays))
+        with open(os.path.join(self.path, "episodes.jsonl"), "r+b") as f:
+            f.seek(self._meta_bytes)
+            f.write(line)
+        index = self.n_episodes
+        self.n_episodes += 1
+        self.n_steps += T
+        self._meta_bytes += len(line)
+        write_json_atomic(
+            os.path.join(self.path, "commit.json"),
+            {"episodes": self.n_episodes, "steps": self.n_steps, "meta_bytes": self._meta_bytes},
+            self.fsync,
+        )
+        return index
+
+    def _write_rows(self, name: str, start: int, values: np.ndarray) -> None:
+        arr = self._arrays[name]
+        end = start + len(values)
+        if arr.shape[0] < end:
+            # Grow geometrically so metadata rewrites stay rare.
+            arr.resize((max(end, 2 * arr.shape[0], arr.chunks[0]), *arr.shape[1:]))
+        arr[start:end] = values
+
+    @staticmethod
+    def _build_table(T, rewards, terminated, truncated, policy_versions, interventions, timestamps, logprobs):
+        table = np.zeros((T, len(STEP_COLUMNS)), dtype=np.float64)
+        now = time.time()
+        columns = {
+            "reward": rewards,
+            "terminated": terminated,
+            "truncated": truncated,
+            "policy_version": policy_versions,
+            "intervention": interventions,
+            "timestamp": now if timestamps is None else timestamps,
+            "behavior_logprob": np.nan if logprobs is None else logprobs,
+        }
+        for name, values in columns.items():
+            if values is None:
+                continue
+            values = np.asarray(values, dtype=np.float64)
+            if values.ndim and values.shape != (T,):
+                raise EpisodeValidationError(name, f"shape {values.shape}, expected ({T},) to match the actions")
+            table[:, _COL[name]] = values
+        return table
+
+    @staticmethod
+    def _validate_table(table: np.ndarray, T: int) -> None:
+        if table.shape != (T, len(STEP_COLUMNS)):
+            raise EpisodeValidationError("step", f"table shape {table.shape}, expected ({T}, {len(STEP_COLUMNS)})")
+        for name in STEP_COLUMNS:
+            col = table[:, _COL[name]]
+            if name == "behavior_logprob":
+                # NaN means "not recorded"; it must then be missing on every step.
+                missing = np.isnan(col)
+                bad = np.isinf(col) | (~missing if missing.any() else np.zeros(T, bool))
+            else:
+                bad = ~np.isfinite(col)
+            if name in ("terminated", "truncated", "intervention"):
+                bad |= (col != 0) & (col != 1)
+            if name == "policy_version":
+                bad |= (col < 0) | (col != np.round(col))
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise EpisodeValidationError(name, f"invalid value {col[i]!r}", i)
+        ends = table[:, _COL["terminated"]] + table[:, _COL["truncated"]]
+        if ends[:-1].any():
+            i = int(np.flatnonzero(ends[:-1])[0])
+            raise EpisodeValidationError("terminated", "episode ends before its last step", i)
+
+    def _episode_meta(self, T, table, task_id, instruction, seed, success, policy_version, start_time, end_time, attrs):
+        for name, value in (("task_id", task_id), ("instruction", instruction)):
+            if not isinstance(value, str):
+                raise EpisodeValidationError(name, f"must be a string, got {type(value).__name__}")
+        if seed is not None and not isinstance(seed, (int, np.integer)):
+            raise EpisodeValidationError("seed", f"must be an int or None, got {seed!r}")
+        try:
+            json.dumps(dict(attrs or {}), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise EpisodeValidationError("attrs", f"not JSON-serialisable: {e}") from None
+        ts = table[:, _COL["timestamp"]]
+        pv = table[:, _COL["policy_version"]]
+        return {
+            "episode": self.n_episodes,
+            "client_id": self.client_id,
+            "task_id": task_id,
+            "instruction": instruction,
+            "seed": None if seed is None else int(seed),
+            "success": None if success is None else bool(success),
+            "length": T,
+            "step_start": self.n_steps,
+            "obs_start": self.n_steps + self.n_episodes,
+            "policy_version": int(pv.max() if policy_version is None else policy_version),
+            "terminated": bool(table[-1, _COL["terminated"]]),
+            "start_time": float(ts[0] if start_time is None else start_time),
+            "end_time": float(ts[-1] if end_time is None else end_time),
+            "return": float(table[:, _COL["reward"]].sum()),
+            "attrs": dict(attrs or {}),
+        }
+
+    def close(self) -> None:
+        """Release the shard lock (the OS also releases it if the process dies)."""
+        if self._lock_fd is not None:
+            self._pool.shutdown()
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _key_error(field: str, got: set, want: set, step: int | None) -> EpisodeValidationError:
+    missing, unknown = sorted(want - got), sorted(got - want)
+    parts = ([f"missing keys {missing}"] if missing else []) + ([f"unknown keys {unknown}"] if unknown else [])
+    return EpisodeValidationError(field, "; ".join(parts), step)

@@ -1,0 +1,1 @@
+"""MJCF scenes for the simulated robots (data package)."""
