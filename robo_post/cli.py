@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Callable
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from robo_post.store.schema import StoreError
 
@@ -88,8 +88,27 @@ def _store_validate(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _store_export_minari(args: argparse.Namespace) -> int:
+    from robo_post.store import Store
+    from robo_post.store.minari_io import export_minari
+
+    snap = Store.open(args.store).snapshot()
+    episodes = snap.episodes(task=args.task, success=args.success)
+    path = export_minari(snap, args.dataset_id, episodes, minari_root=args.minari_root)
+    print(f"exported {len(episodes)} episodes ({sum(e.length for e in episodes)} steps) to {path}")
+    return 0
+
+
+def _store_import_minari(args: argparse.Namespace) -> int:
+    from robo_post.store.minari_io import import_minari
+
+    n = import_minari(args.dataset_id, args.store, args.client, minari_root=args.minari_root, task_id=args.task)
+    print(f"imported {n} episodes from {args.dataset_id} into {args.store} (shard {args.client})")
+    return 0
+
+
 def _store_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="robo-post store", description="Inspect and check a trajectory store.")
+    parser = argparse.ArgumentParser(prog="robo-post store", description="Inspect, check, convert a trajectory store.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("info", help="episodes, steps, shards, tasks, success rate, size on disk")
     p.add_argument("path")
@@ -98,13 +117,60 @@ def _store_main(argv: list[str]) -> int:
     p = sub.add_parser("validate", help="full integrity scan; non-zero exit on any problem")
     p.add_argument("path")
     p.set_defaults(fn=_store_validate)
+    p = sub.add_parser("export-minari", help="write a snapshot's episodes as a new Minari dataset")
+    p.add_argument("store")
+    p.add_argument("dataset_id", help="Minari id, (namespace/)name-vN")
+    p.add_argument("--minari-root", metavar="DIR", help="datasets directory (default: Minari's)")
+    p.add_argument("--task", metavar="T", help="only episodes of this task")
+    p.add_argument("--success", action=argparse.BooleanOptionalAction, help="only (un)successful episodes")
+    p.set_defaults(fn=_store_export_minari)
+    p = sub.add_parser("import-minari", help="append a Minari dataset's episodes to a store (created if absent)")
+    p.add_argument("dataset_id")
+    p.add_argument("store")
+    p.add_argument("--minari-root", metavar="DIR", help="datasets directory (default: Minari's)")
+    p.add_argument("--client", metavar="ID", default="minari", help="shard to write (default: minari)")
+    p.add_argument("--task", metavar="T", help="task id of every episode (default: exported task, else the dataset id)")
+    p.set_defaults(fn=_store_import_minari)
     args = parser.parse_args(argv)
     return args.fn(args)
 
 
+# --- hydra jobs -------------------------------------------------------------------
+def _hydra_job(config_name: str, run: Callable[[DictConfig], object]) -> Callable[[list[str]], int]:
+    """A command that composes ``configs/<config_name>.yaml`` with CLI overrides and runs."""
+
+    def main(overrides: list[str]) -> int:
+        if overrides[:1] in (["-h"], ["--help"]):
+            print(f"usage: robo-post {config_name} [key=value ...]  (hydra overrides)\n\ndefaults:")
+            print(OmegaConf.to_yaml(compose(config_name, [])))
+            return 0
+        from hydra.errors import HydraException
+
+        try:
+            cfg = compose(config_name, overrides)
+        except HydraException as e:
+            print(f"robo-post {config_name}: bad override: {e}", file=sys.stderr)
+            return 2
+        run(cfg)
+        return 0
+
+    return main
+
+
+def _collect(cfg: DictConfig) -> None:
+    from robo_post.fleet.collect import collect
+
+    statuses = collect(cfg)
+    failed = [s["client_id"] for s in statuses if s.get("state") != "done"]
+    _store_main(["info", cfg.store])
+    if failed:
+        raise StoreError(f"clients did not finish: {failed}")
+
+
 # --- dispatch -------------------------------------------------------------------
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
-    "store": ("info | validate: inspect and check a trajectory store", _store_main),
+    "collect": ("run a fleet of clients that record episodes into the store", _hydra_job("collect", _collect)),
+    "store": ("info | validate | export-minari | import-minari: inspect, check, convert a store", _store_main),
 }
 
 

@@ -126,6 +126,17 @@ class Store:
         except FileNotFoundError:
             return dict(_EMPTY_COMMIT)
 
+    def shard_episodes(self, shard: str, counts: dict[str, int] | None = None) -> list[EpisodeInfo]:
+        """Committed episode records of one shard (up to ``counts``, default: now)."""
+        c = self.read_commit(shard) if counts is None else counts
+        if c["episodes"] == 0:
+            return []
+        with open(os.path.join(self.root, "shards", shard, "episodes.jsonl"), "rb") as f:
+            lines = f.read(c["meta_bytes"]).decode().splitlines()
+        if len(lines) != c["episodes"]:
+            raise StoreError(f"shard {shard!r}: {len(lines)} metadata records, commit says {c['episodes']}")
+        return [EpisodeInfo.from_record(json.loads(line)) for line in lines]
+
     # --- snapshots ---------------------------------------------------------------
     def snapshot(self, snapshot_id: str | None = None) -> "Snapshot":
         """A consistent view of every shard's committed episodes.
@@ -172,12 +183,7 @@ class Snapshot:
         self.counts = counts
         self._episodes: list[EpisodeInfo] = []
         for shard, c in sorted(counts.items()):
-            with open(os.path.join(store.root, "shards", shard, "episodes.jsonl"), "rb") as f:
-                raw = f.read(c["meta_bytes"])
-            lines = raw.decode().splitlines()
-            if len(lines) != c["episodes"]:
-                raise StoreError(f"shard {shard!r}: {len(lines)} metadata records, commit says {c['episodes']}")
-            self._episodes.extend(EpisodeInfo.from_record(json.loads(line)) for line in lines)
+            self._episodes.extend(store.shard_episodes(shard, c))
         self._arrays: dict[str, dict[str, zarr.Array]] = {}
 
     def __len__(self) -> int:

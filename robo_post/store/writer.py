@@ -157,6 +157,11 @@ class ShardWriter:
             }
         )
 
+    @property
+    def pending_steps(self) -> int:
+        """Steps buffered by ``add()`` since the last commit/discard."""
+        return len(self._steps)
+
     def discard(self) -> None:
         """Drop the buffered steps of the current episode."""
         self._steps = []

@@ -1,0 +1,214 @@
+"""A fleet client: run episodes with the newest policy, commit each to its own shard.
+
+Run one with ``python -m robo_post.fleet.client '<ClientConfig as JSON>'``; the
+launchers do exactly that (local processes) or call ``run_client`` in an actor
+(Ray). Configs cross process boundaries as JSON, never pickle.
+
+Per-client status (episodes, steps/s, policy version, last error) is written to
+``STORE/fleet/<client>.json`` after every episode, for launchers and people.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from robo_post.fleet.policies import ExpertPolicy, Policy, build_policy
+from robo_post.store import EpisodeValidationError, PolicyRegistry, Store, StoreSchema
+from robo_post.store.writer import write_json_atomic
+
+
+@dataclass
+class ClientConfig:
+    """Everything one client needs; JSON-serialisable.
+
+    Attributes:
+        store: store root directory (must exist; launchers create it).
+        client_id: shard name of this client.
+        episodes: stop once the shard holds this many committed episodes.
+        env: env name (``tabletop`` | ``driving``) and constructor kwargs.
+        tasks: tasks (tabletop) or scenarios (driving) cycled episode by episode.
+        policy: artifact config used until the registry has a version (version 0).
+        follow_registry: load the newest registry version at every episode boundary.
+        overseer: ``{"enabled", "stall_steps", "stall_tol", "takeover_steps"}``.
+        seed: base seed; episode seeds derive from (seed, client_id, episode index).
+    """
+
+    store: str
+    client_id: str
+    episodes: int
+    env: dict[str, Any] = field(default_factory=lambda: {"name": "tabletop"})
+    tasks: list[str] = field(default_factory=lambda: ["reach"])
+    policy: dict[str, Any] = field(default_factory=lambda: {"kind": "expert"})
+    follow_registry: bool = True
+    overseer: dict[str, Any] = field(default_factory=lambda: {"enabled": False})
+    seed: int = 0
+
+
+def make_env(env_cfg: dict[str, Any], task: str):
+    """Build the env named in ``env_cfg`` for one task/scenario."""
+    kwargs = {k: v for k, v in env_cfg.items() if k != "name"}
+    if env_cfg["name"] == "tabletop":
+        from robo_post.envs.tabletop import TabletopEnv
+
+        return TabletopEnv(task=task, **kwargs)
+    if env_cfg["name"] == "driving":
+        from robo_post.envs.driving import DrivingEnv
+
+        return DrivingEnv(scenario=task, **kwargs)
+    raise ValueError(f"unknown env {env_cfg['name']!r}; expected 'tabletop' or 'driving'")
+
+
+def store_schema(env_cfg: dict[str, Any], task: str) -> StoreSchema:
+    """The store schema matching an env's observation and action spaces."""
+    env = make_env(env_cfg, task)
+    try:
+        return StoreSchema.from_spaces(env.observation_space, env.action_space, env=env_cfg["name"])
+    finally:
+        env.close()
+
+
+def episode_seed(seed: int, client_id: str, episode: int) -> int:
+    """Deterministic, well-spread seed for one episode of one client."""
+    return int(np.random.SeedSequence([seed, zlib.crc32(client_id.encode()), episode]).generate_state(1)[0])
+
+
+class Overseer:
+    """Scripted stand-in for a human supervisor (HG-DAgger style).
+
+    When the policy stalls (proprio moved less than ``stall_tol`` over the last
+    ``stall_steps`` steps) the expert takes over for ``takeover_steps`` steps and
+    those steps are recorded with ``intervention=True``.
+    """
+
+    def __init__(self, stall_steps: int = 10, stall_tol: float = 1e-3, takeover_steps: int = 10, **_: Any):
+        self.stall_steps, self.stall_tol, self.takeover_steps = stall_steps, stall_tol, takeover_steps
+        self.expert = ExpertPolicy()
+        self.history: list[np.ndarray] = []
+        self.remaining = 0
+
+    def reset(self, env: Any, seed: int) -> None:
+        self.expert.reset(env, seed)
+        self.history, self.remaining = [], 0
+
+    def filter(self, obs: dict[str, Any], action: np.ndarray, env: Any) -> tuple[np.ndarray, bool]:
+        """Return the action to execute and whether the overseer intervened."""
+        state = np.asarray(obs["proprio"] if "proprio" in obs else obs["state"], dtype=np.float64)
+        self.history = (self.history + [state])[-(self.stall_steps + 1) :]
+        if self.remaining == 0 and len(self.history) > self.stall_steps:
+            if np.abs(self.history[-1] - self.history[0]).max() < self.stall_tol:
+                self.remaining = self.takeover_steps
+        if self.remaining > 0:
+            self.remaining -= 1
+            if self.remaining == 0:
+                self.history = []  # give the policy a fresh window after handing back
+            return self.expert.act(obs, env), True
+        return action, False
+
+
+def run_client(cfg: ClientConfig) -> dict[str, Any]:
+    """Run episodes until the shard holds ``cfg.episodes``; returns the final status."""
+    store = Store.open(cfg.store)
+    registry = PolicyRegistry(store.root)
+    status_path = os.path.join(store.root, "fleet", f"{cfg.client_id}.json")
+    os.makedirs(os.path.dirname(status_path), exist_ok=True)
+    overseer = Overseer(**cfg.overseer) if cfg.overseer.get("enabled") else None
+    envs: dict[str, Any] = {}
+    version, policy = 0, build_policy({}, cfg.policy)
+    t_start, steps_run = time.perf_counter(), 0
+    with store.writer(cfg.client_id) as writer:
+        done = store.shard_episodes(cfg.client_id)  # counters survive restarts: start from what is committed
+        status = {"client_id": cfg.client_id, "pid": os.getpid(), "episodes": len(done),
+                  "steps": sum(e.length for e in done), "successes": sum(bool(e.success) for e in done),
+                  "rejected": 0, "interventions": 0, "steps_per_s": 0.0, "policy_version": 0, "last_error": None,
+                  "state": "running", "target": cfg.episodes}
+        write_json_atomic(status_path, status, fsync=False)
+        while writer.n_episodes < cfg.episodes:
+            if cfg.follow_registry:
+                latest = registry.latest()
+                if latest is not None and latest != version:  # hot-swap only between episodes
+                    policy, version = build_policy(*registry.load(latest)), latest
+            index = writer.n_episodes
+            task = cfg.tasks[index % len(cfg.tasks)]
+            env = envs.get(task) or envs.setdefault(task, make_env(cfg.env, task))
+            seed = episode_seed(cfg.seed, cfg.client_id, index)
+            obs, info = env.reset(seed=seed)
+            policy.reset(env, seed)
+            if overseer:
+                overseer.reset(env, seed)
+            low, high = env.action_space.low, env.action_space.high
+            t0, n_interventions = time.time(), 0
+            while True:
+                action = np.clip(np.asarray(policy.act(obs, env), dtype=np.float32), low, high)
+                intervened = False
+                if overseer:
+                    action, intervened = overseer.filter(obs, action, env)
+                    n_interventions += intervened
+                next_obs, reward, terminated, truncated, info = env.step(action)
+                writer.add(obs, action, reward, terminated, truncated, policy_version=version, intervention=intervened)
+                obs = next_obs
+                if terminated or truncated:
+                    break
+            steps = writer.pending_steps
+            try:
+                writer.commit(
+                    final_obs=obs, task_id=task, instruction=str(info.get("instruction", env.unwrapped.instruction)),
+                    seed=seed, success=bool(info.get("success", False)), policy_version=version, start_time=t0,
+                    end_time=time.time(), attrs={"interventions": n_interventions, "policy": policy_name(cfg, version)},
+                )
+                status["successes"] += bool(info.get("success", False))
+                status["interventions"] += n_interventions
+            except EpisodeValidationError as e:  # a broken policy must not stop the fleet
+                status["rejected"] += 1
+                status["last_error"] = str(e)
+            steps_run += steps
+            status.update(episodes=writer.n_episodes, steps=status["steps"] + steps, policy_version=version,
+                          steps_per_s=steps_run / (time.perf_counter() - t_start))
+            write_json_atomic(status_path, status, fsync=False)
+    status["state"] = "done"
+    write_json_atomic(status_path, status, fsync=False)
+    for env in envs.values():
+        env.close()
+    return status
+
+
+def policy_name(cfg: ClientConfig, version: int) -> str:
+    return f"v{version}" if version else f"fallback:{cfg.policy.get('kind')}"
+
+
+def read_status(store_root: str, client_id: str) -> dict[str, Any] | None:
+    """The last status a client wrote, or ``None`` before its first write."""
+    try:
+        with open(os.path.join(store_root, "fleet", f"{client_id}.json")) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = ClientConfig(**json.loads(argv[0]))
+    try:
+        run_client(cfg)
+    except Exception:
+        status = read_status(cfg.store, cfg.client_id) or {"client_id": cfg.client_id}
+        status.update(state="crashed", last_error=traceback.format_exc(limit=3))
+        write_json_atomic(os.path.join(cfg.store, "fleet", f"{cfg.client_id}.json"), status, fsync=False)
+        raise
+    return 0
+
+
+def config_json(cfg: ClientConfig) -> str:
+    return json.dumps(asdict(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""`robo-post collect`: record episodes from a fleet of simulated clients into the store."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from robo_post.fleet.client import ClientConfig, store_schema
+from robo_post.fleet.launcher import LocalLauncher, RayLauncher
+from robo_post.store import Store
+
+
+def client_configs(cfg: DictConfig, store: Store) -> list[ClientConfig]:
+    """Split ``cfg.episodes`` new episodes over ``cfg.fleet.n_clients`` clients."""
+    fleet = cfg.fleet
+    env = {"name": cfg.env.name, **OmegaConf.to_container(cfg.env.kwargs, resolve=True)}
+    per_client = math.ceil(cfg.episodes / fleet.n_clients)
+    configs = []
+    for i in range(fleet.n_clients):
+        client_id = f"{fleet.client_prefix}-{i}"
+        already = store.read_commit(client_id)["episodes"]
+        configs.append(
+            ClientConfig(
+                store=store.root,
+                client_id=client_id,
+                episodes=already + min(per_client, max(cfg.episodes - i * per_client, 0)),
+                env=env,
+                tasks=list(cfg.env.tasks),
+                policy=OmegaConf.to_container(cfg.policy, resolve=True),
+                follow_registry=fleet.follow_registry,
+                overseer=OmegaConf.to_container(fleet.overseer, resolve=True),
+                seed=cfg.seed,
+            )
+        )
+    return configs
+
+
+def make_launcher(cfg: DictConfig, configs: list[ClientConfig]):
+    if cfg.fleet.launcher == "ray":
+        return RayLauncher(configs, cfg.fleet.max_restarts, cfg.fleet.address, cfg.fleet.num_cpus)
+    if cfg.fleet.launcher == "local":
+        return LocalLauncher(configs, cfg.fleet.max_restarts)
+    raise ValueError(f"unknown fleet.launcher {cfg.fleet.launcher!r}; expected local or ray")
+
+
+def collect(cfg: DictConfig) -> list[dict[str, Any]]:
+    """Create the store if needed, run the fleet to completion, return client statuses."""
+    env = {"name": cfg.env.name, **OmegaConf.to_container(cfg.env.kwargs, resolve=True)}
+    store = Store.create(cfg.store, store_schema(env, cfg.env.tasks[0]), exist_ok=True)
+    return make_launcher(cfg, client_configs(cfg, store)).run(show=cfg.show)

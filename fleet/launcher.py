@@ -1,0 +1,189 @@
+"""Launch N fleet clients as local processes or Ray actors, restart crashes, show progress.
+
+Both launchers run the same ``run_client`` code and read the same per-client
+status files, so what works locally works on a Ray cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+from robo_post.fleet.client import ClientConfig, read_status, run_client
+
+
+class LocalLauncher:
+    """One OS process per client (``python -m robo_post.fleet.client <json>``).
+
+    A client that exits non-zero (crash, SIGKILL) is restarted up to
+    ``max_restarts`` times; it resumes from its shard's committed episodes.
+    """
+
+    def __init__(self, configs: list[ClientConfig], max_restarts: int = 3):
+        self.configs = {c.client_id: c for c in configs}
+        self.max_restarts = max_restarts
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts = {c: 0 for c in self.configs}
+        self.failed: dict[str, int] = {}
+
+    def _spawn(self, client_id: str) -> None:
+        cfg = self.configs[client_id]
+        log = open(os.path.join(cfg.store, "fleet", f"{client_id}.log"), "ab")
+        self.procs[client_id] = subprocess.Popen(
+            [sys.executable, "-m", "robo_post.fleet.client", json.dumps(asdict(cfg))],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        log.close()
+
+    def start(self) -> None:
+        for cfg in self.configs.values():
+            os.makedirs(os.path.join(cfg.store, "fleet"), exist_ok=True)
+        for client_id in self.configs:
+            self._spawn(client_id)
+
+    def poll(self) -> bool:
+        """Restart crashed clients; return True while any client is still running."""
+        running = False
+        for client_id, proc in self.procs.items():
+            code = proc.poll()
+            if code is None:
+                running = True
+            elif code != 0 and client_id not in self.failed:
+                if self.restarts[client_id] < self.max_restarts:
+                    self.restarts[client_id] += 1
+                    self._spawn(client_id)
+                    running = True
+                else:
+                    self.failed[client_id] = code
+        return running
+
+    def statuses(self) -> list[dict[str, Any]]:
+        return _statuses(self.configs, self.restarts)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            proc.wait()
+
+    def run(self, show: bool = True, poll_s: float = 0.5) -> list[dict[str, Any]]:
+        """Start, supervise until every client is done (or gave up), return statuses."""
+        self.start()
+        try:
+            _supervise(self.poll, self.statuses, show, poll_s)
+        finally:
+            self.stop()
+        return self.statuses()
+
+
+class RayLauncher:
+    """One Ray actor per client; Ray restarts a dead actor and retries its run.
+
+    Args:
+        address: Ray cluster address; ``None`` starts a local Ray instance.
+        num_cpus: CPUs for a local instance.
+    """
+
+    def __init__(self, configs: list[ClientConfig], max_restarts: int = 3, address: str | None = None,
+                 num_cpus: int | None = None):
+        import ray
+
+        self.ray = ray
+        if not ray.is_initialized():
+            ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        self.configs = {c.client_id: c for c in configs}
+        self.restarts = {c: 0 for c in self.configs}
+        self.actor_cls = ray.remote(num_cpus=1, max_restarts=max_restarts, max_task_retries=max_restarts)(_ClientActor)
+        self.actors: dict[str, Any] = {}
+        self.futures: dict[str, Any] = {}
+        self.errors: dict[str, str] = {}
+
+    def start(self) -> None:
+        for client_id, cfg in self.configs.items():
+            os.makedirs(os.path.join(cfg.store, "fleet"), exist_ok=True)
+            self.actors[client_id] = self.actor_cls.remote()
+            self.futures[client_id] = self.actors[client_id].run.remote(json.dumps(asdict(cfg)))
+
+    def poll(self) -> bool:
+        pending = [f for c, f in self.futures.items() if c not in self.errors]
+        done, _ = self.ray.wait(pending, num_returns=len(pending), timeout=0)
+        for client_id, fut in self.futures.items():
+            if fut in done and client_id not in self.errors:
+                try:
+                    self.ray.get(fut)
+                    self.errors[client_id] = ""
+                except Exception as e:  # the actor gave up after max_restarts
+                    self.errors[client_id] = str(e)
+        return len(self.errors) < len(self.futures)
+
+    def statuses(self) -> list[dict[str, Any]]:
+        return _statuses(self.configs, self.restarts)
+
+    def stop(self) -> None:
+        for actor in self.actors.values():
+            self.ray.kill(actor)
+
+    def run(self, show: bool = True, poll_s: float = 0.5) -> list[dict[str, Any]]:
+        self.start()
+        try:
+            _supervise(self.poll, self.statuses, show, poll_s)
+        finally:
+            self.stop()
+        return self.statuses()
+
+
+class _ClientActor:
+    """Ray actor body: runs one client; configs arrive as JSON strings."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, cfg_json: str) -> dict[str, Any]:
+        return run_client(ClientConfig(**json.loads(cfg_json)))
+
+
+def _statuses(configs: dict[str, ClientConfig], restarts: dict[str, int]) -> list[dict[str, Any]]:
+    out = []
+    for client_id, cfg in configs.items():
+        status = read_status(cfg.store, client_id) or {"client_id": client_id, "state": "starting", "episodes": 0}
+        status["restarts"] = restarts.get(client_id, 0)
+        status["target"] = cfg.episodes
+        out.append(status)
+    return out
+
+
+def _supervise(poll, statuses, show: bool, poll_s: float) -> None:
+    if not show:
+        while poll():
+            time.sleep(poll_s)
+        return
+    from rich.live import Live
+
+    with Live(status_table(statuses()), refresh_per_second=4) as live:
+        while poll():
+            live.update(status_table(statuses()))
+            time.sleep(poll_s)
+        live.update(status_table(statuses()))
+
+
+def status_table(statuses: list[dict[str, Any]]):
+    """A rich table of per-client progress (episodes, success, steps/s, version, errors)."""
+    from rich.table import Table
+
+    table = Table("client", "state", "episodes", "success", "steps/s", "policy", "restarts", "last error")
+    for s in statuses:
+        n = s.get("episodes", 0)
+        rate = f"{s['successes'] / n:.0%}" if n and "successes" in s else "-"
+        err = (s.get("last_error") or "").strip().splitlines()
+        table.add_row(
+            s["client_id"], s.get("state", "?"), f"{n}/{s.get('target', '?')}", rate,
+            f"{s.get('steps_per_s', 0):.0f}", f"v{s.get('policy_version', 0)}", str(s.get("restarts", 0)),
+            err[-1][:60] if err else "",
+        )
+    return table

@@ -1,0 +1,299 @@
+"""Export store snapshots to Minari datasets and import Minari datasets into a store.
+
+Where robo-post data lives inside a Minari dataset (all of it round-trips exactly):
+
+- observations (T + 1 rows, row T = final observation), actions, rewards,
+  terminations, truncations: Minari's own arrays. Images are stored raw
+  (``jpeg_encoding=False``); Minari's default JPEG encoding is lossy.
+- the per-step columns Minari lacks (policy_version, intervention, timestamp,
+  behavior_logprob): ``infos["robo_post"]``, the only per-step extra data Minari
+  stores. Infos have the T + 1 rows of the observations (DataCollector's
+  convention, and required by Minari's arrow format): row t describes action t,
+  row T repeats row T - 1. Infos survive ``minari.combine_datasets``; the
+  per-episode metadata and seeds below do not (Minari drops them there).
+- per-episode metadata: the episode's Minari metadata, as one JSON string under
+  ``"robo_post"`` (HDF5 attributes cannot hold None, lists or dicts; a JSON
+  string keeps every value and type exactly). The seed is also written as
+  Minari's native ``seed`` when it fits int64, for Minari users.
+- the store schema (units, bounds, attrs): dataset ``metadata.json`` under
+  ``"robo_post"``, so importing our own export recreates the identical schema.
+
+Foreign datasets need a Dict of Box/Discrete (or a bare Box/Discrete) observation
+space and a float Box action space; their infos are not imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import warnings
+from typing import Any, Iterator, Sequence
+
+import gymnasium as gym
+import minari
+import numpy as np
+from minari.data_collector import EpisodeBuffer
+from minari.dataset.minari_dataset import parse_dataset_id
+from minari.storage import get_dataset_path
+
+from robo_post.store.schema import STEP_COLUMNS, ArraySpec, StoreError, StoreNotFoundError, StoreSchema
+from robo_post.store.store import EpisodeInfo, Snapshot, Store
+from robo_post.store.writer import ShardWriter
+
+# Step columns carried in infos["robo_post"]; the other three are Minari arrays.
+INFO_COLUMNS = {
+    "policy_version": np.int64,
+    "intervention": np.bool_,
+    "timestamp": np.float64,
+    "behavior_logprob": np.float64,
+}
+META_KEY = "robo_post"
+# Schema attr marking a store imported from a bare (non-Dict) observation space, so
+# exporting it writes a bare space again.
+BARE_OBS_ATTR = "minari_bare_observation"
+BARE_OBS_KEY = "observation"
+_COL = {name: i for i, name in enumerate(STEP_COLUMNS)}
+_WRITE_ARG = {name: f"{name}s" for name in INFO_COLUMNS}  # write_episode's plural kwargs
+
+
+class UnsupportedSpaceError(StoreError, ValueError):
+    """A Minari dataset's spaces cannot be represented in a robo-post store."""
+
+
+@contextlib.contextmanager
+def _datasets_path(minari_root: str | os.PathLike | None) -> Iterator[None]:
+    """Point Minari at ``minari_root`` for the block (Minari only reads an env var).
+
+    Not thread-safe: the variable is process-wide.
+    """
+    if minari_root is None:
+        yield
+        return
+    old = os.environ.get("MINARI_DATASETS_PATH")
+    os.environ["MINARI_DATASETS_PATH"] = os.path.abspath(minari_root)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["MINARI_DATASETS_PATH"]
+        else:
+            os.environ["MINARI_DATASETS_PATH"] = old
+
+
+def _check_dataset_id(dataset_id: str) -> None:
+    try:
+        parse_dataset_id(dataset_id)
+    except (ValueError, TypeError):  # TypeError: id without "-vN"
+        raise StoreError(f"bad Minari dataset id {dataset_id!r}: use (namespace/)name-vN") from None
+
+
+def _box(spec: ArraySpec) -> gym.spaces.Box:
+    """The gymnasium Box of one store field; missing bounds span the dtype."""
+    dtype = np.dtype(spec.dtype)
+    if dtype.kind == "f":
+        lo, hi = -np.inf, np.inf
+    elif dtype.kind == "b":
+        lo, hi = False, True
+    else:
+        lo, hi = np.iinfo(dtype).min, np.iinfo(dtype).max  # uint8 -> Box(0, 255)
+    lo = lo if spec.low is None else spec.low
+    hi = hi if spec.high is None else spec.high
+    return gym.spaces.Box(
+        low=np.broadcast_to(np.asarray(lo, dtype=dtype), spec.shape),
+        high=np.broadcast_to(np.asarray(hi, dtype=dtype), spec.shape),
+        shape=spec.shape,
+        dtype=dtype,
+    )
+
+
+def _episode_buffer(snapshot: Snapshot, info: EpisodeInfo, bare_key: str | None) -> tuple[EpisodeBuffer, dict]:
+    """One episode as a Minari buffer, plus its Minari episode metadata."""
+    data = snapshot.load(info)
+    # load() narrows rewards to float32; read the committed float64 table so
+    # rewards round-trip exactly.
+    table = snapshot._shard_arrays(info.client_id)["step"][info.step_start : info.step_start + info.length]
+    columns = {name: table[:, _COL[name]].astype(dtype) for name, dtype in INFO_COLUMNS.items()}
+    record = {
+        "client_id": info.client_id,
+        "episode": info.episode,
+        "task_id": info.task_id,
+        "instruction": info.instruction,
+        "seed": info.seed,
+        "success": info.success,
+        "policy_version": info.policy_version,
+        "start_time": info.start_time,
+        "end_time": info.end_time,
+        "attrs": info.attrs,
+    }
+    buffer = EpisodeBuffer(
+        seed=info.seed if info.seed is not None and -(2**63) <= info.seed < 2**63 else None,  # HDF5 attr limit
+        observations=data["obs"][bare_key] if bare_key else data["obs"],
+        actions=data["action"],
+        rewards=table[:, _COL["reward"]],
+        terminations=table[:, _COL["terminated"]].astype(bool),
+        truncations=table[:, _COL["truncated"]].astype(bool),
+        infos={META_KEY: {k: np.concatenate([v, v[-1:]]) for k, v in columns.items()}},
+    )
+    return buffer, {META_KEY: json.dumps(record, allow_nan=False)}
+
+
+def export_minari(
+    snapshot: Snapshot,
+    dataset_id: str,
+    episodes: Sequence[EpisodeInfo] | None = None,
+    minari_root: str | os.PathLike | None = None,
+) -> str:
+    """Write episodes of ``snapshot`` as a new Minari dataset; return its directory.
+
+    Args:
+        snapshot: the store snapshot to read.
+        dataset_id: Minari id, ``(namespace/)name-vN``; must not exist yet.
+        episodes: which episodes (e.g. ``snapshot.episodes(task=...)``); default all.
+        minari_root: datasets directory; default Minari's own
+            (``$MINARI_DATASETS_PATH`` or ``~/.minari/datasets``).
+
+    Raises:
+        StoreError: bad or existing dataset id, or no episodes to export. A failed
+            export removes its partial dataset.
+    """
+    _check_dataset_id(dataset_id)
+    episodes = list(snapshot.episodes() if episodes is None else episodes)
+    if not episodes:
+        raise StoreError("no episodes to export")
+    schema = snapshot.store.schema
+    bare_key = schema.attrs.get(BARE_OBS_ATTR)
+    spaces = {k: _box(s) for k, s in schema.observations.items()}
+    obs_space = spaces[bare_key] if bare_key else gym.spaces.Dict(spaces)
+
+    with _datasets_path(minari_root):
+        path = str(get_dataset_path(dataset_id))
+        if os.path.exists(path):
+            raise StoreError(f"Minari dataset {dataset_id!r} already exists at {path}")
+        try:
+            first, *rest = episodes
+            buffer, meta = _episode_buffer(snapshot, first, bare_key)
+            metas = [meta]
+            with warnings.catch_warnings():
+                # Minari nags about author/email/permalink/env metadata we do not have.
+                warnings.filterwarnings("ignore", category=UserWarning, module=r"minari\.")
+                dataset = minari.create_dataset_from_buffers(
+                    dataset_id,
+                    [buffer],
+                    observation_space=obs_space,
+                    action_space=_box(schema.action),
+                    algorithm_name="robo-post",
+                    description=f"exported from robo-post store {snapshot.store.root} snapshot {snapshot.id}",
+                    jpeg_encoding=False,
+                )
+            # One episode at a time keeps memory flat for large snapshots.
+            for info in rest:
+                buffer, meta = _episode_buffer(snapshot, info, bare_key)
+                dataset.update_dataset_from_buffer([buffer])
+                metas.append(meta)
+            dataset.storage.update_episode_metadata(metas, range(len(metas)))
+            dataset.storage.update_metadata({META_KEY: {"schema": schema.to_json(), "snapshot": snapshot.id}})
+        except BaseException:
+            # Minari writes in place; don't leave a half dataset that blocks a retry.
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+    return path
+
+
+def _schema_from_spaces(dataset_id: str, observation_space: gym.Space, action_space: gym.Space) -> StoreSchema:
+    """Store schema for a dataset's spaces, or ``UnsupportedSpaceError`` naming the culprit."""
+    where = f"Minari dataset {dataset_id!r}"
+    if not (isinstance(action_space, gym.spaces.Box) and action_space.dtype.kind == "f"):
+        raise UnsupportedSpaceError(f"{where}: action space {action_space} unsupported; the store needs a float Box")
+    attrs: dict[str, Any] = {}
+    if not isinstance(observation_space, gym.spaces.Dict):
+        observation_space = gym.spaces.Dict({BARE_OBS_KEY: observation_space})
+        attrs[BARE_OBS_ATTR] = BARE_OBS_KEY
+    for key, space in observation_space.spaces.items():
+        if isinstance(space, (gym.spaces.Dict, gym.spaces.Tuple)):
+            raise UnsupportedSpaceError(
+                f"{where}: observation {key!r} is a nested {type(space).__name__} space; "
+                "the store needs a flat Dict of Box/Discrete spaces"
+            )
+    try:
+        return StoreSchema.from_spaces(observation_space, action_space, **attrs)
+    except StoreError:
+        raise
+    except ValueError as e:  # unsupported leaf space or dtype; the message names the key
+        raise UnsupportedSpaceError(f"{where}: {e}") from None
+
+
+def import_minari(
+    dataset_id: str,
+    store_root: str | os.PathLike,
+    client_id: str | None = "minari",
+    minari_root: str | os.PathLike | None = None,
+    task_id: str | None = None,
+) -> int:
+    """Append every episode of a Minari dataset to a store; return how many.
+
+    The store is created if absent: with the exported schema for datasets written
+    by ``export_minari``, else from the dataset's spaces. Every episode goes
+    through ``ShardWriter.write_episode`` and is validated.
+
+    Args:
+        dataset_id: Minari id of a local dataset.
+        store_root: store directory.
+        client_id: shard to write; ``None`` restores each exported episode's
+            original shard (``"minari"`` for foreign episodes).
+        minari_root: datasets directory; default Minari's own.
+        task_id: task of every episode; default the exported task, else ``dataset_id``.
+
+    Raises:
+        UnsupportedSpaceError: the dataset's spaces do not fit a store (names the key).
+        StoreError: dataset not found, or an episode fails validation (episodes
+            before it stay committed).
+    """
+    _check_dataset_id(dataset_id)
+    # Explicit root: join it ourselves, as get_dataset_path() creates missing roots.
+    root = get_dataset_path(dataset_id) if minari_root is None else os.path.join(minari_root, dataset_id)
+    path = os.path.join(root, "data")
+    if not os.path.isdir(path):
+        raise StoreError(f"no Minari dataset {dataset_id!r} at {path}")
+    dataset = minari.MinariDataset(path)
+    schema = _schema_from_spaces(dataset_id, dataset.observation_space, dataset.action_space)
+    exported = dataset.storage.metadata.get(META_KEY)
+    if exported is not None:
+        schema = StoreSchema.from_json(exported["schema"])
+    try:
+        store = Store.open(str(store_root))
+    except StoreNotFoundError:
+        store = Store.create(str(store_root), schema)
+    bare_key = schema.attrs.get(BARE_OBS_ATTR)
+    metas = list(dataset.storage.get_episode_metadata(dataset.episode_indices))
+
+    n = 0
+    with contextlib.ExitStack() as stack:
+        writers: dict[str, ShardWriter] = {}
+        for episode, meta in zip(dataset.iterate_episodes(), metas, strict=True):
+            record = json.loads(meta[META_KEY]) if META_KEY in meta else {}
+            shard = client_id if client_id is not None else record.get("client_id", "minari")
+            if shard not in writers:
+                writers[shard] = stack.enter_context(store.writer(shard))
+            extra = (episode.infos or {}).get(META_KEY, {})
+            columns = {_WRITE_ARG[k]: np.asarray(v)[: len(episode)] for k, v in extra.items() if k in _WRITE_ARG}
+            writers[shard].write_episode(
+                {bare_key: episode.observations} if bare_key else episode.observations,
+                episode.actions,
+                rewards=episode.rewards,
+                terminated=episode.terminations,
+                truncated=episode.truncations,
+                **columns,
+                task_id=task_id if task_id is not None else record.get("task_id", dataset_id),
+                instruction=record.get("instruction", ""),
+                seed=record["seed"] if "seed" in record else meta.get("seed"),
+                # Foreign data: reaching a terminal state is the best success signal there is.
+                success=record["success"] if "success" in record else bool(episode.terminations[-1]),
+                policy_version=record.get("policy_version"),
+                start_time=record.get("start_time"),
+                end_time=record.get("end_time"),
+                attrs=record.get("attrs"),
+            )
+            n += 1
+    return n
