@@ -1,0 +1,17 @@
+"""Simulated environments (tabletop MuJoCo tasks, driving)."""
+
+import gymnasium as gym
+
+# The entry point is a string, so importing this package does not import MuJoCo.
+gym.register(
+    id="robo_post/Tabletop-v0",
+    entry_point="robo_post.envs.tabletop:TabletopEnv",
+    kwargs={"task": "reach"},
+)
+
+# Driving scenarios from highway-env; highway-env is imported only on make().
+gym.register(
+    id="robo_post/Driving-v0",
+    entry_point="robo_post.envs.driving:DrivingEnv",
+    kwargs={"scenario": "highway-fast"},
+)

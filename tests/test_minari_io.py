@@ -1,0 +1,210 @@
+"""Minari export/import: exact round trips both ways, typed errors, and the CLI."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import gymnasium as gym
+import minari
+import numpy as np
+import pytest
+from minari.data_collector import EpisodeBuffer
+
+from robo_post.cli import main
+from robo_post.store import ArraySpec, Store, StoreError, StoreSchema
+from robo_post.store.minari_io import UnsupportedSpaceError, export_minari, import_minari
+
+SCHEMA = StoreSchema(
+    observations={
+        "state": ArraySpec("float64", (4,), low=-5.0, high=5.0, unit="m"),
+        "image": ArraySpec("uint8", (16, 16, 3)),
+    },
+    action=ArraySpec("float32", (2,), low=-1.0, high=1.0),
+    attrs={"robot": "arm"},
+)
+STEP_KEYS = ("reward", "terminated", "truncated", "policy_version", "intervention", "timestamp", "behavior_logprob")
+
+
+def fill_store(root, rng):
+    """Two shards, terminated and truncated episodes, with and without logprobs."""
+    store = Store.create(str(root), SCHEMA)
+    specs = [  # client, T, terminated (else truncated), has behavior_logprob
+        ("robot-a", 5, True, True),
+        ("robot-a", 3, False, False),
+        ("robot-b", 7, False, True),
+        ("robot-b", 1, True, False),
+    ]
+    writers = {c: store.writer(c) for c in ("robot-a", "robot-b")}
+    for i, (client, T, terminated, logprobs) in enumerate(specs):
+        done = np.arange(T) == T - 1
+        writers[client].write_episode(
+            {
+                "state": rng.uniform(-5, 5, (T + 1, 4)),
+                "image": rng.integers(0, 256, (T + 1, 16, 16, 3), dtype=np.uint8),
+            },
+            rng.uniform(-1, 1, (T, 2)).astype(np.float32),
+            rewards=rng.normal(size=T),  # float64: must not pass through float32
+            terminated=done & terminated,
+            truncated=done & (not terminated),
+            policy_versions=np.full(T, 3 + i),
+            interventions=rng.integers(0, 2, T).astype(bool),
+            timestamps=1.7e9 + np.arange(T) * 0.1 + rng.uniform(0, 1e-3, T),
+            behavior_logprobs=rng.normal(size=T) if logprobs else None,
+            task_id=f"task-{i % 2}",
+            instruction=f"pick the cube {i}",
+            seed=[100, None, 102, 2**70][i],  # 2**70 does not fit Minari's int64 seed attribute
+            success=[True, None, False, True][i],
+            policy_version=3 + i,
+            attrs={"operator": "ann", "nested": {"k": [1, 2.5, None]}} if i != 2 else {},
+        )
+    for w in writers.values():
+        w.close()
+    return store
+
+
+def native_seeds(ds):
+    """The seeds a plain Minari user sees."""
+    return [m.get("seed") for m in ds.storage.get_episode_metadata(ds.episode_indices)]
+
+
+def assert_same_episodes(snap_a, snap_b):
+    assert len(snap_a) == len(snap_b)
+    for ea, eb in zip(snap_a.episodes(), snap_b.episodes()):
+        assert ea == eb  # every EpisodeInfo field, incl. crc32 over all stored arrays
+        a, b = snap_a.load(ea), snap_b.load(eb)
+        for k in SCHEMA.observations:
+            assert a["obs"][k].dtype == b["obs"][k].dtype
+            np.testing.assert_array_equal(a["obs"][k], b["obs"][k])
+        np.testing.assert_array_equal(a["action"], b["action"])
+        for k in STEP_KEYS:
+            np.testing.assert_array_equal(a[k], b[k])  # NaN == NaN here
+
+
+def test_store_to_minari_to_store_is_exact(tmp_path, monkeypatch):
+    monkeypatch.delenv("MINARI_DATASETS_PATH", raising=False)
+    src = fill_store(tmp_path / "src", np.random.default_rng(0))
+    snap = src.snapshot()
+    path = export_minari(snap, "robo/pick-v0", minari_root=tmp_path / "minari")
+    assert path == str(tmp_path / "minari" / "robo" / "pick-v0")
+    assert "MINARI_DATASETS_PATH" not in os.environ  # restored
+
+    # What a plain Minari user sees: raw (not JPEG) images, T + 1 observations, our extras.
+    ds = minari.MinariDataset(os.path.join(path, "data"))
+    assert ds.storage.jpeg_encoding is False
+    assert ds.observation_space["image"] == gym.spaces.Box(0, 255, (16, 16, 3), np.uint8)
+    ep = ds[0]
+    first = snap.load(snap.episodes()[0])
+    np.testing.assert_array_equal(ep.observations["image"], first["obs"]["image"])
+    assert set(ep.infos["robo_post"]) == {"policy_version", "intervention", "timestamp", "behavior_logprob"}
+    assert len(ep.infos["robo_post"]["timestamp"]) == len(ep) + 1
+    assert native_seeds(ds) == [100, None, 102, None]
+
+    n = import_minari("robo/pick-v0", tmp_path / "dst", client_id=None, minari_root=tmp_path / "minari")
+    assert n == 4
+    dst = Store.open(str(tmp_path / "dst"))
+    assert dst.schema == src.schema
+    assert_same_episodes(snap, dst.snapshot())
+
+    # Default: everything lands in one shard, metadata otherwise unchanged.
+    import_minari("robo/pick-v0", tmp_path / "one", minari_root=tmp_path / "minari")
+    one = Store.open(str(tmp_path / "one")).snapshot().episodes()
+    assert {e.client_id for e in one} == {"minari"}
+    for a, b in zip(snap.episodes(), one):
+        moved = {k: getattr(a, k) for k in ("client_id", "episode", "step_start", "obs_start")}
+        assert dataclasses.replace(b, **moved) == a
+
+
+def collect_pendulum(dataset_id, n_episodes=3):
+    """Random Pendulum episodes via DataCollector, under $MINARI_DATASETS_PATH."""
+    env = minari.DataCollector(gym.make("Pendulum-v1", max_episode_steps=12), record_infos=True)
+    for seed in range(n_episodes):
+        env.reset(seed=seed)
+        env.action_space.seed(seed)
+        done = False
+        while not done:
+            _, _, terminated, truncated, _ = env.step(env.action_space.sample())
+            done = terminated or truncated
+    env.create_dataset(
+        dataset_id, eval_env="Pendulum-v1", algorithm_name="random",
+        author="t", author_email="t", code_permalink="t", description="t",
+    )
+    env.close()
+
+
+def test_minari_to_store_to_minari_is_exact(tmp_path, monkeypatch):
+    root = tmp_path / "minari"
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))  # DataCollector caches episodes under it
+    collect_pendulum("pendulum/random-v0")
+    assert import_minari("pendulum/random-v0", tmp_path / "store", minari_root=root) == 3
+
+    snap = Store.open(str(tmp_path / "store")).snapshot()
+    infos = snap.episodes()
+    assert [e.task_id for e in infos] == ["pendulum/random-v0"] * 3
+    assert [e.seed for e in infos] == [0, 1, 2]
+    assert [e.success for e in infos] == [False] * 3  # truncated, never terminated
+
+    export_minari(snap, "pendulum/again-v0", minari_root=root)
+    a = minari.MinariDataset(str(root / "pendulum" / "random-v0" / "data"))
+    b = minari.MinariDataset(str(root / "pendulum" / "again-v0" / "data"))
+    assert a.observation_space == b.observation_space and a.action_space == b.action_space
+    assert len(a) == len(b) == 3
+    for ea, eb in zip(a.iterate_episodes(), b.iterate_episodes()):
+        for field in ("observations", "actions", "rewards", "terminations", "truncations"):
+            x, y = getattr(ea, field), getattr(eb, field)
+            assert x.dtype == y.dtype and x.shape == y.shape, field
+            np.testing.assert_array_equal(x, y)
+    assert native_seeds(a) == native_seeds(b) == [0, 1, 2]
+
+
+def test_unsupported_spaces_raise_typed_errors(tmp_path, monkeypatch):
+    root = tmp_path / "minari"
+    nested = gym.spaces.Dict({"arm": gym.spaces.Dict({"q": gym.spaces.Box(-1, 1, (2,), np.float32)})})
+    buf = EpisodeBuffer(
+        observations={"arm": {"q": np.zeros((3, 2), np.float32)}},
+        actions=np.zeros((2, 1), np.float32),
+        rewards=[0.0, 0.0],
+        terminations=[False, True],
+        truncations=[False, False],
+    )
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
+    with pytest.warns(UserWarning):  # Minari's missing-metadata nags
+        minari.create_dataset_from_buffers(
+            "nested-v0", [buf], observation_space=nested, action_space=gym.spaces.Box(-1, 1, (1,), np.float32)
+        )
+        buf = dataclasses.replace(buf, observations=np.zeros((3, 2), np.float32), actions=[0, 1])
+        minari.create_dataset_from_buffers(
+            "discrete-v0", [buf], observation_space=nested["arm"]["q"], action_space=gym.spaces.Discrete(2)
+        )
+    with pytest.raises(UnsupportedSpaceError, match="'arm'.*nested Dict"):
+        import_minari("nested-v0", tmp_path / "store", minari_root=root)
+    with pytest.raises(UnsupportedSpaceError, match=r"action space Discrete\(2\)"):
+        import_minari("discrete-v0", tmp_path / "store", minari_root=root)
+    assert not (tmp_path / "store").exists()  # refused before anything was created
+
+    with pytest.raises(StoreError, match="no Minari dataset"):
+        import_minari("missing-v0", tmp_path / "store", minari_root=root)
+    with pytest.raises(StoreError, match="bad Minari dataset id"):
+        import_minari("no-version", tmp_path / "store", minari_root=root)
+
+
+def test_cli_export_and_import(tmp_path, capsys):
+    fill_store(tmp_path / "src", np.random.default_rng(1))
+    mroot = str(tmp_path / "minari")
+    out = subprocess.run(
+        [sys.executable, "-m", "robo_post.cli", "store", "export-minari", str(tmp_path / "src"), "robo/failures-v0",
+         "--minari-root", mroot, "--no-success"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    assert out.startswith("exported 1 episodes (7 steps) to ")
+
+    assert main(["store", "import-minari", "robo/failures-v0", str(tmp_path / "dst"), "--minari-root", mroot,
+                 "--client", "lab", "--task", "relabelled"]) == 0
+    assert "imported 1 episodes" in capsys.readouterr().out
+    (ep,) = Store.open(str(tmp_path / "dst")).snapshot().episodes()
+    assert (ep.client_id, ep.task_id, ep.success, ep.length) == ("lab", "relabelled", False, 7)
+
+    # Exporting onto an existing id is a clean error, not a traceback.
+    assert main(["store", "export-minari", str(tmp_path / "src"), "robo/failures-v0", "--minari-root", mroot]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert minari.MinariDataset(os.path.join(mroot, "robo", "failures-v0", "data")).total_episodes == 1
