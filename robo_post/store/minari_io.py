@@ -38,7 +38,7 @@ from minari.data_collector import EpisodeBuffer
 from minari.dataset.minari_dataset import parse_dataset_id
 from minari.storage import get_dataset_path
 
-from robo_post.store.schema import STEP_COLUMNS, ArraySpec, StoreError, StoreNotFoundError, StoreSchema
+from robo_post.store.schema import ArraySpec, StoreError, StoreNotFoundError, StoreSchema
 from robo_post.store.store import EpisodeInfo, Snapshot, Store
 from robo_post.store.writer import ShardWriter
 
@@ -54,7 +54,6 @@ META_KEY = "robo_post"
 # exporting it writes a bare space again.
 BARE_OBS_ATTR = "minari_bare_observation"
 BARE_OBS_KEY = "observation"
-_COL = {name: i for i, name in enumerate(STEP_COLUMNS)}
 _WRITE_ARG = {name: f"{name}s" for name in INFO_COLUMNS}  # write_episode's plural kwargs
 
 
@@ -111,10 +110,7 @@ def _box(spec: ArraySpec) -> gym.spaces.Box:
 def _episode_buffer(snapshot: Snapshot, info: EpisodeInfo, bare_key: str | None) -> tuple[EpisodeBuffer, dict]:
     """One episode as a Minari buffer, plus its Minari episode metadata."""
     data = snapshot.load(info)
-    # load() narrows rewards to float32; read the committed float64 table so
-    # rewards round-trip exactly.
-    table = snapshot._shard_arrays(info.client_id)["step"][info.step_start : info.step_start + info.length]
-    columns = {name: table[:, _COL[name]].astype(dtype) for name, dtype in INFO_COLUMNS.items()}
+    columns = {name: data[name].astype(dtype) for name, dtype in INFO_COLUMNS.items()}
     record = {
         "client_id": info.client_id,
         "episode": info.episode,
@@ -131,9 +127,9 @@ def _episode_buffer(snapshot: Snapshot, info: EpisodeInfo, bare_key: str | None)
         seed=info.seed if info.seed is not None and -(2**63) <= info.seed < 2**63 else None,  # HDF5 attr limit
         observations=data["obs"][bare_key] if bare_key else data["obs"],
         actions=data["action"],
-        rewards=table[:, _COL["reward"]],
-        terminations=table[:, _COL["terminated"]].astype(bool),
-        truncations=table[:, _COL["truncated"]].astype(bool),
+        rewards=data["reward"],
+        terminations=data["terminated"],
+        truncations=data["truncated"],
         infos={META_KEY: {k: np.concatenate([v, v[-1:]]) for k, v in columns.items()}},
     )
     return buffer, {META_KEY: json.dumps(record, allow_nan=False)}

@@ -273,5 +273,4 @@ def _split_table(table: np.ndarray) -> dict[str, np.ndarray]:
     for name in ("terminated", "truncated", "intervention"):
         cols[name] = cols[name].astype(bool)
     cols["policy_version"] = cols["policy_version"].astype(np.int64)
-    cols["reward"] = cols["reward"].astype(np.float32)
     return cols
