@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from robo_post.fleet.policies import ExpertPolicy, Policy, build_policy
 from robo_post.store import EpisodeValidationError, PolicyRegistry, Store, StoreSchema
@@ -116,6 +117,7 @@ class Overseer:
 
 def run_client(cfg: ClientConfig) -> dict[str, Any]:
     """Run episodes until the shard holds ``cfg.episodes``; returns the final status."""
+    torch.set_num_threads(1)  # one core per client; the fleet scales by processes
     store = Store.open(cfg.store)
     registry = PolicyRegistry(store.root)
     status_path = os.path.join(store.root, "fleet", f"{cfg.client_id}.json")

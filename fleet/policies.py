@@ -66,10 +66,17 @@ class ExpertPolicy:
         return np.asarray(self._act(obs), dtype=np.float32)
 
 
+def _flow_policy(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> Policy:
+    from robo_post.models.flow import FlowPolicy, FlowPolicyRunner
+
+    return FlowPolicyRunner(FlowPolicy.from_artifact(weights, config))
+
+
 Builder = Callable[[dict[str, torch.Tensor], dict[str, Any]], Policy]
 POLICY_KINDS: dict[str, Builder] = {
     "random": lambda weights, config: RandomPolicy(**config),
     "expert": lambda weights, config: ExpertPolicy(**{k: v for k, v in config.items() if k in ("noise", "mode")}),
+    "flow": _flow_policy,
 }
 
 

@@ -167,10 +167,29 @@ def _collect(cfg: DictConfig) -> None:
         raise StoreError(f"clients did not finish: {failed}")
 
 
+def _train(cfg: DictConfig) -> None:
+    from robo_post.learner.train import train
+
+    summary = train(cfg)
+    print(json.dumps(summary, indent=1))
+
+
+# --- fleet ----------------------------------------------------------------------
+def _fleet_main(argv: list[str]) -> int:
+    try:
+        from robo_post.fleet import ros2
+    except ImportError as e:  # rclpy comes with the optional `ros` extra
+        print(f"robo-post fleet: ROS 2 is not available ({e}); install robo-post[ros]", file=sys.stderr)
+        return 1
+    return ros2.main(argv)
+
+
 # --- dispatch -------------------------------------------------------------------
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "collect": ("run a fleet of clients that record episodes into the store", _hydra_job("collect", _collect)),
+    "train": ("train a policy on a store snapshot (algo=bc_flow) and publish it", _hydra_job("train", _train)),
     "store": ("info | validate | export-minari | import-minari: inspect, check, convert a store", _store_main),
+    "fleet": ("ros2-bridge | ros2-sim: ROS 2 bridge to a robot, and a simulated robot", _fleet_main),
 }
 
 

@@ -6,7 +6,8 @@ action chunk ``a_{t:t+H}``. Batches (``B`` windows) are dicts of torch tensors:
 =================  ================  ===========================================
 key                shape             meaning
 =================  ================  ===========================================
-``obs[k]``         (B, *obs_shape)   observation at t (uint8 images stay uint8)
+``obs[k]``         (B, *obs_shape)   observation at t (uint8 images stay uint8);
+                                     ``obs["instruction"]`` is a list of B strings
 ``actions``        (B, H, A)         a_t .. a_{t+H-1}; past the episode end the
                                      last action is repeated
 ``action_mask``    (B, H) bool       True where the action is real, not padding
@@ -103,6 +104,11 @@ class WindowSampler:
         """Number of steps (= possible window starts) held."""
         return self._reward.n
 
+    def obs_stats(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """Per-dimension mean and std of observation ``key`` over the held data."""
+        data = self._obs[key].view.astype(np.float64)
+        return data.mean(axis=0), data.std(axis=0)
+
     def add_episodes(self, snapshot: Snapshot, episodes: Iterable[EpisodeInfo]) -> None:
         """Load ``episodes`` of ``snapshot`` into memory (one read per shard)."""
         by_shard: dict[str, list[EpisodeInfo]] = {}
@@ -174,12 +180,13 @@ class WindowSampler:
         def to(x):
             return torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
 
+        instructions = [self.episodes[o].instruction for o in ordinal]
         return {
-            "obs": {k: to(self._obs[k].view[t + ordinal]) for k in self.obs_keys},
+            "obs": {k: to(self._obs[k].view[t + ordinal]) for k in self.obs_keys} | {"instruction": instructions},
             "actions": to(actions.astype(np.float32, copy=False)),
             "action_mask": to(action_mask),
             "rewards": to(rewards.astype(np.float32)),
-            "next_obs": {k: to(self._obs[k].view[next_rows]) for k in self.obs_keys},
+            "next_obs": {k: to(self._obs[k].view[next_rows]) for k in self.obs_keys} | {"instruction": instructions},
             "discounts": to(discounts.astype(np.float32)),
             "policy_version": to(self._version.view[t]),
             "indices": to(t),
@@ -220,7 +227,11 @@ def _concat(batches: list[dict]) -> dict:
     out = {}
     for key, value in batches[0].items():
         if isinstance(value, dict):
-            out[key] = {k: torch.cat([b[key][k] for b in batches]) for k in value}
+            out[key] = {k: _cat([b[key][k] for b in batches]) for k in value}
         else:
-            out[key] = torch.cat([b[key] for b in batches])
+            out[key] = _cat([b[key] for b in batches])
     return out
+
+
+def _cat(parts: list) -> torch.Tensor | list:
+    return torch.cat(parts) if isinstance(parts[0], torch.Tensor) else [x for p in parts for x in p]

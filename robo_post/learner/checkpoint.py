@@ -1,0 +1,108 @@
+"""Checkpoints without pickle: tensors in safetensors, everything else in JSON.
+
+A checkpoint holds named modules, named optimizers, the torch and numpy RNG
+states and a JSON dict of counters/config. It is written to a temporary
+directory and swapped in with renames, so a learner killed mid-save keeps its
+previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+TENSORS, STATE = "tensors.safetensors", "state.json"
+
+
+def _flatten_optimizer(prefix: str, opt: torch.optim.Optimizer, tensors: dict, meta: dict) -> None:
+    sd = opt.state_dict()
+    scalars: dict[str, dict[str, Any]] = {}
+    for idx, state in sd["state"].items():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"{prefix}.state.{idx}.{k}"] = v.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(idx), {})[k] = v
+    meta[prefix] = {"param_groups": sd["param_groups"], "scalars": scalars, "indices": [int(i) for i in sd["state"]]}
+
+
+def _unflatten_optimizer(prefix: str, opt: torch.optim.Optimizer, tensors: dict, meta: dict) -> None:
+    info = meta[prefix]
+    state: dict[int, dict[str, Any]] = {i: dict(info["scalars"].get(str(i), {})) for i in info["indices"]}
+    head = f"{prefix}.state."
+    for key, value in tensors.items():
+        if key.startswith(head):
+            idx, name = key[len(head):].split(".", 1)
+            state[int(idx)][name] = value
+    opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})
+
+
+def save_checkpoint(
+    path: str,
+    modules: dict[str, torch.nn.Module],
+    optimizers: dict[str, torch.optim.Optimizer],
+    rngs: dict[str, np.random.Generator],
+    state: dict[str, Any],
+) -> None:
+    """Atomically write a checkpoint directory at ``path``."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, module in modules.items():
+        for k, v in module.state_dict().items():
+            tensors[f"module.{name}.{k}"] = v.detach().cpu().contiguous()
+    meta: dict[str, Any] = {}
+    for name, opt in optimizers.items():
+        _flatten_optimizer(f"optim.{name}", opt, tensors, meta)
+    tensors["rng.torch"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    payload = {
+        "state": state,
+        "optimizers": meta,
+        "numpy_rngs": {name: rng.bit_generator.state for name, rng in rngs.items()},
+    }
+    tmp, old = f"{path}.tmp", f"{path}.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_file(tensors, os.path.join(tmp, TENSORS))
+    with open(os.path.join(tmp, STATE), "w") as f:
+        json.dump(payload, f)
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(
+    path: str,
+    modules: dict[str, torch.nn.Module],
+    optimizers: dict[str, torch.optim.Optimizer],
+    rngs: dict[str, np.random.Generator],
+) -> dict[str, Any]:
+    """Restore a checkpoint in place; returns the saved ``state`` dict."""
+    if not os.path.exists(os.path.join(path, STATE)) and os.path.exists(f"{path}.old"):
+        path = f"{path}.old"  # killed between the two renames of save_checkpoint
+    tensors = load_file(os.path.join(path, TENSORS))
+    with open(os.path.join(path, STATE)) as f:
+        payload = json.load(f)
+    for name, module in modules.items():
+        head = f"module.{name}."
+        module.load_state_dict({k[len(head):]: v for k, v in tensors.items() if k.startswith(head)})
+    for name, opt in optimizers.items():
+        _unflatten_optimizer(f"optim.{name}", opt, tensors, payload["optimizers"])
+    torch.set_rng_state(tensors["rng.torch"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    for name, rng in rngs.items():
+        rng.bit_generator.state = payload["numpy_rngs"][name]
+    return payload["state"]
+
+
+def has_checkpoint(path: str) -> bool:
+    return os.path.exists(os.path.join(path, STATE)) or os.path.exists(os.path.join(f"{path}.old", STATE))

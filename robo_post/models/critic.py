@@ -1,0 +1,131 @@
+"""Critic and value networks for in-sample value learning (DIVL, IQL).
+
+One module, ``CriticNet``, holds what docs/specs/lwd_divl_qam.md §1.3 calls the
+"critic and value backbone": a state encoder shared by
+
+- twin scalar heads ``Q_j(s, a)`` on ``concat(z, flattened normalised chunk)``
+  with LayerNorm (clipped double-Q), and
+- a value head on ``z`` (K categorical logits for DIVL, 1 scalar for IQL).
+
+The encoder mirrors ``FlowPolicy.encode`` (proprio MLP, optional image CNN and
+instruction text) but has its own weights: the critic never shares parameters
+with the policy (§1.3 "Policy, critic and value are separate modules").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from robo_post.models.encoders import ImageEncoder, TextEncoder, mlp
+from robo_post.models.flow import FlowPolicyConfig
+
+
+@dataclass
+class CriticConfig:
+    """Architecture of ``CriticNet``.
+
+    Attributes:
+        proprio_dim: size of ``obs["proprio"]``.
+        action_dim: A, size of one action.
+        horizon: H, actions per chunk (the critic sees the flattened H*A chunk).
+        image_size: side of ``obs["image"]``; ``None`` for the state-only variant.
+        use_text: encode ``obs["instruction"]`` with the frozen MiniLM encoder.
+        embed_dim: width of each modality embedding.
+        hidden_dim: width of the encoder and head MLPs.
+        action_low / action_high: env action bounds, mapped to [-1, 1] (§1.4).
+    """
+
+    proprio_dim: int
+    action_dim: int
+    horizon: int = 8
+    image_size: int | None = None
+    use_text: bool = True
+    embed_dim: int = 128
+    hidden_dim: int = 256
+    action_low: list[float] = field(default_factory=list)
+    action_high: list[float] = field(default_factory=list)
+
+    @classmethod
+    def like(cls, policy: FlowPolicyConfig, **overrides: Any) -> "CriticConfig":
+        """Same observation modalities, chunk shape and action bounds as a policy."""
+        shared = {k: getattr(policy, k) for k in ("proprio_dim", "action_dim", "horizon", "image_size", "use_text",
+                                                   "embed_dim", "hidden_dim", "action_low", "action_high")}
+        return cls(**(shared | overrides))
+
+
+class CriticNet(nn.Module):
+    """State encoder + twin Q heads + value head (``value_outputs`` logits)."""
+
+    def __init__(self, config: CriticConfig, value_outputs: int):
+        super().__init__()
+        self.config = c = config
+        e, h = c.embed_dim, c.hidden_dim
+        self.proprio = nn.Sequential(nn.Linear(c.proprio_dim, e), nn.LayerNorm(e))
+        self.image = ImageEncoder(c.image_size, e) if c.image_size else None
+        self.text = TextEncoder(e) if c.use_text else None
+        n_mod = 1 + (self.image is not None) + (self.text is not None)
+        self.fuse = mlp([n_mod * e, h, h], layer_norm=True)
+        chunk_dim = c.horizon * c.action_dim
+        self.q_heads = nn.ModuleList([mlp([h + chunk_dim, h, h, 1], layer_norm=True) for _ in range(2)])
+        self.value_head = mlp([h, h, h, value_outputs], layer_norm=True)
+        # Zero logits at init: uniform categorical, so H~ = 1 and tau starts at
+        # clip(tau_base - alpha) (spec §2.4 "Start of training").
+        nn.init.zeros_(self.value_head[-1].weight)
+        nn.init.zeros_(self.value_head[-1].bias)
+        low = torch.tensor(c.action_low or [-1.0] * c.action_dim, dtype=torch.float32)
+        high = torch.tensor(c.action_high or [1.0] * c.action_dim, dtype=torch.float32)
+        self.register_buffer("action_low", low)
+        self.register_buffer("action_high", high)
+        self.register_buffer("proprio_mean", torch.zeros(c.proprio_dim))
+        self.register_buffer("proprio_std", torch.ones(c.proprio_dim))
+
+    @property
+    def device(self) -> torch.device:
+        return self.action_low.device
+
+    def encoder_parameters(self) -> list[nn.Parameter]:
+        """Parameters of the shared state encoder (everything but the heads)."""
+        heads = {id(p) for m in (self.q_heads, self.value_head) for p in m.parameters()}
+        return [p for p in self.parameters() if id(p) not in heads]
+
+    def set_proprio_stats(self, mean: np.ndarray, std: np.ndarray) -> None:
+        """Standardise proprio with dataset statistics (std floored as in FlowPolicy)."""
+        self.proprio_mean.copy_(torch.as_tensor(mean, dtype=torch.float32))
+        self.proprio_std.copy_(torch.as_tensor(np.maximum(std, 1e-3), dtype=torch.float32))
+
+    def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
+        """(…, A) env units -> [-1, 1], the critic's input convention (§1.4)."""
+        return 2.0 * (actions.to(self.device) - self.action_low) / (self.action_high - self.action_low) - 1.0
+
+    def encode(self, obs: dict[str, Any]) -> torch.Tensor:
+        """Observation dict (B, ...) as the sampler yields it -> z (B, hidden_dim)."""
+        proprio = (obs["proprio"].to(self.device).float() - self.proprio_mean) / self.proprio_std
+        parts = [self.proprio(proprio)]
+        if self.image is not None:
+            parts.append(self.image(obs["image"].to(self.device)))
+        if self.text is not None:
+            parts.append(self.text(list(obs["instruction"])))
+        return self.fuse(torch.cat(parts, dim=-1))
+
+    def q(self, z: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+        """Twin Q values (2, B) for z (B, hidden) and a normalised chunk (B, H, A)."""
+        inp = torch.cat([z, chunk.flatten(1)], dim=-1)
+        return torch.stack([head(inp).squeeze(-1) for head in self.q_heads])
+
+    def value(self, z: torch.Tensor) -> torch.Tensor:
+        """Value-head output (B, value_outputs): categorical logits or a scalar V."""
+        return self.value_head(z)
+
+
+@torch.no_grad()
+def ema_update(target: nn.Module, online: nn.Module, rate: float) -> None:
+    """target <- (1 - rate) * target + rate * online, parameters only (buffers are copied)."""
+    for pt, p in zip(target.parameters(), online.parameters()):
+        pt.lerp_(p, rate)
+    for bt, b in zip(target.buffers(), online.buffers()):
+        bt.copy_(b)

@@ -1,0 +1,191 @@
+"""Flow-matching action-chunk policy ("flow VLA"): vision + language + proprio -> H actions.
+
+Conventions (docs/specs/lwd_divl_qam.md §1.2, §3.2.2): flow time w in [0, 1],
+w = 0 is noise x_0 ~ N(0, I), w = 1 is the (normalised) action chunk x_1;
+x_w = (1 - w) x_0 + w x_1 and the velocity target is x_1 - x_0. Sampling runs
+N Euler steps x <- x + v(s, x, i/N) / N and clips to [-1, 1].
+
+Shapes: observations are a dict of (B, ...) tensors — ``proprio`` (B, P) float,
+``image`` (B, S, S, 3) uint8 — plus ``instruction``: a list of B strings.
+Action chunks are (B, H, A) in env units; the model works on normalised
+chunks internally.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from robo_post.models.encoders import ImageEncoder, TextEncoder, mlp
+
+
+@dataclass
+class FlowPolicyConfig:
+    """Architecture of a flow policy; saved as JSON beside its weights.
+
+    Attributes:
+        proprio_dim: size of ``obs["proprio"]``.
+        action_dim: A, size of one action.
+        horizon: H, actions per chunk.
+        image_size: side of ``obs["image"]``; ``None`` for the state-only variant.
+        use_text: encode ``obs["instruction"]`` with the frozen MiniLM encoder.
+        embed_dim: width of each modality embedding.
+        hidden_dim: width of the fusion and velocity MLPs.
+        flow_steps: N Euler steps when sampling.
+        action_low / action_high: env action bounds, mapped to [-1, 1].
+        execute_steps: actions of a chunk executed open-loop before re-planning.
+    """
+
+    proprio_dim: int
+    action_dim: int
+    horizon: int = 8
+    image_size: int | None = None
+    use_text: bool = True
+    embed_dim: int = 128
+    hidden_dim: int = 256
+    flow_steps: int = 10
+    action_low: list[float] = field(default_factory=list)
+    action_high: list[float] = field(default_factory=list)
+    execute_steps: int | None = None
+
+
+def time_features(w: torch.Tensor, n: int = 8) -> torch.Tensor:
+    """Fourier features of flow time w (B,) -> (B, 2n + 1)."""
+    freqs = math.pi * 2.0 ** torch.arange(n, device=w.device, dtype=w.dtype)
+    angles = w[:, None] * freqs
+    return torch.cat([w[:, None], angles.sin(), angles.cos()], dim=-1)
+
+
+class FlowPolicy(nn.Module):
+    """Observation encoder + velocity field v(s, x, w) over a flattened action chunk."""
+
+    def __init__(self, config: FlowPolicyConfig):
+        super().__init__()
+        self.config = c = config
+        e = c.embed_dim
+        self.proprio = nn.Sequential(nn.Linear(c.proprio_dim, e), nn.LayerNorm(e))
+        self.image = ImageEncoder(c.image_size, e) if c.image_size else None
+        self.text = TextEncoder(e) if c.use_text else None
+        n_mod = 1 + (self.image is not None) + (self.text is not None)
+        self.fuse = mlp([n_mod * e, c.hidden_dim, c.hidden_dim], layer_norm=True)
+        self.chunk_dim = c.horizon * c.action_dim
+        self.velocity_net = mlp([c.hidden_dim + self.chunk_dim + 17, c.hidden_dim, c.hidden_dim, self.chunk_dim])
+        # Normalisers are buffers so they travel with the weights.
+        low = torch.tensor(c.action_low or [-1.0] * c.action_dim, dtype=torch.float32)
+        high = torch.tensor(c.action_high or [1.0] * c.action_dim, dtype=torch.float32)
+        self.register_buffer("action_low", low)
+        self.register_buffer("action_high", high)
+        self.register_buffer("proprio_mean", torch.zeros(c.proprio_dim))
+        self.register_buffer("proprio_std", torch.ones(c.proprio_dim))
+
+    # --- normalisation ---------------------------------------------------------
+    def set_proprio_stats(self, mean: np.ndarray, std: np.ndarray) -> None:
+        """Standardise proprio with dataset statistics (std floored to avoid blow-ups)."""
+        self.proprio_mean.copy_(torch.as_tensor(mean, dtype=torch.float32))
+        self.proprio_std.copy_(torch.as_tensor(np.maximum(std, 1e-3), dtype=torch.float32))
+
+    def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
+        """(…, A) env units -> [-1, 1]."""
+        return 2.0 * (actions - self.action_low) / (self.action_high - self.action_low) - 1.0
+
+    def unnormalize_actions(self, x: torch.Tensor) -> torch.Tensor:
+        """(…, A) in [-1, 1] -> env units."""
+        return self.action_low + (x + 1.0) * 0.5 * (self.action_high - self.action_low)
+
+    # --- networks --------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.action_low.device
+
+    def encode(self, obs: dict[str, Any]) -> torch.Tensor:
+        """Observation dict (B, ...) -> state embedding (B, hidden_dim)."""
+        proprio = (obs["proprio"].to(self.device).float() - self.proprio_mean) / self.proprio_std
+        parts = [self.proprio(proprio)]
+        if self.image is not None:
+            parts.append(self.image(obs["image"].to(self.device)))
+        if self.text is not None:
+            parts.append(self.text(list(obs["instruction"])))
+        return self.fuse(torch.cat(parts, dim=-1))
+
+    def velocity(self, z: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """v(s, x, w): z (B, hidden), x (B, H, A) normalised, w (B,) -> (B, H, A)."""
+        inp = torch.cat([z, x.flatten(1), time_features(w)], dim=-1)
+        return self.velocity_net(inp).view_as(x)
+
+    # --- training --------------------------------------------------------------
+    def bc_loss(self, obs: dict[str, Any], actions: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Flow-matching BC loss on env-unit chunks (B, H, A); ``mask`` (B, H) drops padding."""
+        x1 = self.normalize_actions(actions.to(self.device)).clamp(-1.0, 1.0)
+        x0 = torch.randn_like(x1)
+        w = torch.rand(x1.shape[0], device=self.device)
+        xw = (1 - w[:, None, None]) * x0 + w[:, None, None] * x1
+        err = (self.velocity(self.encode(obs), xw, w) - (x1 - x0)).pow(2).mean(-1)  # (B, H)
+        if mask is None:
+            return err.mean()
+        mask = mask.to(self.device).float()
+        return (err * mask).sum() / mask.sum().clamp(min=1.0)
+
+    # --- sampling --------------------------------------------------------------
+    @torch.no_grad()
+    def sample(self, obs: dict[str, Any], noise: torch.Tensor | None = None, seed: int | None = None) -> torch.Tensor:
+        """Sample action chunks (B, H, A) in env units by N Euler steps.
+
+        Pass ``noise`` (B, H, A) or a ``seed`` for deterministic samples.
+        """
+        z = self.encode(obs)
+        shape = (z.shape[0], self.config.horizon, self.config.action_dim)
+        if noise is None:
+            gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+            noise = torch.randn(shape, generator=gen, device=self.device)
+        x = noise.to(self.device)
+        n = self.config.flow_steps
+        for i in range(n):
+            w = torch.full((shape[0],), i / n, device=self.device)
+            x = x + self.velocity(z, x, w) / n
+        return self.unnormalize_actions(x.clamp(-1.0, 1.0))
+
+    # --- artifacts -------------------------------------------------------------
+    def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``(weights, config)`` for ``PolicyRegistry.publish``; provenance goes in the config."""
+        weights = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        return weights, {"kind": "flow", "model": asdict(self.config), **provenance}
+
+    @classmethod
+    def from_artifact(cls, weights: dict[str, torch.Tensor], config: dict[str, Any], device: str = "cpu") -> "FlowPolicy":
+        model = cls(FlowPolicyConfig(**config["model"]))
+        model.load_state_dict(weights)
+        return model.to(device).eval()
+
+
+class FlowPolicyRunner:
+    """Runs a flow policy step by step in an env: sample a chunk, execute it open-loop.
+
+    Implements the fleet ``Policy`` protocol (``reset(env, seed)``, ``act(obs, env)``).
+    """
+
+    def __init__(self, model: FlowPolicy, device: str = "cpu"):
+        self.model = model.to(device).eval()
+        self.execute = model.config.execute_steps or model.config.horizon
+        self.queue: list[np.ndarray] = []
+        self.seed = 0
+
+    def reset(self, env: Any, seed: int) -> None:
+        self.queue, self.seed = [], seed
+
+    def act(self, obs: dict[str, Any], env: Any) -> np.ndarray:
+        if not self.queue:
+            batch = {
+                "proprio": torch.as_tensor(np.asarray(obs["proprio"]))[None],
+                "instruction": [env.unwrapped.instruction],
+            }
+            if self.model.image is not None:
+                batch["image"] = torch.as_tensor(np.asarray(obs["image"]))[None]
+            chunk = self.model.sample(batch, seed=self.seed)[0].cpu().numpy()
+            self.seed += 1
+            self.queue = list(chunk[: self.execute])
+        return self.queue.pop(0)
