@@ -68,6 +68,10 @@ PROPRIO_FIELDS: tuple[tuple[str, int], ...] = (
     ("target_block", len(BLOCKS)),  # one-hot of the current stage's block (zeros for reach)
     ("target_zone", len(ZONES)),  # one-hot of the current stage's zone (zeros for pick)
     ("progress", 1),  # fraction of stages done
+    # The current stage's goal relative to the gripper (zeros where the stage has none):
+    # the same facts as the one-hots, in the frame a reactive policy acts in.
+    ("block_rel", 3),  # target block xyz - gripper xyz
+    ("zone_rel", 2),  # target zone xy - target block xy (or - gripper xy when no block)
 )
 PROPRIO_DIM = sum(size for _, size in PROPRIO_FIELDS)
 
@@ -427,10 +431,15 @@ class TabletopEnv(gym.Env[dict[str, Any], np.ndarray]):
         current = self.stages[min(self._stage, len(self.stages) - 1)]
         target_block = np.zeros(len(BLOCKS))
         target_zone = np.zeros(len(ZONES))
+        ee = self.ee_position
+        block_rel, zone_rel = np.zeros(3), np.zeros(2)
         if current.block is not None:
             target_block[BLOCKS.index(current.block)] = 1.0
+            block_rel = self.block_position(current.block) - ee
         if current.zone is not None:
             target_zone[ZONES.index(current.zone)] = 1.0
+            origin = ee if current.block is None else self.block_position(current.block)
+            zone_rel = self.zone_position(current.zone)[:2] - origin[:2]
         proprio = np.concatenate(
             [
                 self.ee_position,
@@ -440,6 +449,8 @@ class TabletopEnv(gym.Env[dict[str, Any], np.ndarray]):
                 target_block,
                 target_zone,
                 [self._progress()],
+                block_rel,
+                zone_rel,
             ]
         ).astype(np.float32)
         obs: dict[str, Any] = {"proprio": proprio, "task_id": np.int64(self.task_id)}

@@ -41,6 +41,9 @@ class ClientConfig:
         follow_registry: load the newest registry version at every episode boundary.
         overseer: ``{"enabled", "stall_steps", "stall_tol", "takeover_steps"}``.
         seed: base seed; episode seeds derive from (seed, client_id, episode index).
+        policy_store: store whose registry policies come from (default: ``store``).
+        policy_version: pin this registry version: loaded once, never hot-swapped
+            (evaluation of one exact policy).
     """
 
     store: str
@@ -52,6 +55,8 @@ class ClientConfig:
     follow_registry: bool = True
     overseer: dict[str, Any] = field(default_factory=lambda: {"enabled": False})
     seed: int = 0
+    policy_store: str | None = None
+    policy_version: int | None = None
 
 
 def make_env(env_cfg: dict[str, Any], task: str):
@@ -119,12 +124,14 @@ def run_client(cfg: ClientConfig) -> dict[str, Any]:
     """Run episodes until the shard holds ``cfg.episodes``; returns the final status."""
     torch.set_num_threads(1)  # one core per client; the fleet scales by processes
     store = Store.open(cfg.store)
-    registry = PolicyRegistry(store.root)
+    registry = PolicyRegistry(cfg.policy_store or store.root)
     status_path = os.path.join(store.root, "fleet", f"{cfg.client_id}.json")
     os.makedirs(os.path.dirname(status_path), exist_ok=True)
     overseer = Overseer(**cfg.overseer) if cfg.overseer.get("enabled") else None
     envs: dict[str, Any] = {}
     version, policy = 0, build_policy({}, cfg.policy)
+    if cfg.policy_version is not None:
+        version, policy = cfg.policy_version, build_policy(*registry.load(cfg.policy_version))
     t_start, steps_run = time.perf_counter(), 0
     with store.writer(cfg.client_id) as writer:
         done = store.shard_episodes(cfg.client_id)  # counters survive restarts: start from what is committed
@@ -134,7 +141,7 @@ def run_client(cfg: ClientConfig) -> dict[str, Any]:
                   "state": "running", "target": cfg.episodes}
         write_json_atomic(status_path, status, fsync=False)
         while writer.n_episodes < cfg.episodes:
-            if cfg.follow_registry:
+            if cfg.follow_registry and cfg.policy_version is None:
                 latest = registry.latest()
                 if latest is not None and latest != version:  # hot-swap only between episodes
                     policy, version = build_policy(*registry.load(latest)), latest

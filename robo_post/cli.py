@@ -174,6 +174,18 @@ def _train(cfg: DictConfig) -> None:
     print(json.dumps(summary, indent=1))
 
 
+def _eval(cfg: DictConfig) -> None:
+    from robo_post.eval.rollout import eval_from_config
+
+    eval_from_config(cfg)
+
+
+def _report(cfg: DictConfig) -> None:
+    from robo_post.eval.report import report_from_config
+
+    print(f"report: {report_from_config(cfg)}")
+
+
 # --- fleet ----------------------------------------------------------------------
 def _fleet_main(argv: list[str]) -> int:
     try:
@@ -188,6 +200,8 @@ def _fleet_main(argv: list[str]) -> int:
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "collect": ("run a fleet of clients that record episodes into the store", _hydra_job("collect", _collect)),
     "train": ("train a policy on a store snapshot (algo=bc_flow) and publish it", _hydra_job("train", _train)),
+    "eval": ("success rates (95% CI) of pinned policy versions on eval-only seeds", _hydra_job("eval", _eval)),
+    "report": ("Markdown/HTML report: success tables, learning curves, rollout frames", _hydra_job("report", _report)),
     "store": ("info | validate | export-minari | import-minari: inspect, check, convert a store", _store_main),
     "fleet": ("ros2-bridge | ros2-sim: ROS 2 bridge to a robot, and a simulated robot", _fleet_main),
 }

@@ -85,9 +85,9 @@ class FlowPolicy(nn.Module):
 
     # --- normalisation ---------------------------------------------------------
     def set_proprio_stats(self, mean: np.ndarray, std: np.ndarray) -> None:
-        """Standardise proprio with dataset statistics (std floored to avoid blow-ups)."""
+        """Standardise proprio with dataset statistics (std floored at 1 cm so near-constant dims cannot blow up)."""
         self.proprio_mean.copy_(torch.as_tensor(mean, dtype=torch.float32))
-        self.proprio_std.copy_(torch.as_tensor(np.maximum(std, 1e-3), dtype=torch.float32))
+        self.proprio_std.copy_(torch.as_tensor(np.maximum(std, 1e-2), dtype=torch.float32))
 
     def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
         """(…, A) env units -> [-1, 1]."""

@@ -119,6 +119,7 @@ class WindowSampler:
             data = snapshot.load_shard(shard)
             for ep in eps:
                 self._append(ep, data, keys)
+        self._instructions = np.array([e.instruction for e in self.episodes], dtype=object)
 
     def _append(self, ep: EpisodeInfo, data: dict, keys: list[str]) -> None:
         T, s0, o0 = ep.length, ep.step_start, ep.obs_start
@@ -180,7 +181,7 @@ class WindowSampler:
         def to(x):
             return torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
 
-        instructions = [self.episodes[o].instruction for o in ordinal]
+        instructions = self._instructions[ordinal].tolist()
         return {
             "obs": {k: to(self._obs[k].view[t + ordinal]) for k in self.obs_keys} | {"instruction": instructions},
             "actions": to(actions.astype(np.float32, copy=False)),

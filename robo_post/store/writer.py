@@ -114,18 +114,31 @@ class ShardWriter:
         specs["step"] = ArraySpec("float64", (len(STEP_COLUMNS),))
         for name, spec in specs.items():
             if name in root:
-                self._arrays[name] = root[name]
+                self._arrays[name] = root[name].with_config(write_empty_chunks=True)
             else:
                 self._arrays[name] = root.create_array(
                     name,
                     shape=(0, *spec.shape),
                     chunks=(time_chunk(spec), *spec.shape),
                     dtype=spec.dtype,
-                    compressors=BloscCodec(cname="lz4", clevel=5),
+                    # Byte-shuffle only helps multi-byte types; bit-shuffling images costs
+                    # more CPU than it saves bytes.
+                    compressors=BloscCodec(cname="lz4", clevel=5, shuffle="shuffle" if spec.dtype != "uint8" else "noshuffle"),
                     fill_value=0,
+                    config={"write_empty_chunks": True},  # skip zarr's per-chunk "all fill?" scan (runtime-only)
                 )
+        self._load_tails()
         if commit["episodes"] == 0 and not os.path.exists(os.path.join(self.path, "commit.json")):
             write_json_atomic(os.path.join(self.path, "commit.json"), commit, self.fsync)
+
+    def _load_tails(self) -> None:
+        """Keep each array's rows from its last chunk boundary to the committed end in
+        memory, so every commit writes whole chunks and never reads one back."""
+        self._tails: dict[str, tuple[int, np.ndarray]] = {}
+        for name, arr in self._arrays.items():
+            end = self.n_steps + self.n_episodes if name.startswith("obs/") else self.n_steps
+            start = end - end % arr.chunks[0]
+            self._tails[name] = (start, arr[start:end])
 
     # --- step-wise API --------------------------------------------------------
     def add(
@@ -258,7 +271,11 @@ class ShardWriter:
 
         obs_start = self.n_steps + self.n_episodes  # each episode keeps T + 1 observation rows
         starts = {name: (obs_start if name.startswith("obs/") else self.n_steps) for name in arrays}
-        list(self._pool.map(lambda name: self._write_rows(name, starts[name], arrays[name]), arrays))
+        try:
+            list(self._pool.map(lambda name: self._write_rows(name, starts[name], arrays[name]), arrays))
+        except BaseException:
+            self._load_tails()  # nothing was committed; resync with what is on disk
+            raise
         with open(os.path.join(self.path, "episodes.jsonl"), "r+b") as f:
             f.seek(self._meta_bytes)
             f.write(line)
@@ -274,12 +291,23 @@ class ShardWriter:
         return index
 
     def _write_rows(self, name: str, start: int, values: np.ndarray) -> None:
+        """Write ``values`` at row ``start`` as whole chunks (tail from memory, zero padding)."""
         arr = self._arrays[name]
-        end = start + len(values)
-        if arr.shape[0] < end:
+        tail_start, tail = self._tails[name]
+        if tail_start + len(tail) != start:
+            raise RuntimeError(f"{name}: writer tail out of sync ({tail_start}+{len(tail)} != {start})")
+        rows = np.concatenate([tail, values]) if len(tail) else values
+        chunk = arr.chunks[0]
+        end = tail_start + len(rows)
+        padded_end = -(-end // chunk) * chunk
+        if arr.shape[0] < padded_end:
             # Grow geometrically so metadata rewrites stay rare.
-            arr.resize((max(end, 2 * arr.shape[0], arr.chunks[0]), *arr.shape[1:]))
-        arr[start:end] = values
+            arr.resize((max(padded_end, 2 * arr.shape[0]), *arr.shape[1:]))
+        block = np.zeros((padded_end - tail_start, *arr.shape[1:]), dtype=arr.dtype)
+        block[: len(rows)] = rows
+        arr[tail_start:padded_end] = block
+        new_start = end - end % chunk
+        self._tails[name] = (new_start, rows[new_start - tail_start :].copy())
 
     @staticmethod
     def _build_table(T, rewards, terminated, truncated, policy_versions, interventions, timestamps, logprobs):

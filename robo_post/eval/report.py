@@ -1,0 +1,442 @@
+"""Evaluation report: Markdown (+ a self-contained ``index.html``) with PNG plots.
+
+Sections: success rates per policy version and split (tables with 95% Wilson
+intervals and a bar chart), learning curves from training runs' ``metrics.jsonl``,
+and rollout strips (one success and one failure per task) from the eval store.
+Frames come from recorded ``image`` observations when the store has them;
+state-only stores are re-rendered by replaying each episode's seed and actions.
+
+Plots use matplotlib's object API (``Figure``), never pyplot, so writing a report
+neither needs a display nor changes the caller's matplotlib backend.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import PercentFormatter
+
+from robo_post.eval.rollout import format_rate, load_results, pct as _pct
+from robo_post.store import EpisodeInfo, Snapshot, Store
+
+N_FRAMES = 8
+SUCCESS_COLOR, FAILURE_COLOR = "#1a7f37", "#cf222e"
+_SPLIT_ORDER = {"train": 0, "heldout": 1}
+
+
+def write_report(
+    out_dir: str,
+    results: Iterable[dict[str, Any]],
+    run_dirs: Iterable[str] = (),
+    eval_store: str | None = None,
+    frames: bool = True,
+    title: str = "robo-post evaluation report",
+) -> str:
+    """Write ``OUT_DIR/report.md``, ``OUT_DIR/index.html`` and their PNGs; return the .md path.
+
+    Args:
+        out_dir: output directory (created; files in it are overwritten).
+        results: eval result dicts from ``evaluate`` (e.g. one per version and split).
+        run_dirs: training run directories holding ``metrics.jsonl`` (and ``summary.json``).
+        eval_store: store holding the eval episodes; default: each result's ``eval_store``.
+        frames: include rollout frame strips (re-rendering costs ~1 s per episode).
+        title: report title.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    results = sorted(results, key=lambda r: (r["policy"]["version"], _SPLIT_ORDER.get(r["split"], 9), r["created"]))
+    labels = _labels(results)
+    doc = _Doc()
+    doc.heading(1, title)
+    doc.paragraph(
+        f"Generated {time.strftime('%Y-%m-%d %H:%M')}. Success rates are per task with 95% Wilson score "
+        "intervals; the mean is the unweighted mean over tasks (its interval pools all episodes). "
+        "Eval episodes use their own seeds and store, apart from the training data."
+    )
+    if results:
+        _success_section(doc, out_dir, results, labels)
+    runs = list(run_dirs)
+    if runs:
+        _learning_section(doc, out_dir, runs)
+    if results and frames:
+        _rollout_section(doc, out_dir, results, labels, eval_store)
+    md_path = os.path.join(out_dir, "report.md")
+    with open(md_path, "w") as f:
+        f.write(doc.markdown())
+    with open(os.path.join(out_dir, "index.html"), "w") as f:
+        f.write(doc.html(out_dir, title))
+    return md_path
+
+
+# --- document model: one list of blocks, rendered to Markdown and to HTML -----------
+@dataclass
+class _Doc:
+    blocks: list[tuple[str, Any]] = field(default_factory=list)
+
+    def heading(self, level: int, text: str) -> None:
+        self.blocks.append(("h", (level, text)))
+
+    def paragraph(self, text: str) -> None:
+        self.blocks.append(("p", text))
+
+    def table(self, header: list[str], rows: list[list[str]]) -> None:
+        self.blocks.append(("table", (header, rows)))
+
+    def image(self, filename: str, alt: str) -> None:
+        self.blocks.append(("img", (filename, alt)))
+
+    def markdown(self) -> str:
+        out = []
+        for kind, value in self.blocks:
+            if kind == "h":
+                out.append("#" * value[0] + " " + value[1])
+            elif kind == "p":
+                out.append(value)
+            elif kind == "table":
+                header, rows = value
+                cell = lambda s: str(s).replace("|", "\\|")  # noqa: E731
+                lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
+                lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
+                out.append("\n".join(lines))
+            else:
+                out.append(f"![{value[1]}]({value[0]})")
+        return "\n\n".join(out) + "\n"
+
+    def html(self, out_dir: str, title: str) -> str:
+        def inline(text: str) -> str:  # escape, then the only Markdown we use: `code` and **bold**
+            text = re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
+            return re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", text)
+
+        body = []
+        for kind, value in self.blocks:
+            if kind == "h":
+                body.append(f"<h{value[0]}>{inline(value[1])}</h{value[0]}>")
+            elif kind == "p":
+                body.append(f"<p>{inline(value)}</p>")
+            elif kind == "table":
+                header, rows = value
+                head = "".join(f"<th>{inline(str(h))}</th>" for h in header)
+                trs = "".join("<tr>" + "".join(f"<td>{inline(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+                body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{trs}</tbody></table>")
+            else:  # embedded, so index.html is one file that can be mailed or attached
+                with open(os.path.join(out_dir, value[0]), "rb") as f:
+                    data = base64.b64encode(f.read()).decode()
+                body.append(f'<img src="data:image/png;base64,{data}" alt="{html.escape(value[1])}">')
+        return _HTML.format(title=html.escape(title), body="\n".join(body))
+
+
+_HTML = """<!doctype html>
+<html><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 1400px; margin: 2em auto; padding: 0 1em; color: #1f2328; }}
+table {{ border-collapse: collapse; margin: 1em 0; }}
+th, td {{ border: 1px solid #d0d7de; padding: 4px 10px; text-align: right; }}
+th {{ background: #f6f8fa; }} td:first-child, th:first-child {{ text-align: left; }}
+img {{ max-width: 100%; margin: 0.5em 0 1.5em; }}
+code {{ background: #f6f8fa; padding: 1px 4px; border-radius: 4px; }}
+</style></head><body>
+{body}
+</body></html>
+"""
+
+
+# --- success rates --------------------------------------------------------------------
+def _labels(results: list[dict[str, Any]]) -> list[str]:
+    """``v3 · heldout`` per result; repeats of one version and split get ``#2``, ``#3``."""
+    labels, seen = [], {}
+    for r in results:
+        base = f"{r['policy']['label']} · {r['split']}"
+        seen[base] = seen.get(base, 0) + 1
+        labels.append(base if seen[base] == 1 else f"{base} #{seen[base]}")
+    return labels
+
+
+def _tasks(results: list[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(t for r in results for t in r["tasks"]))
+
+
+def _success_section(doc: _Doc, out_dir: str, results: list[dict[str, Any]], labels: list[str]) -> None:
+    tasks = _tasks(results)
+    doc.heading(2, "Success rates")
+    rows = []
+    for r, label in zip(results, labels):
+        per_task = [format_rate(r["tasks"][t]) if t in r["tasks"] else "–" for t in tasks]
+        lo, hi = r["overall"]["ci95"]
+        mean = f"**{_pct(r['mean_success_rate'])}** [{_pct(lo)}–{_pct(hi)}]"
+        rows.append([label, str(r["episodes_per_task"]), *per_task, mean])
+    doc.table(["policy · split", "episodes/task", *tasks, "mean"], rows)
+    _bar_chart(os.path.join(out_dir, "success_rates.png"), results, labels, tasks)
+    doc.image("success_rates.png", "success rate per task with 95% Wilson intervals")
+    for r, label in zip(results, labels):
+        doc.heading(3, label)
+        cfg = r["policy"]["config"]
+        provenance = ", ".join(f"{k} `{v}`" for k, v in cfg.items() if k != "kind") or "scripted expert"
+        doc.paragraph(
+            f"Policy `{r['policy']['label']}` from `{r['policy']['store']}` ({provenance}). "
+            f"{r['overall']['episodes']} episodes on {r['n_clients']} clients in {r['wall_s']:.0f} s, "
+            f"base seed {r['seed']}; {r['train_seed_overlap']} eval layouts also occur in the training store. "
+            f"Results: `{r['results_path']}`."
+        )
+        doc.table(
+            ["task", "episodes", "successes", "success rate", "95% CI", "mean length", "mean return"],
+            [
+                [t, s["episodes"], s["successes"], _pct(s["success_rate"]),
+                 f"{_pct(s['ci95'][0])}–{_pct(s['ci95'][1])}", f"{s['mean_length']:.1f}", f"{s['mean_return']:.2f}"]
+                for t, s in r["tasks"].items()
+            ],
+        )
+
+
+def _bar_chart(path: str, results: list[dict[str, Any]], labels: list[str], tasks: list[str]) -> None:
+    groups = tasks + ["mean"]
+    n = len(results)
+    width = 0.8 / n
+    fig = Figure(figsize=(max(8.0, 4.0 + len(groups) * (0.5 + 0.45 * n)), 5.0), layout="constrained")
+    crowded = n >= 3  # vertical value labels once bars get narrow
+    ax = fig.subplots()
+    colors = _palette(n)
+    for i, (r, label) in enumerate(zip(results, labels)):
+        stats = [r["tasks"].get(t) for t in tasks] + [{**r["overall"], "success_rate": r["mean_success_rate"]}]
+        x = np.arange(len(groups)) + (i - (n - 1) / 2) * width
+        rate = np.array([s["success_rate"] if s else np.nan for s in stats])
+        lo = np.array([s["ci95"][0] if s else np.nan for s in stats])
+        hi = np.array([s["ci95"][1] if s else np.nan for s in stats])
+        # The edge keeps a 0% bar visible as a coloured line at the baseline.
+        ax.bar(x, rate, width * 0.92, color=colors[i], edgecolor=colors[i], linewidth=1.5,
+               label=f"{label} (n={r['episodes_per_task']}/task)", zorder=2)
+        ax.errorbar(x, rate, yerr=[np.clip(rate - lo, 0, None), np.clip(hi - rate, 0, None)],
+                    fmt="none", ecolor="#333333", elinewidth=1.2, capsize=3, zorder=3)
+        for xi, ri, hii in zip(x, rate, hi):
+            if not np.isnan(ri):
+                ax.text(xi, hii + 0.02, f"{100 * ri:.0f}%", ha="center", va="bottom", fontsize=8,
+                        rotation=90 if crowded else 0)
+    ax.axvline(len(tasks) - 0.5, color="#999999", lw=0.8, ls=":")  # separates the mean from the tasks
+    ax.set_xticks(np.arange(len(groups)), groups, fontsize=11)
+    ax.set_ylim(-0.015, 1.2 if crowded else 1.12)
+    ax.set_yticks(np.linspace(0, 1, 6))
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.set_ylabel("success rate", fontsize=11)
+    ax.set_title("Success rate per task (error bars: 95% Wilson interval)", fontsize=13)
+    ax.grid(axis="y", alpha=0.3, zorder=0)
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0), title="policy · split")
+    fig.savefig(path, dpi=110)
+
+
+def _palette(n: int) -> list[Any]:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10"] if n <= 10 else colormaps["viridis"]
+    return [cmap(i if n <= 10 else i / max(n - 1, 1)) for i in range(n)]
+
+
+# --- learning curves ---------------------------------------------------------------------
+def _read_jsonl(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _numeric_columns(rows: list[dict[str, Any]]) -> list[str]:
+    cols = dict.fromkeys(k for row in rows for k, v in row.items()
+                         if k != "update" and isinstance(v, (int, float)) and not isinstance(v, bool))
+    return list(cols)
+
+
+def _use_log_scale(name: str, values: np.ndarray) -> bool:
+    """Log scale for positive losses and for anything spanning more than ~1.5 decades."""
+    values = values[np.isfinite(values)]
+    if len(values) < 2 or np.any(values <= 0):
+        return False
+    return "loss" in name or values.max() / values.min() > 30
+
+
+def _learning_section(doc: _Doc, out_dir: str, run_dirs: list[str]) -> None:
+    doc.heading(2, "Learning curves")
+    runs: dict[str, list[dict[str, Any]]] = {}
+    rows = []
+    for run_dir in run_dirs:
+        name = os.path.basename(os.path.normpath(run_dir))
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        summary_path = os.path.join(run_dir, "summary.json")
+        summary: dict[str, Any] = {}
+        if os.path.exists(summary_path):
+            with open(summary_path) as f:
+                summary = json.load(f)
+        if os.path.exists(metrics):
+            runs[name if summary.get("version") is None else f"{name} → v{summary['version']}"] = _read_jsonl(metrics)
+        final = summary.get("final", {})
+        rows.append([
+            f"`{run_dir}`", "–" if summary.get("version") is None else f"v{summary['version']}",
+            str(summary.get("episodes", "–")), str(final.get("update", "–")),
+            f"{summary['wall_s']:.0f} s" if "wall_s" in summary else "–",
+            f"{final['bc_loss']:.4f}" if "bc_loss" in final else "–",
+        ])
+    doc.table(["run", "published", "episodes", "updates", "wall time", "final bc_loss"], rows)
+    runs = {k: v for k, v in runs.items() if v}
+    if not runs:
+        doc.paragraph("No `metrics.jsonl` rows found in these runs.")
+        return
+    _plot_curves(os.path.join(out_dir, "learning_curves.png"), runs)
+    doc.image("learning_curves.png", "training metrics against update")
+
+
+def _plot_curves(path: str, runs: dict[str, list[dict[str, Any]]]) -> None:
+    columns = list(dict.fromkeys(c for rows in runs.values() for c in _numeric_columns(rows)))
+    ncols = min(3, len(columns))
+    nrows = math.ceil(len(columns) / ncols)
+    fig = Figure(figsize=(5.2 * ncols, 3.6 * nrows + 0.5), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
+    colors = _palette(len(runs))
+    for ax, col in zip(axes, columns):
+        all_values = []
+        for color, (name, rows) in zip(colors, runs.items()):
+            pts = [(r["update"], r[col]) for r in rows if isinstance(r.get(col), (int, float))]
+            if not pts:
+                continue
+            x, y = np.array(pts, dtype=float).T
+            all_values.append(y)
+            ax.plot(x, y, color=color, lw=1.6, marker="o" if len(x) < 20 else None, ms=4, label=name)
+        if all_values and _use_log_scale(col, np.concatenate(all_values)):
+            ax.set_yscale("log")
+        ax.set_title(col, fontsize=12)
+        ax.set_xlabel("update", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+    for ax in axes[len(columns):]:
+        ax.set_visible(False)
+    if len(runs) > 1:
+        axes[0].legend(fontsize=9)
+    fig.suptitle("Training metrics (window means) — " + ", ".join(runs), fontsize=13)
+    fig.savefig(path, dpi=100)
+
+
+# --- rollout strips -----------------------------------------------------------------
+def _rollout_section(
+    doc: _Doc, out_dir: str, results: list[dict[str, Any]], labels: list[str], eval_store: str | None
+) -> None:
+    doc.heading(2, "Rollouts")
+    doc.paragraph(
+        f"{N_FRAMES} evenly spaced frames of the first successful and the first failed eval episode "
+        "per task (front camera); `t` is the control step."
+    )
+    snapshots: dict[str, Snapshot] = {}
+    replayer = _Replayer()
+    try:
+        for r, label in zip(results, labels):
+            root = eval_store or r["eval_store"]
+            if root not in snapshots:
+                snapshots[root] = Store.open(root).snapshot()
+            snap = snapshots[root]
+            episodes = snap.episodes(client=r["shards"])
+            for task in r["tasks"]:
+                picked = _first_of_each_outcome(episodes, task)
+                if not picked:
+                    continue
+                name = f"rollouts_{_slug(label)}_{task}.png"
+                rows = [(e, *_frames(snap, e, r["env"], replayer)) for e in picked]
+                _plot_strip(os.path.join(out_dir, name), f"{task} — {label}", rows)
+                doc.heading(3, f"{task} — {label}")
+                doc.image(name, f"{task} rollouts of {label}")
+    finally:
+        replayer.close()
+
+
+def _first_of_each_outcome(episodes: list[EpisodeInfo], task: str) -> list[EpisodeInfo]:
+    """The first successful and the first failed episode of ``task``, those that exist."""
+    picked = []
+    for outcome in (True, False):
+        match = next((e for e in episodes if e.task_id == task and bool(e.success) == outcome), None)
+        if match is not None:
+            picked.append(match)
+    return picked
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-")
+
+
+def _frame_indices(length: int, n: int = N_FRAMES) -> np.ndarray:
+    """Up to ``n`` evenly spaced observation indices in [0, length], first and last included."""
+    return np.unique(np.linspace(0, length, min(n, length + 1)).round().astype(int))
+
+
+def _frames(snap: Snapshot, episode: EpisodeInfo, env_cfg: dict[str, Any], replayer: "_Replayer"
+            ) -> tuple[np.ndarray, list[np.ndarray], str]:
+    """``(indices, frames, note)`` of one episode: recorded images, else a replay."""
+    data = snap.load(episode)
+    idx = _frame_indices(episode.length)
+    if "image" in data["obs"]:
+        return idx, [data["obs"]["image"][i] for i in idx], "recorded camera"
+    frames, final_proprio = replayer.replay(episode, env_cfg, data["action"], idx)
+    # MuJoCo is deterministic, so a replay ends where the recording did; say so if it does not.
+    same = np.allclose(final_proprio, data["obs"]["proprio"][-1], atol=1e-4)
+    return idx, frames, "replayed from seed + actions" + ("" if same else " (DIVERGED from recording)")
+
+
+class _Replayer:
+    """Re-renders state-only episodes: reset with the recorded seed, step the recorded actions."""
+
+    def __init__(self) -> None:
+        self.envs: dict[str, Any] = {}
+
+    def replay(self, episode: EpisodeInfo, env_cfg: dict[str, Any], actions: np.ndarray, idx: np.ndarray
+               ) -> tuple[list[np.ndarray], np.ndarray]:
+        from robo_post.envs.tabletop import TabletopEnv
+
+        kwargs = {k: v for k, v in env_cfg.items() if k not in ("name", "render_images")}
+        key = json.dumps([episode.task_id, kwargs], sort_keys=True)
+        if key not in self.envs:  # observation images never affect physics: skip rendering them
+            self.envs[key] = TabletopEnv(task=episode.task_id, render_images=False, render_mode="rgb_array", **kwargs)
+        env = self.envs[key]
+        obs, _ = env.reset(seed=episode.seed)
+        wanted, frames = set(idx.tolist()), []
+        for t in range(len(actions) + 1):
+            if t in wanted:
+                frames.append(env.render())
+            if t < len(actions):
+                obs, *_ = env.step(actions[t])
+        return frames, obs["proprio"]
+
+    def close(self) -> None:
+        for env in self.envs.values():
+            env.close()
+
+
+def _plot_strip(path: str, title: str, rows: list[tuple[EpisodeInfo, np.ndarray, list[np.ndarray], str]]) -> None:
+    ncols = max(len(r[1]) for r in rows)
+    fig = Figure(figsize=(2.0 * ncols, 2.55 * len(rows) + 0.5), layout="constrained")
+    fig.suptitle(title, fontsize=15, fontweight="bold")
+    subfigs = np.atleast_1d(fig.subfigures(len(rows), 1))
+    for sub, (episode, idx, frames, note) in zip(subfigs, rows):
+        outcome, color = ("SUCCESS", SUCCESS_COLOR) if episode.success else ("FAILURE", FAILURE_COLOR)
+        sub.suptitle(f"{outcome}  ·  “{episode.instruction}”  ·  {episode.length} steps, seed {episode.seed}, "
+                     f"{note}", color=color, fontsize=11)
+        axes = sub.subplots(1, ncols)
+        for ax, i, frame in zip(np.atleast_1d(axes), idx, frames):
+            ax.imshow(frame, interpolation="nearest")
+            ax.set_title(f"t = {i}", fontsize=9)
+            ax.set_axis_off()
+        for ax in np.atleast_1d(axes)[len(frames):]:
+            ax.set_axis_off()
+    fig.savefig(path, dpi=90)
+
+
+def report_from_config(cfg: Any) -> str:
+    """`robo-post report`: ``cfg`` has ``run_dir`` (path, list or null), ``eval_store``,
+    ``results`` (JSON paths or null = all saved in the eval store), ``out_dir``, ``frames``."""
+    run_dirs = [] if cfg.run_dir is None else [cfg.run_dir] if isinstance(cfg.run_dir, str) else list(cfg.run_dir)
+    if cfg.results is None:
+        results = load_results(cfg.eval_store) if cfg.eval_store else []
+    else:
+        results = []
+        for path in cfg.results:
+            with open(path) as f:
+                results.append(json.load(f))
+    return write_report(cfg.out_dir, results, run_dirs, eval_store=cfg.eval_store, frames=cfg.frames)

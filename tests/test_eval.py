@@ -1,0 +1,152 @@
+"""Evaluation and reports: Wilson intervals, expert sanity eval, pinned-version flow
+eval through the fleet, and the Markdown/HTML report with its plots.
+
+State-only tabletop envs on the short reach/push tasks keep the file well under
+90 s on two cores; the two fleet evaluations run once and are shared.
+"""
+
+import os
+
+os.environ.setdefault("MUJOCO_GL", "egl")  # headless rendering; must precede importing mujoco
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from robo_post.envs.tabletop import PROPRIO_DIM
+from robo_post.eval import EVAL_SEED, evaluate, load_results, wilson_interval, write_report
+from robo_post.eval import report as report_mod
+from robo_post.fleet.client import episode_seed, store_schema
+from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
+from robo_post.store import PolicyRegistry, Store
+
+ENV: dict[str, Any] = {"name": "tabletop", "render_images": False}
+TASKS = ["reach", "push"]
+
+
+@pytest.mark.parametrize(
+    "k, n, expected",
+    [
+        # Hand-computed from (2k + z² ± z·sqrt(z² + 4k(n-k)/n)) / (2(n + z²)), z = 1.959964;
+        # 7/10 -> [0.3968, 0.8922] is the textbook example.
+        (7, 10, (0.396778, 0.892209)),
+        (0, 10, (0.0, 0.277533)),  # upper = z² / (n + z²)
+        (10, 10, (0.722467, 1.0)),  # lower = n / (n + z²)
+        (1, 2, (0.094531, 0.905469)),
+        (0, 0, (0.0, 1.0)),  # no data: no information
+    ],
+)
+def test_wilson_interval_matches_hand_computed_values(k, n, expected):
+    lo, hi = wilson_interval(k, n)
+    assert lo == pytest.approx(expected[0], abs=1e-6) and hi == pytest.approx(expected[1], abs=1e-6)
+
+
+def test_wilson_interval_rejects_impossible_counts():
+    with pytest.raises(ValueError):
+        wilson_interval(11, 10)
+
+
+@pytest.fixture(scope="module")
+def evals(tmp_path_factory) -> dict[str, Any]:
+    """A training store with a tiny untrained flow policy (v1) and an expert artifact (v2)
+    published after it, plus one expert eval and one pinned v1 eval into an eval store."""
+    root = tmp_path_factory.mktemp("eval")
+    store = Store.create(str(root / "store"), store_schema(ENV, "reach"))
+    model = FlowPolicy(FlowPolicyConfig(
+        proprio_dim=PROPRIO_DIM, action_dim=4, horizon=4, use_text=False, embed_dim=16, hidden_dim=32,
+        flow_steps=2, action_low=[-1.0] * 4, action_high=[1.0] * 4,
+    ))
+    registry = PolicyRegistry(store.root)
+    assert registry.publish(*model.artifact(algorithm="untrained")) == 1
+    # A newer version exists: a client following the registry would run v2, a pinned one must not.
+    assert registry.publish({}, {"kind": "expert"}) == 2
+    out = str(root / "store-eval")
+    expert = evaluate(store.root, None, TASKS, 3, split="train", n_clients=2, out_store=out)
+    flow = evaluate(store.root, 1, ["reach"], 2, split="heldout", n_clients=2, out_store=out)
+    return {"root": root, "store": store, "out": out, "expert": expert, "flow": flow}
+
+
+def test_expert_eval_succeeds_everywhere_and_saves_json(evals):
+    r = evals["expert"]
+    assert r["policy"]["label"] == "expert" and r["policy"]["version"] == 0
+    for task in TASKS:
+        s = r["tasks"][task]
+        assert (s["episodes"], s["successes"], s["success_rate"]) == (3, 3, 1.0)
+        assert s["ci95"] == pytest.approx(list(wilson_interval(3, 3)))
+    assert r["mean_success_rate"] == 1.0 and r["overall"]["episodes"] == 6
+    with open(r["results_path"]) as f:
+        assert json.load(f)["tasks"] == r["tasks"]
+    assert {x["tag"] for x in load_results(evals["out"])} == {r["tag"], evals["flow"]["tag"]}
+
+    # Eval episodes went to the eval store only, with layouts training never used.
+    assert evals["store"].shards() == []
+    eval_seeds = {e["seed"] for e in r["episodes"]}
+    train_seeds = {episode_seed(0, f"client-{i}", j) for i in range(4) for j in range(100)}
+    assert r["seed"] == EVAL_SEED and not eval_seeds & train_seeds and r["train_seed_overlap"] == 0
+
+
+def test_pinned_flow_version_is_the_only_policy_that_ran(evals):
+    r = evals["flow"]
+    assert r["policy"]["label"] == "v1" and r["split"] == "heldout" and r["env"]["instruction_split"] == "heldout"
+    episodes = Store.open(evals["out"]).snapshot().episodes(client=r["shards"])
+    assert len(episodes) == 2
+    assert {e.policy_version for e in episodes} == {1}  # v2 was newer; a pinned client never swaps
+    assert {e.attrs["policy"] for e in episodes} == {"v1"}
+    reach = r["tasks"]["reach"]
+    assert reach["successes"] == sum(bool(e.success) for e in episodes)
+    assert reach["ci95"] == pytest.approx(list(wilson_interval(reach["successes"], 2)))
+
+
+def test_identical_eval_reuses_its_shards(evals):
+    again = evaluate(evals["store"].root, 1, ["reach"], 2, split="heldout", n_clients=2, out_store=evals["out"])
+    assert again["tag"] == evals["flow"]["tag"] and again["episodes"] == evals["flow"]["episodes"]
+
+
+def test_eval_refuses_to_write_into_the_training_store(evals):
+    with pytest.raises(ValueError, match="out_store"):
+        evaluate(evals["store"].root, None, TASKS, 1, out_store=evals["store"].root)
+
+
+def test_replay_reproduces_recorded_episode(evals):
+    snap = Store.open(evals["out"]).snapshot()
+    episode = snap.episodes(client=evals["expert"]["shards"], task="push")[0]
+    replayer = report_mod._Replayer()
+    try:
+        idx, frames, note = report_mod._frames(snap, episode, evals["expert"]["env"], replayer)
+    finally:
+        replayer.close()
+    assert "DIVERGED" not in note and idx[0] == 0 and idx[-1] == episode.length
+    assert len(frames) == len(idx) and frames[0].shape == (256, 256, 3) and frames[0].std() > 0
+
+
+def test_report_has_tables_plots_and_html(evals):
+    run = evals["root"] / "run"
+    run.mkdir()
+    with open(run / "metrics.jsonl", "w") as f:
+        for u in range(50, 501, 50):
+            f.write(json.dumps({"update": u, "bc_loss": 3.0 / math.sqrt(u), "updates_per_s": 40.0 + u % 3,
+                                "data_wait": 0.02}) + "\n")
+    (run / "summary.json").write_text(json.dumps({"version": 1, "episodes": 8, "wall_s": 12.0,
+                                                  "final": {"update": 500, "bc_loss": 0.13}}))
+    out = evals["root"] / "report"
+    md_path = write_report(str(out), [evals["flow"], evals["expert"]], [str(run)], eval_store=evals["out"])
+    md = open(md_path).read()
+    assert "| policy · split | episodes/task | reach | push | mean |" in md
+    assert "| expert · train | 3 | 100% [44%–100%] | 100% [44%–100%] | **100%** [61%–100%] |" in md
+    assert "| v1 · heldout | 2 | 0% [0%–66%] | – | **0%** [0%–66%] |" in md
+    pngs = sorted(p for p in os.listdir(out) if p.endswith(".png"))
+    assert {"success_rates.png", "learning_curves.png", "rollouts_expert-train_push.png",
+            "rollouts_v1-heldout_reach.png"} <= set(pngs)
+    for name in pngs:
+        assert f"]({name})" in md and os.path.getsize(out / name) > 10_000
+        with Image.open(out / name) as im:
+            assert im.width >= 600 and im.height >= 200
+    html = (out / "index.html").read_text()
+    assert html.count("data:image/png;base64,") == len(pngs) and "<table>" in html
+    with Image.open(out / "rollouts_expert-train_push.png") as im:
+        strip = np.asarray(im)
+    assert strip.shape[1] > 3 * strip.shape[0]  # 8 frames side by side, one successful row (no failures)
