@@ -33,7 +33,14 @@ from highway_env.utils import wrap_to_pi
 from highway_env.vehicle.controller import ControlledVehicle
 from highway_env.vehicle.kinematics import Vehicle
 
-__all__ = ["SCENARIOS", "DrivingEnv", "DrivingExpert", "make_driving_expert"]
+__all__ = [
+    "MAX_ACCELERATION",
+    "MAX_STEERING",
+    "SCENARIOS",
+    "DrivingEnv",
+    "DrivingExpert",
+    "make_driving_expert",
+]
 
 
 class _ContinuousMergeEnv(ConnectedLaneMergeEnv):
@@ -102,6 +109,13 @@ _FEATURES = ("presence", "x", "y", "vx", "vy", "cos_h", "sin_h", "lat_off", "ang
 # continuous steering action, also on curved roads.
 _LANE_WIDTH = 4.0  # highway-env's default lane width [m]
 
+MAX_ACCELERATION = 5.0
+"""Acceleration [m/s^2] at action[0] = +-1 (highway-env's default range)."""
+MAX_STEERING = np.pi / 8
+"""Front-wheel angle [rad] at action[1] = +-1. Half of highway-env's default, which at
+highway speeds makes small policy errors throw the car off the road; still enough
+for the roundabout's tightest curves."""
+
 
 def _gap_and_closing_speed(ego: Vehicle, front: Vehicle) -> tuple[float, float]:
     """Bumper-to-bumper gap [m] and the rate it shrinks at [m/s].
@@ -151,7 +165,8 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
     and clipped to ``[-1, 1]``.
 
     Action: ``Box(-1, 1, (2,), float32)`` = (acceleration, steering), mapped by
-    highway-env's ``ContinuousAction`` to [-5, 5] m/s^2 and [-pi/4, pi/4] rad.
+    highway-env's ``ContinuousAction`` to +-:data:`MAX_ACCELERATION` m/s^2 and
+    +-:data:`MAX_STEERING` rad; the ego brakes to a stop but never reverses.
 
     Reward is highway-env's scenario reward. ``terminated`` on collision, off-road,
     or when the scene itself ends (merge: ramp passed); ``truncated`` after
@@ -219,7 +234,14 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
                 "normalize": False,
                 "order": "sorted",
             },
-            "action": {"type": "ContinuousAction", "longitudinal": True, "lateral": True},
+            "action": {
+                "type": "ContinuousAction",
+                "longitudinal": True,
+                "lateral": True,
+                "speed_range": [0.0, Vehicle.MAX_SPEED],  # brake to a stop, never reverse
+                "acceleration_range": [-MAX_ACCELERATION, MAX_ACCELERATION],
+                "steering_range": [-MAX_STEERING, MAX_STEERING],
+            },
             "policy_frequency": policy_frequency,
             # Keep at least one simulation frame per decision.
             "simulation_frequency": max(
@@ -336,6 +358,7 @@ class DrivingExpert:
     MIN_GAP = 6.0  # IDM jam distance, bumper to bumper [m]
     TIME_HEADWAY = 1.5  # IDM desired time gap [s]
     WHEELBASE = Vehicle.LENGTH  # highway-env's kinematic model turns like a bicycle of this base
+    LOOKAHEAD = (5.0, 0.5)  # pure-pursuit look-ahead: (minimum [m], time [s] at current speed)
     HORIZON = np.arange(0.25, 3.01, 0.25)  # conflict prediction times [s]
     CONFLICT_BOX = (Vehicle.LENGTH + 1.0, Vehicle.WIDTH + 1.0)  # (longitudinal, lateral) [m]
 
@@ -354,7 +377,7 @@ class DrivingExpert:
 
         accel = self._longitudinal(road, ego, lane_index, goal, driving.cruise_speed)
         steering = self._pure_pursuit(road, ego, lane_index, goal)
-        action = np.array([accel / 5.0, steering / (np.pi / 4)])  # ContinuousAction's ranges
+        action = np.array([accel / MAX_ACCELERATION, steering / MAX_STEERING])
         if self.noise > 0.0:
             action = action + self.noise * self._rng.standard_normal(2)
         return np.clip(action, -1.0, 1.0).astype(np.float32)
@@ -408,12 +431,14 @@ class DrivingExpert:
             self._point_ahead(road, lane_index, ego.position, probe_speed * t, goal)
             for t in self.HORIZON
         ]
-        reach = probe_speed * self.HORIZON[-1] + 2 * Vehicle.MAX_SPEED * self.HORIZON[-1]
         nearest = None
         for other in road.vehicles:
-            offset = other.position - ego.position
-            if other is ego or other is leader or np.linalg.norm(offset) > reach:
+            if other is ego or other is leader:
                 continue
+            offset = other.position - ego.position
+            reach = (probe_speed + abs(other.speed)) * self.HORIZON[-1] + self.CONFLICT_BOX[0]
+            if np.linalg.norm(offset) > reach:
+                continue  # too far apart to meet within the horizon
             if np.dot(offset, ego.direction) < 0.0:
                 continue  # behind the ego: it is the follower's job to yield
             other_path = self._predict(other)
@@ -445,7 +470,7 @@ class DrivingExpert:
 
     def _pure_pursuit(self, road: Road, ego: Vehicle, lane_index: LaneIndex, goal: str) -> float:
         """Steering angle [rad] towards a look-ahead point on the centre of the route lane."""
-        lookahead = max(8.0, 0.8 * ego.speed)
+        lookahead = max(self.LOOKAHEAD[0], self.LOOKAHEAD[1] * ego.speed)
         target, _ = self._point_ahead(road, lane_index, ego.position, lookahead, goal)
         offset = target - ego.position
         alpha = wrap_to_pi(np.arctan2(offset[1], offset[0]) - ego.heading)

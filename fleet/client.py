@@ -27,6 +27,9 @@ from robo_post.store import EpisodeValidationError, PolicyRegistry, Store, Store
 from robo_post.store.writer import write_json_atomic
 
 
+MAX_REJECTED_IN_A_ROW = 3
+
+
 @dataclass
 class ClientConfig:
     """Everything one client needs; JSON-serialisable.
@@ -132,7 +135,7 @@ def run_client(cfg: ClientConfig) -> dict[str, Any]:
     version, policy = 0, build_policy({}, cfg.policy)
     if cfg.policy_version is not None:
         version, policy = cfg.policy_version, build_policy(*registry.load(cfg.policy_version))
-    t_start, steps_run = time.perf_counter(), 0
+    t_start, steps_run, rejected_in_a_row = time.perf_counter(), 0, 0
     with store.writer(cfg.client_id) as writer:
         done = store.shard_episodes(cfg.client_id)  # counters survive restarts: start from what is committed
         status = {"client_id": cfg.client_id, "pid": os.getpid(), "episodes": len(done),
@@ -156,7 +159,10 @@ def run_client(cfg: ClientConfig) -> dict[str, Any]:
             low, high = env.action_space.low, env.action_space.high
             t0, n_interventions = time.time(), 0
             while True:
-                action = np.clip(np.asarray(policy.act(obs, env), dtype=np.float32), low, high)
+                action = np.asarray(policy.act(obs, env), dtype=np.float32)
+                if not np.isfinite(action).all():
+                    raise FloatingPointError(f"policy {policy_name(cfg, version)} produced a non-finite action {action}")
+                action = np.clip(action, low, high)
                 intervened = False
                 if overseer:
                     action, intervened = overseer.filter(obs, action, env)
@@ -175,9 +181,13 @@ def run_client(cfg: ClientConfig) -> dict[str, Any]:
                 )
                 status["successes"] += bool(info.get("success", False))
                 status["interventions"] += n_interventions
-            except EpisodeValidationError as e:  # a broken policy must not stop the fleet
+                rejected_in_a_row = 0
+            except EpisodeValidationError as e:  # one bad episode must not stop the fleet...
                 status["rejected"] += 1
                 status["last_error"] = str(e)
+                rejected_in_a_row += 1
+                if rejected_in_a_row >= MAX_REJECTED_IN_A_ROW:  # ...but a broken setup must not spin forever
+                    raise
             steps_run += steps
             status.update(episodes=writer.n_episodes, steps=status["steps"] + steps, policy_version=version,
                           steps_per_s=steps_run / (time.perf_counter() - t_start))

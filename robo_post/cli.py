@@ -196,8 +196,15 @@ def _fleet_main(argv: list[str]) -> int:
     return ros2.main(argv)
 
 
+def _run(cfg: DictConfig) -> None:
+    from robo_post.learner.run import run
+
+    print(json.dumps(run(cfg), indent=1))
+
+
 # --- dispatch -------------------------------------------------------------------
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+    "run": ("the main job: demos -> flow BC -> eval -> report (embedded defaults)", _hydra_job("run", _run)),
     "collect": ("run a fleet of clients that record episodes into the store", _hydra_job("collect", _collect)),
     "train": ("train a policy on a store snapshot (algo=bc_flow) and publish it", _hydra_job("train", _train)),
     "eval": ("success rates (95% CI) of pinned policy versions on eval-only seeds", _hydra_job("eval", _eval)),

@@ -1,0 +1,164 @@
+"""Flow policy: Gaussian flow-matching closed form, sampling, artifacts, training smoke + resume."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from robo_post.cli import compose
+from robo_post.learner.train import train
+from robo_post.models.flow import FlowPolicy, FlowPolicyConfig, FlowPolicyRunner
+from robo_post.store import ArraySpec, PolicyRegistry, Store, StoreSchema
+
+MU, S = 0.3, 0.5
+
+
+def exact_velocity(x, w):
+    """Spec invariant 7: velocity of the linear path from N(0,1) to N(mu, s^2)."""
+    d = (1 - w) ** 2 + w**2 * S**2
+    k = (w * S**2 - (1 - w)) / d
+    return MU + k * (x - w * MU)
+
+
+def test_euler_sampling_of_exact_field_hits_target_moments():
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    n = 1000
+    for i in range(n):
+        x = x + exact_velocity(x, i / n) / n
+    assert x.mean().item() == pytest.approx(MU, abs=1e-2)
+    assert x.std().item() == pytest.approx(S, abs=1e-2)
+
+
+def test_flow_matching_recovers_gaussian_velocity():
+    torch.manual_seed(0)
+    cfg = FlowPolicyConfig(proprio_dim=1, action_dim=1, horizon=1, use_text=False, embed_dim=8, hidden_dim=64)
+    model = FlowPolicy(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    obs = {"proprio": torch.zeros(512, 1)}
+    for _ in range(1500):
+        actions = (MU + S * torch.randn(512, 1, 1)).clamp(-1, 1)
+        loss = model.bc_loss(obs, actions)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    w = torch.linspace(0.05, 0.95, 19).repeat_interleave(200)
+    x = torch.randn(len(w), 1, 1)
+    with torch.no_grad():
+        pred = model.velocity(model.encode({"proprio": torch.zeros(len(w), 1)}), x, w).squeeze()
+    target = exact_velocity(x.squeeze(), w)
+    rel = (pred - target).norm() / target.norm()
+    assert rel.item() < 0.1, rel
+    samples = model.sample({"proprio": torch.zeros(4000, 1)}, seed=1).squeeze()
+    assert samples.mean().item() == pytest.approx(MU, abs=0.05)
+    assert samples.std().item() == pytest.approx(S, abs=0.06)
+
+
+def _image_model():
+    cfg = FlowPolicyConfig(proprio_dim=5, action_dim=3, horizon=4, image_size=16, use_text=False, embed_dim=16,
+                           hidden_dim=32, action_low=[-2.0, 0.0, -1.0], action_high=[2.0, 1.0, 1.0])
+    torch.manual_seed(0)
+    return FlowPolicy(cfg)
+
+
+def _obs(b):
+    g = torch.Generator().manual_seed(3)
+    return {"proprio": torch.randn(b, 5, generator=g), "image": torch.randint(0, 256, (b, 16, 16, 3), generator=g, dtype=torch.uint8)}
+
+
+def test_shapes_bounds_and_deterministic_sampling():
+    model = _image_model()
+    obs = _obs(6)
+    a = model.sample(obs, seed=7)
+    assert a.shape == (6, 4, 3)
+    assert (a >= model.action_low).all() and (a <= model.action_high).all()
+    assert torch.equal(a, model.sample(obs, seed=7))
+    assert not torch.equal(a, model.sample(obs, seed=8))
+    z = model.encode(obs)
+    assert z.shape == (6, 32)
+    assert model.velocity(z, torch.zeros(6, 4, 3), torch.rand(6)).shape == (6, 4, 3)
+    x = torch.rand(10, 3) * (model.action_high - model.action_low) + model.action_low
+    assert torch.allclose(model.unnormalize_actions(model.normalize_actions(x)), x, atol=1e-6)
+    assert model.bc_loss(obs, a, torch.ones(6, 4, dtype=torch.bool)).ndim == 0
+
+
+def test_registry_round_trip_gives_bit_identical_actions(tmp_path):
+    model = _image_model()
+    model.set_proprio_stats(np.arange(5.0), np.full(5, 2.0))
+    store = Store.create(str(tmp_path / "s"), StoreSchema({"x": ArraySpec("float32", (1,))}, ArraySpec("float32", (1,))))
+    registry = PolicyRegistry(store.root)
+    version = registry.publish(*model.artifact(algorithm="test"))
+    loaded = FlowPolicy.from_artifact(*registry.load(version))
+    obs = _obs(3)
+    assert torch.equal(model.eval().sample(obs, seed=11), loaded.sample(obs, seed=11))
+    assert torch.equal(loaded.proprio_mean, torch.arange(5.0))
+    assert registry.load(version)[1]["algorithm"] == "test"
+
+
+def test_runner_executes_chunks_open_loop():
+    model = _image_model()
+    model.config.execute_steps = 2
+    runner = FlowPolicyRunner(model)
+
+    class Env:
+        class unwrapped:
+            instruction = "x"
+
+    runner.reset(Env, seed=0)
+    obs = {"proprio": np.zeros(5, np.float32), "image": np.zeros((16, 16, 3), np.uint8)}
+    first = [runner.act(obs, Env) for _ in range(2)]
+    chunk = model.sample({"proprio": torch.zeros(1, 5), "image": torch.zeros(1, 16, 16, 3, dtype=torch.uint8),
+                          "instruction": ["x"]}, seed=0)[0].numpy()
+    np.testing.assert_array_equal(np.stack(first), chunk[:2])
+
+
+@pytest.fixture(scope="module")
+def tiny_store(tmp_path_factory):
+    """A few scripted-expert reach episodes, state-only, recorded by the real fleet."""
+    root = str(tmp_path_factory.mktemp("bc") / "store")
+    r = subprocess.run(
+        [sys.executable, "-m", "robo_post.cli", "collect", f"store={root}", "episodes=6", "env.tasks=[reach]",
+         "env.kwargs.render_images=false", "fleet.n_clients=1", "show=false"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    return root
+
+
+def _train_cfg(store, run_dir, updates):
+    return OmegaConf.merge(compose("train", []), {
+        "store": store, "run_dir": run_dir, "updates": updates, "batch_size": 16, "log_every": 5,
+        "checkpoint_every": 10, "show": False, "device": "cpu", "publish": False,
+        "model": {"use_images": False, "use_text": False, "hidden_dim": 32, "embed_dim": 16},
+    })
+
+
+def test_train_cli_smoke_publishes_a_version(tiny_store, tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "robo_post.cli", "train", f"store={tiny_store}", f"run_dir={tmp_path / 'run'}",
+         "updates=20", "log_every=10", "batch_size=8", "model.use_images=false", "model.use_text=false", "show=false"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["version"] == 1 and summary["episodes"] == 6
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["update"] for row in rows] == [10, 20] and all(np.isfinite(row["bc_loss"]) for row in rows)
+    _, config = PolicyRegistry(tiny_store).load(1)
+    assert config["algorithm"] == "bc_flow" and config["snapshot"] == summary["snapshot"]
+
+
+def test_resume_matches_uninterrupted_run(tiny_store, tmp_path):
+    train(_train_cfg(tiny_store, str(tmp_path / "full"), 30))
+    train(_train_cfg(tiny_store, str(tmp_path / "split"), 20))  # "killed" after its update-20 checkpoint
+    os.remove(tmp_path / "split" / "summary.json")
+    train(_train_cfg(tiny_store, str(tmp_path / "split"), 30))  # resumes from update 20
+    read = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+    full, split = read("full"), read("split")
+    assert [r["update"] for r in split] == [5, 10, 15, 20, 25, 30]
+    for a, b in zip(full, split):
+        assert a["bc_loss"] == pytest.approx(b["bc_loss"], rel=1e-6, abs=1e-9)
