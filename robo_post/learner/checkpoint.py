@@ -100,7 +100,8 @@ def load_checkpoint(
     if "rng.cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng.cuda"])
     for name, rng in rngs.items():
-        rng.bit_generator.state = payload["numpy_rngs"][name]
+        if name in payload["numpy_rngs"]:  # a new phase may bring new samplers; they keep their seeds
+            rng.bit_generator.state = payload["numpy_rngs"][name]
     return payload["state"]
 
 

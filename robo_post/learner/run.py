@@ -5,8 +5,11 @@ Stages (each is skipped when its output already exists, so a killed run resumes)
 1. ``demos``: the fleet records scripted expert demonstrations (with action noise)
    and near-miss "play" episodes (plausible failures) into ``RUN/store``.
 2. ``bc``: flow BC on the successful episodes -> policy v1 in the registry.
-3. ``eval``: every published version on seen and held-out instruction phrasings.
-4. ``report``: Markdown/HTML report with success tables, curves and rollout frames.
+3. ``lwd``: offline DIVL+QAM on all episodes (successes, failures, play) -> v2; then
+   online rounds: the fleet runs the newest version, the learner mixes its episodes
+   with the offline data and publishes the next version.
+4. ``eval``: every published version on seen and held-out instruction phrasings.
+5. ``report``: Markdown/HTML report with success tables, curves and rollout frames.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from robo_post.learner import lwd
 from robo_post.store import PolicyRegistry, Store
 
 
@@ -26,8 +30,10 @@ def _compose(name: str, values: dict[str, Any]) -> DictConfig:
     return OmegaConf.merge(compose(name, []), values)
 
 
-def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, policy: dict[str, Any]) -> None:
-    """Record ``episodes`` episodes with a scripted policy under client ids ``prefix-*``."""
+def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, policy: dict[str, Any],
+                  follow_registry: bool = False) -> None:
+    """Record episodes under client ids ``prefix-*`` until they hold ``episodes``; clients run
+    ``policy``, or the newest registry version when ``follow_registry``."""
     from robo_post.fleet.collect import collect
 
     store = Store.open(store_root) if os.path.exists(os.path.join(store_root, "store.json")) else None
@@ -38,7 +44,7 @@ def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, 
         "store": store_root, "episodes": episodes - done, "seed": cfg.seed, "show": cfg.show,
         "env": {"tasks": list(cfg.env.tasks), "kwargs": OmegaConf.to_container(cfg.env.kwargs)},
         "policy": policy,
-        "fleet": {"n_clients": cfg.fleet.n_clients, "client_prefix": prefix, "follow_registry": False},
+        "fleet": {"n_clients": cfg.fleet.n_clients, "client_prefix": prefix, "follow_registry": follow_registry},
     }))
 
 
@@ -64,6 +70,23 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             **OmegaConf.to_container(cfg.bc, resolve=True),
         }))
 
+    run_dirs = [bc_dir]
+    if cfg.lwd.enabled:
+        lwd_dir = os.path.join(cfg.run_dir, "lwd")
+        run_dirs.append(lwd_dir)
+        summary_path = os.path.join(lwd_dir, "summary.json")
+        if not os.path.exists(summary_path):
+            lwd.offline(store_root, lwd_dir, cfg.lwd)
+        with open(summary_path) as f:
+            offline_snapshot = json.load(f)["snapshot"]
+        for k in range(cfg.lwd.online.rounds):
+            if os.path.exists(os.path.join(lwd_dir, f"online-{k}.json")):
+                continue
+            # The fleet runs the newest version (hot-swapped at episode boundaries) and records it.
+            collect_stage(cfg, store_root, cfg.lwd.online.client_prefix, (k + 1) * cfg.lwd.online.episodes,
+                          {"kind": "expert"}, follow_registry=True)
+            lwd.online_round(store_root, lwd_dir, cfg.lwd, offline_snapshot, k)
+
     results = []
     for version in registry.versions():
         for split in cfg.eval.splits:
@@ -71,10 +94,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 store_root, version, list(cfg.env.tasks), cfg.eval.episodes_per_task, split=split,
                 n_clients=cfg.fleet.n_clients, out_store=eval_store, seed=cfg.eval.seed, show=cfg.show,
             ))
-    report = write_report(os.path.join(cfg.run_dir, "report"), results, run_dirs=[bc_dir], eval_store=eval_store)
+    report = write_report(os.path.join(cfg.run_dir, "report"), results, run_dirs=run_dirs, eval_store=eval_store)
     summary = {
         "report": report,
-        "results": [{"version": r["version"], "split": r["split"], "mean_success": r["mean_success_rate"],
+        "results": [{"version": r["policy"]["version"], "split": r["split"], "mean_success": r["mean_success_rate"],
                      "per_task": {t: d["success_rate"] for t, d in r["tasks"].items()}} for r in results],
     }
     with open(os.path.join(cfg.run_dir, "summary.json"), "w") as f:

@@ -54,8 +54,12 @@ class FlowPolicyConfig:
     execute_steps: int | None = None
 
 
-def time_features(w: torch.Tensor, n: int = 8) -> torch.Tensor:
-    """Fourier features of flow time w (B,) -> (B, 2n + 1)."""
+TIME_FREQS = 4
+TIME_FEATURES = 2 * TIME_FREQS + 1
+
+
+def time_features(w: torch.Tensor, n: int = TIME_FREQS) -> torch.Tensor:
+    """Fourier features of flow time w (B,) -> (B, 2n + 1); low frequencies keep v smooth in w."""
     freqs = math.pi * 2.0 ** torch.arange(n, device=w.device, dtype=w.dtype)
     angles = w[:, None] * freqs
     return torch.cat([w[:, None], angles.sin(), angles.cos()], dim=-1)
@@ -74,7 +78,7 @@ class FlowPolicy(nn.Module):
         n_mod = 1 + (self.image is not None) + (self.text is not None)
         self.fuse = mlp([n_mod * e, c.hidden_dim, c.hidden_dim], layer_norm=True)
         self.chunk_dim = c.horizon * c.action_dim
-        self.velocity_net = mlp([c.hidden_dim + self.chunk_dim + 17, c.hidden_dim, c.hidden_dim, self.chunk_dim])
+        self.velocity_net = mlp([c.hidden_dim + self.chunk_dim + TIME_FEATURES, c.hidden_dim, c.hidden_dim, self.chunk_dim])
         # Normalisers are buffers so they travel with the weights.
         low = torch.tensor(c.action_low or [-1.0] * c.action_dim, dtype=torch.float32)
         high = torch.tensor(c.action_high or [1.0] * c.action_dim, dtype=torch.float32)
