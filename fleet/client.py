@@ -43,7 +43,9 @@ class ClientConfig:
         policy: artifact config used until the registry has a version (version 0).
         follow_registry: load the newest registry version at every episode boundary.
         overseer: ``{"enabled", "stall_steps", "stall_tol", "takeover_steps"}``.
-        seed: base seed; episode seeds derive from (seed, client_id, episode index).
+        seed: base seed; episode seeds derive from (seed, seed_key or client_id, episode index).
+        seed_key: clients sharing a seed_key see the same layouts (common random numbers
+            when comparing policy versions).
         policy_store: store whose registry policies come from (default: ``store``).
         policy_version: pin this registry version: loaded once, never hot-swapped
             (evaluation of one exact policy).
@@ -58,6 +60,7 @@ class ClientConfig:
     follow_registry: bool = True
     overseer: dict[str, Any] = field(default_factory=lambda: {"enabled": False})
     seed: int = 0
+    seed_key: str | None = None
     policy_store: str | None = None
     policy_version: int | None = None
 
@@ -151,7 +154,7 @@ def run_client(cfg: ClientConfig) -> dict[str, Any]:
             index = writer.n_episodes
             task = cfg.tasks[index % len(cfg.tasks)]
             env = envs.get(task) or envs.setdefault(task, make_env(cfg.env, task))
-            seed = episode_seed(cfg.seed, cfg.client_id, index)
+            seed = episode_seed(cfg.seed, cfg.seed_key or cfg.client_id, index)
             obs, info = env.reset(seed=seed)
             policy.reset(env, seed)
             if overseer:

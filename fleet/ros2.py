@@ -9,12 +9,21 @@ topic               type                     direction         content
 ==================  =======================  ================  ==========================================
 ``joint_states``    sensor_msgs/JointState   robot -> bridge   proprio as ``position`` (``PROPRIO_NAMES``)
 ``camera/image``    sensor_msgs/Image        robot -> bridge   camera frame, encoding ``rgb8``
-``instruction``     std_msgs/String          robot -> bridge   the language instruction of the episode
+``instruction``     std_msgs/String          robot -> bridge   the episode's language instruction (the
+                                                               bridge prefers the start event's copy,
+                                                               which cannot race the episode)
 ``action``          sensor_msgs/JointState   either way        the action taken in the obs with the same
                                                                stamp (``ACTION_NAMES``); JointState, not
                                                                Float32MultiArray, because it has a header
 ``episode``         std_msgs/String          robot -> bridge   JSON episode events, below
+``bridge/status``   std_msgs/String          bridge -> robot   JSON heartbeat every 0.25 s: counters and
+                                                               ``matched`` (topic -> robots the bridge
+                                                               itself is matched with)
 ==================  =======================  ================  ==========================================
+
+A robot starts only once a heartbeat shows the bridge matched on all its topics: DDS
+matches the two ends of a topic separately, and a sample sent before the receiving end
+has matched is lost for good on a volatile topic.
 
 Per episode the robot publishes the instruction, then the event
 ``{"event": "start", "episode", "seed", "task", "instruction", "stamp"}``, then for
@@ -25,12 +34,13 @@ otherwise the one the bridge served. Last comes ``{"event": "end", "episode", "s
 "aborted", "stamp": s_T, "final"}``; ``final`` marks the robot's last episode.
 
 Alignment: the bridge files every valid message by its stamp, whatever order topics
-arrive in, and the episode is the set of stamps in [start.stamp, end.stamp]. It commits
-once that set is complete (T + 1 observations, T actions). A malformed message (wrong
-length, NaN/inf, wrong image encoding or size, a stamp not after the previous one on
-its topic) is counted by kind, logged and dropped, and the episode in progress is
-discarded at its end instead of committed. An episode silent for ``timeout`` seconds
-is discarded too. A discarded episode never touches the store.
+arrive in (events may overtake data, so several episodes can be open at once), and an
+episode is the set of stamps in [start.stamp, end.stamp]. It commits once that set is
+complete (T + 1 observations, T actions). A malformed message (wrong length, NaN/inf,
+wrong image encoding or size, a stamp not after the previous one on its topic, a bad
+event) is counted by kind, logged and dropped, and the episode in progress (the latest
+started) is discarded at its end instead of committed. An episode that receives nothing
+for ``timeout`` seconds is discarded too. A discarded episode never touches the store.
 
 Environment: importing this module defaults ``RMW_IMPLEMENTATION=rmw_fastrtps_cpp`` (the
 middleware the ``ros`` extra installs) and ``ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST``
@@ -69,15 +79,16 @@ from rclpy.signals import SignalHandlerOptions
 from sensor_msgs.msg import Image, JointState
 from std_msgs.msg import String
 
-from robo_post.envs.tabletop import PROPRIO_FIELDS, TASKS
+from robo_post.envs.tabletop import PROPRIO_FIELDS, TASKS, TabletopEnv
 from robo_post.fleet.client import episode_seed, store_schema
 from robo_post.fleet.policies import Policy, build_policy
 from robo_post.store import EpisodeValidationError, PolicyRegistry, Store, StoreNotFoundError
 from robo_post.store.writer import write_json_atomic
 
-JOINT_TOPIC, IMAGE_TOPIC, INSTRUCTION_TOPIC, ACTION_TOPIC, EPISODE_TOPIC = (
-    "joint_states", "camera/image", "instruction", "action", "episode",
+JOINT_TOPIC, IMAGE_TOPIC, INSTRUCTION_TOPIC, ACTION_TOPIC, EPISODE_TOPIC, STATUS_TOPIC = (
+    "joint_states", "camera/image", "instruction", "action", "episode", "bridge/status",
 )
+HEARTBEAT_S = 0.25  # bridge status period
 PROPRIO_NAMES: tuple[str, ...] = tuple(f"{name}.{i}" for name, size in PROPRIO_FIELDS for i in range(size))
 ACTION_NAMES: tuple[str, ...] = ("dx", "dy", "dz", "gripper")
 QOS = QoSProfile(
@@ -114,10 +125,6 @@ def image_msg(ns: int, image: np.ndarray, encoding: str = "rgb8") -> Image:
     return msg
 
 
-def _string(text: str) -> String:
-    return String(data=text)
-
-
 # --- configs ----------------------------------------------------------------------
 @dataclass
 class SimConfig:
@@ -137,7 +144,8 @@ class SimConfig:
         max_steps: truncation horizon (0: the task's default).
         rate_hz: control rate (0: as fast as possible).
         action_timeout: seconds to wait for a served action before aborting the episode.
-        discovery_timeout: seconds to wait for the bridge to subscribe.
+        discovery_timeout: seconds to wait for a bridge heartbeat showing every topic matched.
+        subscribers: episode-topic subscribers (the bridge plus any monitors) to wait for.
         dump: if set, write everything published to this ``.npz`` (arrays + JSON metadata).
     """
 
@@ -154,6 +162,7 @@ class SimConfig:
     rate_hz: float = 25.0
     action_timeout: float = 5.0
     discovery_timeout: float = 60.0
+    subscribers: int = 1
     dump: str = ""
 
 
@@ -170,7 +179,7 @@ class BridgeConfig:
         policy: artifact kind served while the registry is empty (version 0). Served
             policies see observations only (no simulator), so scripted experts cannot be served.
         follow_registry: load the newest registry version at every episode start.
-        timeout: seconds of silence after which the episode in progress is discarded.
+        timeout: seconds an open episode may receive nothing before it is discarded.
         image_size: camera image side used when creating a new store.
         exit_on_final: exit once the episode flagged ``final`` is committed or discarded.
     """
@@ -222,8 +231,6 @@ class SimRobotNode(Node):
 
     def __init__(self, cfg: SimConfig, context: Context | None = None):
         super().__init__("sim_robot", namespace=cfg.namespace, context=context)
-        from robo_post.envs.tabletop import TabletopEnv
-
         self.cfg = cfg
         self.env = TabletopEnv(task=cfg.task, image_size=cfg.image_size, max_steps=cfg.max_steps or None)
         self.policy: Policy | None = (
@@ -236,6 +243,8 @@ class SimRobotNode(Node):
             EPISODE_TOPIC: self.create_publisher(String, EPISODE_TOPIC, QOS),
         }
         self._served: dict[int, np.ndarray] = {}
+        self._heartbeat: dict[str, Any] = {}
+        self.create_subscription(String, STATUS_TOPIC, self._on_heartbeat, QOS)
         self._action_sub = None
         if cfg.act_locally:
             self.pubs[ACTION_TOPIC] = self.create_publisher(JointState, ACTION_TOPIC, QOS)
@@ -253,33 +262,40 @@ class SimRobotNode(Node):
             return
         self._served[stamp_ns(msg.header)] = action
 
+    def _on_heartbeat(self, msg: String) -> None:
+        self._heartbeat = json.loads(msg.data)
+
     def _stamp(self) -> int:
         # Strictly increasing even if the clock stalls or steps back.
         self._last_stamp = max(self.get_clock().now().nanoseconds, self._last_stamp + 1)
         return self._last_stamp
 
-    def _spin_for(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            self._executor.spin_once(timeout_sec=min(0.05, max(deadline - time.monotonic(), 0.0)))
-
     def wait_for_bridge(self) -> None:
-        """Block until a bridge is matched on every topic; raise ``TimeoutError`` otherwise."""
-        deadline = time.monotonic() + self.cfg.discovery_timeout
+        """Block until both ends of every topic are matched (the bridge's end as its heartbeat
+        reports it); raise ``TimeoutError`` otherwise."""
+        t0 = time.monotonic()
+        topics = set(self.pubs) | {ACTION_TOPIC}
 
         def matched() -> bool:
-            subscribed = all(p.get_subscription_count() > 0 for p in self.pubs.values())
-            return subscribed and (self._action_sub is None or self._action_sub.get_publisher_count() > 0)
+            bridge = self._heartbeat.get("matched", {})
+            return (
+                all(bridge.get(topic, 0) > 0 for topic in topics)
+                and all(p.get_subscription_count() > 0 for p in self.pubs.values())
+                and self.pubs[EPISODE_TOPIC].get_subscription_count() >= self.cfg.subscribers
+                and (self._action_sub is None or self._action_sub.get_publisher_count() > 0)
+            )
 
         while not matched():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no bridge on {self.get_namespace()} within {self.cfg.discovery_timeout} s")
+            if time.monotonic() - t0 > self.cfg.discovery_timeout:
+                raise TimeoutError(
+                    f"no bridge matched on {self.get_namespace()} within {self.cfg.discovery_timeout} s "
+                    f"(last heartbeat: {self._heartbeat.get('matched')})"
+                )
             self._executor.spin_once(timeout_sec=0.05)
-        self._spin_for(0.5)  # our side matched first; give the other side time to match us
-        self.get_logger().info(f"bridge matched after {time.monotonic() - deadline + self.cfg.discovery_timeout:.1f} s")
+        self.get_logger().info(f"bridge matched after {time.monotonic() - t0:.1f} s")
 
     def _event(self, payload: dict[str, Any]) -> None:
-        self.pubs[EPISODE_TOPIC].publish(_string(json.dumps(payload)))
+        self.pubs[EPISODE_TOPIC].publish(String(data=json.dumps(payload)))
 
     def _publish_obs(self, obs: dict[str, Any], ns: int) -> None:
         self.pubs[JOINT_TOPIC].publish(joint_msg(ns, PROPRIO_NAMES, obs["proprio"]))
@@ -308,7 +324,7 @@ class SimRobotNode(Node):
         stamps = [self._stamp()]
         rec: dict[str, list] = {"proprio": [obs["proprio"]], "image": [obs["image"]], "action": [], "reward": []}
         meta = {"episode": index, "seed": seed, "task": self.cfg.task, "instruction": info["instruction"]}
-        self.pubs[INSTRUCTION_TOPIC].publish(_string(info["instruction"]))
+        self.pubs[INSTRUCTION_TOPIC].publish(String(data=info["instruction"]))
         self._event({"event": "start", **meta, "stamp": stamps[0]})
         terminated = truncated = aborted = False
         period = 1.0 / self.cfg.rate_hz if self.cfg.rate_hz > 0 else 0.0
@@ -385,7 +401,7 @@ class RemoteRobot:
 
 @dataclass
 class _Episode:
-    """An episode announced by a start event, until it is committed or discarded."""
+    """An episode announced by a start event, open until committed or discarded."""
 
     index: int
     seed: int
@@ -394,15 +410,24 @@ class _Episode:
     instruction: str
     start: int
     policy_version: int
+    last_rx: float  # monotonic time of the last message that belonged to it
+    last_stamp: int  # newest data stamp that belonged to it
     end: dict[str, Any] | None = None
     tainted: str | None = None  # kind of the first malformed message seen during it
+
+    def owns(self, ns: int) -> bool:
+        return self.start <= ns and (self.end is None or ns <= self.end["stamp"])
 
 
 class BridgeNode(Node):
     """Records episodes from the robot's topics into one store shard; optionally serves actions.
 
+    Several episodes can be open at once: the executor takes one message per topic per
+    wake-up, so the few event messages overtake the many data messages. Every message
+    belongs to the open episode with the latest start stamp at or before its own.
+
     Counters: ``malformed`` (message kind -> count) and ``discarded`` (reason -> count);
-    both also go to ``STORE/fleet/<client_id>.json`` with the commit counts.
+    both also go to ``STORE/fleet/<client_id>.json`` and the heartbeat with the commit counts.
     """
 
     def __init__(self, cfg: BridgeConfig, context: Context | None = None):
@@ -430,17 +455,21 @@ class BridgeNode(Node):
         self.done = False
         self._pool: dict[int, dict[str, np.ndarray]] = {}  # stamp -> {proprio, image, action}
         self._last: dict[str, int] = {}  # newest accepted stamp per topic
-        self._episode: _Episode | None = None
+        self._open: list[_Episode] = []  # by start stamp
+        self._closed_until = 0  # newest stamp of a closed episode; older data are stragglers
+        self._final_seen = False
         self._instruction = ""
         self._last_rx = time.monotonic()
         self._status_path = os.path.join(self.store.root, "fleet", f"{cfg.client_id}.json")
         os.makedirs(os.path.dirname(self._status_path), exist_ok=True)
 
-        self.create_subscription(String, INSTRUCTION_TOPIC, self._on_instruction, QOS)
-        self.create_subscription(String, EPISODE_TOPIC, self._on_event, QOS)
-        self.create_subscription(JointState, JOINT_TOPIC, self._on_joint, QOS)
+        self._subs = {
+            INSTRUCTION_TOPIC: self.create_subscription(String, INSTRUCTION_TOPIC, self._on_instruction, QOS),
+            EPISODE_TOPIC: self.create_subscription(String, EPISODE_TOPIC, self._on_event, QOS),
+            JOINT_TOPIC: self.create_subscription(JointState, JOINT_TOPIC, self._on_joint, QOS),
+        }
         if self._image_shape is not None:
-            self.create_subscription(Image, IMAGE_TOPIC, self._on_image, QOS)
+            self._subs[IMAGE_TOPIC] = self.create_subscription(Image, IMAGE_TOPIC, self._on_image, QOS)
         self.registry = PolicyRegistry(self.store.root)
         self.policy_version = 0
         self._robot = RemoteRobot(self._action_space)
@@ -448,13 +477,18 @@ class BridgeNode(Node):
             self._policy: Policy = build_policy({}, {"kind": cfg.policy})
             self._action_pub = self.create_publisher(JointState, ACTION_TOPIC, QOS)
         else:  # a served action is recorded when served, so only listen when the robot acts itself
-            self.create_subscription(JointState, ACTION_TOPIC, self._on_action, QOS)
+            self._subs[ACTION_TOPIC] = self.create_subscription(JointState, ACTION_TOPIC, self._on_action, QOS)
+        self._status_pub = self.create_publisher(String, STATUS_TOPIC, QOS)
+        self._next_beat = 0.0
         self.write_status("running")
+
+    def _owner(self, ns: int) -> _Episode | None:
+        return next((ep for ep in reversed(self._open) if ep.owns(ns)), None)
 
     # --- incoming messages ----------------------------------------------------------
     def _reject(self, kind: str, detail: str) -> None:
         self.malformed[kind] += 1
-        ep = self._episode
+        ep = self._open[-1] if self._open else None  # the episode in progress
         if ep is not None and ep.tainted is None:
             ep.tainted = kind
         where = f"; discarding episode {ep.index}" if ep is not None else ""
@@ -468,11 +502,14 @@ class BridgeNode(Node):
             return
         self._last[topic] = ns
         self._last_rx = time.monotonic()
-        if self._episode is not None and ns < self._episode.start:
-            return  # straggler of an episode already discarded
+        if ns <= self._closed_until:
+            return  # straggler of an episode already closed
         self._pool.setdefault(ns, {})[key] = value
-        self._serve(ns)
-        self._try_finish()
+        ep = self._owner(ns)
+        if ep is not None:  # else its start event has not arrived yet
+            ep.last_rx, ep.last_stamp = self._last_rx, max(ep.last_stamp, ns)
+            self._serve(ep, ns)
+            self._try_finish(ep)
 
     def _on_joint(self, msg: JointState) -> None:
         proprio = np.asarray(msg.position, dtype=np.float64)
@@ -526,28 +563,38 @@ class BridgeNode(Node):
         start, index, seed, task = int(ev["stamp"]), int(ev["episode"]), int(ev["seed"]), str(ev["task"])
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}")
-        if self._episode is not None:  # its end never came
-            self._discard("incomplete", keep_from=start)
-        self._pool = {ns: v for ns, v in self._pool.items() if ns >= start}
+        if start <= self._closed_until or any(ep.index == index or ep.start >= start for ep in self._open):
+            raise ValueError(f"episode {index} starts at {start}, not after the episodes already seen")
         # The event's instruction is tied to this episode; the topic's latest one may not be yet.
         instruction = str(ev.get("instruction", self._instruction))
-        version = int(ev.get("policy_version", 0))
+        version, tainted = int(ev.get("policy_version", 0)), None
         if self.cfg.serve_policy:
-            version = self._prepare_policy(instruction, task, seed)
-        self._episode = _Episode(index, seed, task, TASKS.index(task), instruction, start, version)
-        for ns in sorted(self._pool):
-            self._serve(ns)
+            try:
+                version = self._prepare_policy(instruction, task, seed)
+            except Exception as e:  # a broken artifact must not take the bridge down
+                self.get_logger().error(f"cannot prepare a policy for episode {index}: {e!r}")
+                version, tainted = self.policy_version, "policy_error"
+        ep = _Episode(index, seed, task, TASKS.index(task), instruction, start, version, time.monotonic(), start,
+                      tainted=tainted)
+        # Data before this start that no open episode owns can never be used (e.g. we joined mid-episode).
+        self._pool = {ns: v for ns, v in self._pool.items() if ns >= start or self._owner(ns)}
+        self._open.append(ep)
+        for ns in sorted(ns for ns in self._pool if ns >= start):  # data that overtook the event
+            ep.last_stamp = ns
+            self._serve(ep, ns)
 
     def _on_end(self, ev: dict[str, Any]) -> None:
-        ep = self._episode
-        if ep is None or int(ev["episode"]) != ep.index:
-            self.get_logger().info(f"end of episode {ev['episode']} that is not in progress; ignored")
+        ep = next((e for e in self._open if e.index == int(ev["episode"]) and e.end is None), None)
+        if ep is None:
+            self.get_logger().info(f"end of episode {ev['episode']}, which is not open; ignored")
             return
-        length, rewards = int(ev["length"]), [float(r) for r in ev["rewards"]]
-        if len(rewards) != length:
-            raise ValueError(f"{len(rewards)} rewards for {length} steps")
-        ep.end = {**ev, "length": length, "rewards": rewards, "stamp": int(ev["stamp"])}
-        self._try_finish()
+        length, rewards, stamp = int(ev["length"]), [float(r) for r in ev["rewards"]], int(ev["stamp"])
+        if len(rewards) != length or stamp < ep.start:
+            raise ValueError(f"{len(rewards)} rewards for {length} steps, end stamp {stamp}")
+        ep.end = {**ev, "length": length, "rewards": rewards, "stamp": stamp}
+        ep.last_rx = time.monotonic()
+        self._final_seen |= bool(ev.get("final"))
+        self._try_finish(ep)
 
     # --- serving --------------------------------------------------------------------
     def _prepare_policy(self, instruction: str, task: str, seed: int) -> int:
@@ -559,12 +606,9 @@ class BridgeNode(Node):
         self._policy.reset(self._robot, seed)
         return self.policy_version
 
-    def _serve(self, ns: int) -> None:
-        ep = self._episode
-        if not self.cfg.serve_policy or ep is None or ns < ep.start or (ep.end and ns > ep.end["stamp"]):
-            return
+    def _serve(self, ep: _Episode, ns: int) -> None:
         step = self._pool[ns]
-        if "action" in step or not self._obs_keys <= step.keys():
+        if not self.cfg.serve_policy or "action" in step or not self._obs_keys <= step.keys():
             return
         try:
             action = np.asarray(self._policy.act(self._obs(step, ep), self._robot), dtype=np.float32)
@@ -586,21 +630,19 @@ class BridgeNode(Node):
         obs["task_id"] = np.int64(ep.task_index)
         return obs
 
-    def _try_finish(self) -> None:
-        ep = self._episode
-        if ep is None or ep.end is None:
+    def _try_finish(self, ep: _Episode) -> None:
+        if ep.end is None:
             return
-        end = ep.end
-        if end.get("aborted"):
-            self._discard("aborted", keep_from=end["stamp"] + 1)
+        if ep.end.get("aborted"):
+            self._discard(ep, "aborted")
             return
         if ep.tainted:
-            self._discard("malformed", keep_from=end["stamp"] + 1)
+            self._discard(ep, "policy_error" if ep.tainted == "policy_error" else "malformed")
             return
-        T = end["length"]
-        stamps = sorted(ns for ns in self._pool if ep.start <= ns <= end["stamp"])
+        T = ep.end["length"]
+        stamps = sorted(ns for ns in self._pool if ep.owns(ns))
         if len(stamps) > T + 1:
-            self._discard("inconsistent", keep_from=end["stamp"] + 1)
+            self._discard(ep, "inconsistent")
             return
         complete = (
             len(stamps) == T + 1
@@ -629,51 +671,59 @@ class BridgeNode(Node):
             )
         except EpisodeValidationError as e:
             self.get_logger().warning(f"episode {ep.index} rejected by the store: {e}")
-            self._discard("invalid", keep_from=end["stamp"] + 1)
+            self._discard(ep, "invalid")
             return
         self.committed += 1
-        self.get_logger().info(f"committed episode {ep.index} ({T} steps) as {self.cfg.client_id}/{self.writer.n_episodes - 1}")
-        self._close_episode(ep, keep_from=end["stamp"] + 1)
+        self.get_logger().info(f"committed episode {ep.index} ({T} steps) to shard {self.cfg.client_id}")
+        self._close(ep)
 
-    def _discard(self, reason: str, keep_from: int | None = None) -> None:
-        """Drop the episode in progress (and pooled messages before ``keep_from``; all if None)."""
-        ep = self._episode
-        assert ep is not None
+    def _discard(self, ep: _Episode, reason: str) -> None:
         self.discarded[reason] += 1
         self.writer.discard()
         self.get_logger().warning(f"discarded episode {ep.index} ({reason}{': ' + ep.tainted if ep.tainted else ''})")
-        self._close_episode(ep, keep_from)
+        self._close(ep)
 
-    def _close_episode(self, ep: _Episode, keep_from: int | None) -> None:
-        self._pool = {} if keep_from is None else {ns: v for ns, v in self._pool.items() if ns >= keep_from}
-        self._episode = None
-        if self.cfg.exit_on_final and ep.end is not None and ep.end.get("final"):
-            self.done = True
+    def _close(self, ep: _Episode) -> None:
+        """Forget an episode and every message up to its last stamp."""
+        self._open.remove(ep)
+        self._closed_until = max(self._closed_until, ep.end["stamp"] if ep.end is not None else ep.last_stamp)
+        self._pool = {ns: v for ns, v in self._pool.items() if ns > self._closed_until}
+        self.done = self.cfg.exit_on_final and self._final_seen and not self._open
         self.write_status("running")
 
     def tick(self) -> None:
-        """Enforce the silence deadline; call periodically."""
-        if time.monotonic() - self._last_rx <= self.cfg.timeout:
-            return
-        if self._episode is not None:
-            self._discard("timeout")
-        self._pool.clear()
+        """Publish the heartbeat when due and enforce the silence deadline of every open
+        episode; call periodically."""
+        now = time.monotonic()
+        if now >= self._next_beat:
+            self._next_beat = now + HEARTBEAT_S
+            matched = {topic: sub.get_publisher_count() for topic, sub in self._subs.items()}
+            if self.cfg.serve_policy:
+                matched[ACTION_TOPIC] = self._action_pub.get_subscription_count()
+            self._status_pub.publish(String(data=json.dumps({**self._status("running"), "matched": matched})))
+        for ep in [e for e in self._open if now - e.last_rx > self.cfg.timeout]:
+            self._discard(ep, "timeout")
+        if not self._open and now - self._last_rx > self.cfg.timeout:
+            self._pool.clear()  # data whose start event never came
 
-    def write_status(self, state: str) -> dict[str, Any]:
-        """Write and return the bridge status (``STORE/fleet/<client_id>.json``)."""
-        status = {
+    def _status(self, state: str) -> dict[str, Any]:
+        return {
             "client_id": self.cfg.client_id, "pid": os.getpid(), "state": state, "kind": "ros2-bridge",
             "episodes": self.writer.n_episodes, "steps": self.writer.n_steps, "committed": self.committed,
             "malformed": dict(self.malformed), "discarded": dict(self.discarded),
             "policy_version": self.policy_version,
         }
+
+    def write_status(self, state: str) -> dict[str, Any]:
+        """Write and return the bridge status (``STORE/fleet/<client_id>.json``)."""
+        status = self._status(state)
         write_json_atomic(self._status_path, status, fsync=False)
         return status
 
     def close(self) -> dict[str, Any]:
-        """Discard any episode in progress, release the shard and write the final status."""
-        if self._episode is not None:
-            self._discard("shutdown")
+        """Discard the episodes still open, release the shard and write the final status."""
+        for ep in list(self._open):
+            self._discard(ep, "shutdown")
         status = self.write_status("stopped")
         self.writer.close()
         self.destroy_node()
@@ -693,16 +743,18 @@ def run_bridge(cfg: BridgeConfig) -> dict[str, Any]:
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     context = _init(cfg.domain_id)
-    node = BridgeNode(cfg, context)
-    executor = SingleThreadedExecutor(context=context)
-    executor.add_node(node)
     try:
-        while not (node.done or stop.is_set()):
-            executor.spin_once(timeout_sec=0.1)
-            node.tick()
+        node = BridgeNode(cfg, context)
+        executor = SingleThreadedExecutor(context=context)
+        executor.add_node(node)
+        try:
+            while not (node.done or stop.is_set()):
+                executor.spin_once(timeout_sec=0.1)
+                node.tick()
+        finally:
+            status = node.close()
+            executor.shutdown()
     finally:
-        status = node.close()
-        executor.shutdown()
         context.try_shutdown()
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -712,11 +764,13 @@ def run_bridge(cfg: BridgeConfig) -> dict[str, Any]:
 def run_sim(cfg: SimConfig) -> list[dict[str, Any]]:
     """Run a simulated robot for ``cfg.episodes`` episodes; return what it published."""
     context = _init(cfg.domain_id)
-    node = SimRobotNode(cfg, context)
     try:
-        return node.run()
+        node = SimRobotNode(cfg, context)
+        try:
+            return node.run()
+        finally:
+            node.destroy_node()
     finally:
-        node.destroy_node()
         context.try_shutdown()
 
 

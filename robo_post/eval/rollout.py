@@ -140,7 +140,7 @@ def evaluate(
     configs = [
         ClientConfig(
             store=store.root, client_id=f"eval-{tag}-c{i}", episodes=k * len(tasks), env=env, tasks=tasks,
-            policy={"kind": "expert"}, follow_registry=False, seed=seed,
+            policy={"kind": "expert"}, follow_registry=False, seed=seed, seed_key=f"eval-c{i}",  # same layouts for every version
             policy_store=policy_store if version else None, policy_version=version,
         )
         for i, k in enumerate(per_client)

@@ -42,6 +42,7 @@ class DIVLQAM:
         self.divl = DIVL(CriticConfig.like(reference.config), divl, device)
         self.qam = QAM(reference, qam, device)
         self.critic_warmup = critic_warmup
+        self.updates = 0  # learner steps so far, across phases (train_loop restores it on resume)
 
     @property
     def modules(self) -> dict[str, torch.nn.Module]:
@@ -53,8 +54,9 @@ class DIVLQAM:
         return {"value": self.divl.opt_v, "critic": self.divl.opt_q, "actor": self.qam.opt}
 
     def update(self, batch: dict[str, Any]) -> dict[str, float]:
+        self.updates += 1
         metrics = self.divl.update(batch)
-        if self.divl.steps > self.critic_warmup:
+        if self.updates > self.critic_warmup:
             metrics.update(self.qam.update(batch, self.divl.critic_fn(self.qam.config.q_net)))
         return metrics
 

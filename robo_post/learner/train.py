@@ -75,6 +75,8 @@ def train_loop(
     if has_checkpoint(ckpt):
         start = load_checkpoint(ckpt, algo.modules, algo.optimizers, rngs)["update"]
         _truncate_log(log_path, start)
+        if hasattr(algo, "updates"):  # algorithms that schedule on the step count
+            algo.updates = start
     logged: list[dict[str, float]] = []
     window: dict[str, list[float]] = {}
     t_window, wait = time.perf_counter(), 0.0
