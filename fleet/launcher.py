@@ -96,7 +96,9 @@ class RayLauncher:
 
         self.ray = ray
         if not ray.is_initialized():
-            ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+            # Ray rejects num_cpus when joining an existing cluster; it only sizes a local one.
+            local_cpus = num_cpus if address is None else None
+            ray.init(address=address, num_cpus=local_cpus, include_dashboard=False, log_to_driver=False)
         self.configs = {c.client_id: c for c in configs}
         self.restarts = {c: 0 for c in self.configs}
         self.actor_cls = ray.remote(num_cpus=1, max_restarts=max_restarts, max_task_retries=max_restarts)(_ClientActor)

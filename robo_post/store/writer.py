@@ -114,7 +114,7 @@ class ShardWriter:
         specs["step"] = ArraySpec("float64", (len(STEP_COLUMNS),))
         for name, spec in specs.items():
             if name in root:
-                self._arrays[name] = root[name].with_config(write_empty_chunks=True)
+                self._arrays[name] = root[name].with_config({"write_empty_chunks": True})
             else:
                 self._arrays[name] = root.create_array(
                     name,

@@ -1,0 +1,242 @@
+"""Fleet: registry hot-swap between episodes, crash/restart, Ray launcher, overseer,
+`robo-post collect` end to end, and client determinism.
+
+Everything runs state-only tabletop envs on the short ``reach`` task so the whole
+file stays well under two minutes on two cores. Waits are bounded by generous
+deadlines that only turn a hang into a failure; nothing asserts on timing.
+"""
+
+import os
+
+os.environ.setdefault("MUJOCO_GL", "egl")  # headless rendering; must precede importing mujoco
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+import ray
+
+from robo_post.envs.tabletop import TabletopEnv
+from robo_post.fleet import policies
+from robo_post.fleet.client import ClientConfig, make_env, read_status, run_client, store_schema
+from robo_post.fleet.launcher import LocalLauncher, RayLauncher
+from robo_post.fleet.policies import ExpertPolicy, register_policy_kind
+from robo_post.store import PolicyRegistry, Snapshot, Store
+from robo_post.store.integrity import validate_store
+
+ENV: dict[str, Any] = {"name": "tabletop", "render_images": False}
+DEADLINE_S = 90.0  # only turns a hung fleet into a failure; never a performance bound
+
+
+def make_store(root: str, env: dict[str, Any] = ENV) -> Store:
+    return Store.create(root, store_schema(env, "reach"))
+
+
+def wait_for(condition: Callable[[], bool], what: str, poll_s: float = 0.01) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(poll_s)
+
+
+def supervise(launcher: LocalLauncher | RayLauncher, on_poll: Callable[[], None] = lambda: None) -> None:
+    """Drive a started launcher to completion (what ``launcher.run`` does, minus the UI)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while launcher.poll():
+        on_poll()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"fleet did not finish: {launcher.statuses()}")
+        time.sleep(0.02)
+
+
+def committed(store: Store, shard: str) -> int:
+    return store.read_commit(shard)["episodes"]
+
+
+def test_hot_swap_happens_only_between_episodes(tmp_path):
+    store = make_store(str(tmp_path / "store"))
+    registry = PolicyRegistry(store.root)
+    registry.publish({}, {"kind": "random"})  # v1: 40-step episodes, so v2 lands mid-episode
+    cfg = ClientConfig(store=store.root, client_id="swap", episodes=12, env=ENV)
+    result: dict[str, Any] = {}
+    client = threading.Thread(target=lambda: result.update(run_client(cfg)))
+    client.start()
+    try:
+        wait_for(lambda: committed(store, "swap") >= 2, "two v1 episodes")
+        # Ten v1 episodes (~1 s) of margin remain for the client to pick this up.
+        assert registry.publish({}, {"kind": "expert", "noise": 0.05}) == 2
+    finally:
+        client.join(DEADLINE_S)
+    assert result["state"] == "done" and result["policy_version"] == 2
+
+    snap = store.snapshot()
+    versions = []
+    for ep in snap:
+        column = snap.load(ep)["policy_version"]
+        assert (column == ep.policy_version).all(), f"{ep.key} switched policy mid-episode: {np.unique(column)}"
+        assert ep.attrs["policy"] == f"v{ep.policy_version}"
+        versions.append(ep.policy_version)
+    assert len(versions) == 12
+    assert versions == sorted(versions), versions
+    assert set(versions) == {1, 2}
+    assert versions[:2] == [1, 1]
+
+
+def test_local_launcher_restarts_a_killed_client_without_losing_episodes(tmp_path):
+    store = make_store(str(tmp_path / "store"))
+    # Random actions over 100 steps make each episode long (~0.3 s), so a kill
+    # right after a status update lands mid-episode, not inside a commit.
+    env = {**ENV, "max_steps": 100}
+    configs = [
+        ClientConfig(store=store.root, client_id=f"c{i}", episodes=5, env=env, policy={"kind": "random"})
+        for i in range(2)
+    ]
+    launcher = LocalLauncher(configs, max_restarts=2)
+    killed: dict[str, Any] = {}
+
+    def kill_c0_once() -> None:
+        status = read_status(store.root, "c0")
+        if killed or not status or status["episodes"] < 2:
+            return
+        pid = launcher.procs["c0"].pid
+        assert status["pid"] == pid  # the status file names the live process
+        killed.update(pid=pid, before=store.shard_episodes("c0"))
+        os.kill(pid, signal.SIGKILL)
+
+    launcher.start()
+    try:
+        supervise(launcher, kill_c0_once)
+    finally:
+        launcher.stop()
+
+    assert killed, "client c0 finished before it could be killed"
+    assert launcher.restarts == {"c0": 1, "c1": 0} and not launcher.failed, launcher.statuses()
+    for status in launcher.statuses():
+        assert status["state"] == "done" and status["episodes"] == status["target"] == 5, status
+    assert read_status(store.root, "c0")["pid"] != killed["pid"]
+    checked, problems = validate_store(store.root)
+    assert problems == [] and checked == 10
+    after = store.shard_episodes("c0")
+    assert len(killed["before"]) <= len(after)
+    assert after[: len(killed["before"])] == killed["before"]  # committed episodes survive the kill untouched
+
+
+def test_ray_launcher_runs_two_clients(tmp_path):
+    store = make_store(str(tmp_path / "store"))
+    configs = [ClientConfig(store=store.root, client_id=f"ray{i}", episodes=3, env=ENV) for i in range(2)]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        launcher = RayLauncher(configs)
+        launcher.start()
+        try:
+            supervise(launcher)
+        finally:
+            launcher.stop()
+    finally:
+        ray.shutdown()
+    assert launcher.errors == {"ray0": "", "ray1": ""}
+    assert [s["state"] for s in launcher.statuses()] == ["done", "done"]
+    snap = store.snapshot()
+    assert len(snap) == 6 and sorted(snap.counts) == ["ray0", "ray1"]
+    assert validate_store(store.root)[1] == []
+
+
+def test_ray_launcher_joins_an_existing_cluster_without_sizing_it(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    RayLauncher([], address="auto", num_cpus=2)  # fleet/ray.yaml sets num_cpus for local runs
+    RayLauncher([], address=None, num_cpus=2)
+    # Ray raises when num_cpus is given while connecting to a running cluster.
+    assert [(c["address"], c["num_cpus"]) for c in calls] == [("auto", None), (None, 2)]
+
+
+class ZeroPolicy:
+    """Never moves: the overseer must notice the stall."""
+
+    def reset(self, env: Any, seed: int) -> None:
+        pass
+
+    def act(self, obs: dict[str, Any], env: Any) -> np.ndarray:
+        return np.zeros(env.action_space.shape, np.float32)
+
+
+def replay_with_expert(snap: Snapshot, ep, env: TabletopEnv) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Re-run an episode's recorded actions; at intervention steps pair each with the
+    expert's action in the same state (a noise-free expert is a pure function of state)."""
+    data = snap.load(ep)
+    obs, _ = env.reset(seed=ep.seed)
+    expert = ExpertPolicy()
+    expert.reset(env, ep.seed)
+    pairs = []
+    for action, intervened in zip(data["action"], data["intervention"]):
+        if intervened:
+            pairs.append((action, expert.act(obs, env)))
+        obs, *_ = env.step(action)
+    return pairs
+
+
+def test_overseer_takes_over_a_stalled_policy_with_expert_actions(tmp_path, monkeypatch):
+    monkeypatch.setattr(policies, "POLICY_KINDS", dict(policies.POLICY_KINDS))  # keep "zero" local to this test
+    register_policy_kind("zero", lambda weights, config: ZeroPolicy())
+    store = make_store(str(tmp_path / "store"))
+    overseer = {"enabled": True, "stall_steps": 5, "stall_tol": 1e-3, "takeover_steps": 20}
+    for client_id, ovs in (("on", overseer), ("off", {**overseer, "enabled": False})):
+        run_client(ClientConfig(store=store.root, client_id=client_id, episodes=3, env=ENV,
+                                policy={"kind": "zero"}, follow_registry=False, overseer=ovs))
+
+    snap = store.snapshot()
+    env = make_env(ENV, "reach")
+    on, off = snap.episodes(client="on"), snap.episodes(client="off")
+    for ep in on:
+        data = snap.load(ep)
+        assert data["intervention"].any() and not data["intervention"][:5].any()  # only after a stall window
+        assert ep.attrs["interventions"] == data["intervention"].sum()
+        assert (data["action"][~data["intervention"]] == 0).all()
+        for recorded, expert in replay_with_expert(snap, ep, env):
+            np.testing.assert_allclose(recorded, expert, atol=1e-6)
+        assert ep.success  # the expert finishes reach within its takeover
+    for ep in off:
+        data = snap.load(ep)
+        assert not data["intervention"].any() and ep.attrs["interventions"] == 0 and not ep.success
+    env.close()
+
+
+def test_collect_cli_end_to_end(tmp_path):
+    root = str(tmp_path / "store")
+    cli = os.path.join(os.path.dirname(sys.executable), "robo-post")
+    overrides = ["episodes=4", "fleet.n_clients=2", "env.kwargs.render_images=false", "show=false"]
+    proc = subprocess.run([cli, "collect", f"store={root}", *overrides], capture_output=True, text=True,
+                          timeout=DEADLINE_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = subprocess.run([cli, "store", "info", root, "--json"], capture_output=True, text=True, timeout=DEADLINE_S)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["episodes"] == 4 and info["shards"] == 2
+    assert validate_store(root)[1] == []
+
+
+def test_same_config_and_seed_give_identical_episodes(tmp_path):
+    runs = []
+    for name in ("a", "b"):
+        store = make_store(str(tmp_path / name))
+        # Noise makes the actions depend on the per-episode seed, not only on the state.
+        run_client(ClientConfig(store=store.root, client_id="det", episodes=4, env=ENV,
+                                policy={"kind": "expert", "noise": 0.3}, seed=7))
+        snap = store.snapshot()
+        runs.append([(ep, snap.load(ep)) for ep in snap])
+    assert len(runs[0]) == len(runs[1]) == 4
+    assert len({ep.seed for ep, _ in runs[0]}) == 4  # every episode gets its own seed
+    for (ep_a, a), (ep_b, b) in zip(*runs):
+        assert (ep_a.seed, ep_a.instruction, ep_a.length, ep_a.success) == (ep_b.seed, ep_b.instruction,
+                                                                           ep_b.length, ep_b.success)
+        for key in ("action", "reward", "terminated", "truncated", "policy_version", "intervention"):
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+        for key in a["obs"]:
+            np.testing.assert_array_equal(a["obs"][key], b["obs"][key], err_msg=f"obs/{key}")
