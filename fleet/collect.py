@@ -46,7 +46,19 @@ def make_launcher(cfg: DictConfig, configs: list[ClientConfig]):
 
 
 def collect(cfg: DictConfig) -> list[dict[str, Any]]:
-    """Create the store if needed, run the fleet to completion, return client statuses."""
+    """Create the store if needed, run the fleet to completion, return client statuses.
+
+    Raises:
+        FleetError: a client did not reach its target.
+    """
     env = {"name": cfg.env.name, **OmegaConf.to_container(cfg.env.kwargs, resolve=True)}
     store = Store.create(cfg.store, store_schema(env, cfg.env.tasks[0]), exist_ok=True)
-    return make_launcher(cfg, client_configs(cfg, store)).run(show=cfg.show)
+    statuses = make_launcher(cfg, client_configs(cfg, store)).run(show=cfg.show)
+    failed = {s["client_id"]: (s.get("last_error") or s.get("state")) for s in statuses if s.get("state") != "done"}
+    if failed:
+        raise FleetError(f"fleet clients did not finish (logs in {store.root}/fleet/): {failed}")
+    return statuses
+
+
+class FleetError(RuntimeError):
+    """Some clients gave up (crashed more than ``max_restarts`` times)."""
