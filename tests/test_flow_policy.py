@@ -146,7 +146,8 @@ def _train_cfg(store, run_dir, updates):
 def test_train_cli_smoke_publishes_a_version(tiny_store, tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "robo_post.cli", "train", f"store={tiny_store}", f"run_dir={tmp_path / 'run'}",
-         "updates=20", "log_every=10", "batch_size=8", "model.use_images=false", "model.use_text=false", "show=false"],
+         "updates=20", "log_every=10", "batch_size=8", "model.use_images=false", "model.use_text=false", "show=false",
+         "eval.every=20", "eval.episodes_per_task=2"],
         capture_output=True, text=True, timeout=300,
     )
     assert r.returncode == 0, r.stderr
@@ -154,6 +155,7 @@ def test_train_cli_smoke_publishes_a_version(tiny_store, tmp_path):
     assert summary["version"] == 1 and summary["episodes"] == 6
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["update"] for row in rows] == [10, 20] and all(np.isfinite(row["bc_loss"]) for row in rows)
+    assert "eval/success/reach" not in rows[0] and 0.0 <= rows[1]["eval/success/reach"] <= 1.0
     _, config = PolicyRegistry(tiny_store).load(1)
     assert config["algorithm"] == "bc_flow" and config["snapshot"] == summary["snapshot"]
 

@@ -172,6 +172,39 @@ def evaluate(
     return result
 
 
+def in_process_success(model: Any, tasks: Iterable[str], episodes_per_task: int, seed: int = EVAL_SEED) -> dict[str, float]:
+    """Success rate per task of a flow policy rolled out in this process (no store).
+
+    Cheap periodic evaluation during training; the fleet-based ``evaluate`` is the
+    reported number. Episodes use ``episode_seed(seed, task, i)`` layouts.
+    """
+    from robo_post.envs.tabletop import TabletopEnv
+    from robo_post.fleet.client import episode_seed
+    from robo_post.models.flow import FlowPolicyRunner
+
+    was_training = model.training
+    runner = FlowPolicyRunner(model, device=str(model.device))
+    out = {}
+    for task in tasks:
+        env = TabletopEnv(task=task, render_images=model.config.image_size is not None,
+                          image_size=model.config.image_size or 64)
+        wins = 0
+        for i in range(episodes_per_task):
+            s = episode_seed(seed, task, i)
+            obs, info = env.reset(seed=s)
+            runner.reset(env, s)
+            done = False
+            while not done:
+                obs, _, terminated, truncated, info = env.step(runner.act(obs, env))
+                done = terminated or truncated
+            wins += bool(info["success"])
+        env.close()
+        out[f"success/{task}"] = wins / episodes_per_task
+    out["success/mean"] = float(np.mean(list(out.values())))
+    model.train(was_training)
+    return out
+
+
 def eval_from_config(cfg: Any) -> list[dict[str, Any]]:
     """`robo-post eval`: evaluate every ``cfg.version`` x ``cfg.split`` and print a table.
 

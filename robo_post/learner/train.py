@@ -141,9 +141,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write(OmegaConf.to_yaml(cfg, resolve=True))
     t0 = time.perf_counter()
+    evaluate = None
+    if cfg.eval.every:
+        from robo_post.eval.rollout import in_process_success
+
+        tasks = sorted({e.task_id for e in episodes})
+        evaluate = lambda update: in_process_success(algo.policy, tasks, cfg.eval.episodes_per_task)  # noqa: E731
     logged = train_loop(
         algo, lambda: sampler.sample(cfg.batch_size), run_dir, cfg.updates, {"sampler": sampler.rng},
-        log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every, show=cfg.show,
+        log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every, eval_every=cfg.eval.every,
+        evaluate=evaluate, show=cfg.show,
     )
     wall = time.perf_counter() - t0
     weights, config = algo.policy.artifact(
