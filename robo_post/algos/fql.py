@@ -1,0 +1,102 @@
+"""FQL: Flow Q-Learning policy extraction, the one-step baseline of QAM (spec §3.4, §3.6; FQL paper).
+
+A one-step policy mu(s, eps) maps noise straight to an action chunk. It is
+distilled from the multi-step reference flow on the same noise and pushed up the
+critic:
+
+    L(mu) = alpha * E ||mu(s, eps) - clip(ODE_beta(s, eps))||^2 - E[Q(s, clip(mu(s, eps)))]
+
+Unlike the FQL paper, which co-trains the BC flow, the reference here is the frozen
+BC flow, as for QAM in LWD (§4.2), and the critic comes from the value learner
+through the same ``critic_fn(obs, normalised_chunk) -> (E, B)`` hand-off as QAM.
+
+The one-step policy reuses the ``FlowPolicy`` architecture: mu(s, eps) = eps +
+v_mu(s, eps, 0), i.e. a single Euler step, initialised from the reference.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from robo_post.algos.divl import CriticFn
+from robo_post.models.flow import FlowPolicy
+
+
+@dataclass
+class FQLConfig:
+    """FQL hyperparameters.
+
+    Attributes:
+        alpha: distillation (behaviour-constraint) weight; FQL tunes it per domain
+            (10 to 1000 on OGBench, §3.4).
+        normalize_q_loss: divide the Q term by the batch mean |Q| (FQL code option).
+        q_agg: ``mean`` or ``min`` over critic heads.
+        lr: Adam learning rate (FQL: 3e-4).
+        grad_clip: global gradient-norm clip; 0 disables it (FQL has none).
+    """
+
+    alpha: float = 10.0
+    normalize_q_loss: bool = False
+    q_agg: str = "mean"
+    lr: float = 3e-4
+    grad_clip: float = 0.0
+
+
+class FQL:
+    """One-step policy distilled from a frozen reference flow and steered by a critic.
+
+    Args:
+        reference: the BC flow policy (copied and frozen).
+        config: ``FQLConfig``.
+        device: torch device.
+    """
+
+    def __init__(self, reference: FlowPolicy, config: FQLConfig | None = None, device: torch.device | str = "cpu"):
+        self.config = config or FQLConfig()
+        if self.config.q_agg not in ("mean", "min"):
+            raise ValueError(f"q_agg must be 'mean' or 'min', got {self.config.q_agg!r}")
+        self.device = torch.device(device)
+        self.reference = copy.deepcopy(reference).to(self.device).requires_grad_(False)
+        self.one_step = copy.deepcopy(reference).to(self.device).requires_grad_(True)
+        self.opt = torch.optim.Adam(self.one_step.parameters(), lr=self.config.lr)
+        self.steps = 0
+
+    def one_step_actions(self, obs: dict[str, Any], noise: torch.Tensor) -> torch.Tensor:
+        """mu(s, eps): normalised, unclipped chunks (B, H, A) from noise (B, H, A)."""
+        z = self.one_step.encode(obs)
+        return noise + self.one_step.velocity(z, noise, torch.zeros(noise.shape[0], device=self.device))
+
+    def update(self, batch: dict[str, Any], critic_fn: CriticFn) -> dict[str, float]:
+        """One actor step on a sampler batch (uses ``obs`` and the chunk shape of ``actions``)."""
+        cfg, obs = self.config, batch["obs"]
+        noise = torch.randn(batch["actions"].shape, device=self.device)
+        with torch.no_grad():
+            target = self.reference.normalize_actions(self.reference.sample(obs, noise=noise))  # clipped ODE endpoint
+        actions = self.one_step_actions(obs, noise)
+        distill = (actions - target).pow(2).mean()
+        qs = critic_fn(obs, actions.clamp(-1.0, 1.0))
+        q = qs.mean(0) if cfg.q_agg == "mean" else qs.min(0).values
+        q_loss = -q.mean()
+        if cfg.normalize_q_loss:
+            q_loss = q_loss / q.abs().mean().detach().clamp_min(1e-6)
+        loss = cfg.alpha * distill + q_loss
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.one_step.parameters(), cfg.grad_clip)
+        self.opt.step()
+        self.steps += 1
+        return {"distill_loss": distill.item(), "q_loss": q_loss.item(), "q_mean": q.mean().item()}
+
+    @torch.no_grad()
+    def act(self, obs: dict[str, Any], noise: torch.Tensor | None = None) -> torch.Tensor:
+        """Action chunks (B, H, A) in env units from one network evaluation, clipped."""
+        if noise is None:
+            B = len(next(v for v in obs.values() if isinstance(v, torch.Tensor)))
+            c = self.one_step.config
+            noise = torch.randn(B, c.horizon, c.action_dim, device=self.device)
+        return self.one_step.unnormalize_actions(self.one_step_actions(obs, noise.to(self.device)).clamp(-1.0, 1.0))

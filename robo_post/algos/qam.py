@@ -1,0 +1,302 @@
+"""QAM: Q-learning with Adjoint Matching as policy extraction (docs/specs/lwd_divl_qam.md §3).
+
+QAM fine-tunes a flow policy v_theta towards pi_beta * exp(Q / lambda) without
+backpropagating through the sampler (§3.1):
+
+1. sample a memoryless-SDE path x_0 .. x_N (stop-gradient; §3.2.3);
+2. integrate the lean adjoint backwards from -grad_a Q(s, x_N) / lambda with one
+   vector-Jacobian product of the *base* drift per step (§3.2.5);
+3. regress v_theta onto v_beta - (sigma^2 / 2) * adjoint (§3.2.6).
+
+Flow time follows §1.2 (w = 0 noise, w = 1 action); chunks are normalised to
+[-1, 1] (§1.4). The critic is passed in as ``critic_fn(obs, normalised_chunk)
+-> (E, B)`` Q values of E heads, e.g. ``DIVL.critic_fn(config.q_net)`` (§4.2).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from robo_post.algos.divl import CriticFn
+from robo_post.models.critic import ema_update
+from robo_post.models.flow import FlowPolicy
+
+Velocity = Callable[[torch.Tensor, float], torch.Tensor]  # (x, w) -> v(s, x, w) for a fixed batch of states
+
+
+# --- building blocks ------------------------------------------------------------
+@dataclass(frozen=True)
+class TimeGrid:
+    """Flow-time discretisation of the SDE, the adjoint and the AM loss (§3.3.1).
+
+    All fields are CPU float64 tensors of length N (``h`` is the step).
+
+    Attributes:
+        t: time fed to the velocity networks at step i.
+        t_drift: w in the -x / w term of the memoryless drift at step i.
+        sigma: noise scale of step i (memoryless: sigma^2 = 2 (1 - w) / w).
+        t_adj: time of the base drift whose Jacobian carries the adjoint from
+            step i + 1 to step i (the upper end of interval i).
+    """
+
+    t: torch.Tensor
+    t_drift: torch.Tensor
+    sigma: torch.Tensor
+    t_adj: torch.Tensor
+    h: float
+
+
+def time_grid(n: int, kind: str = "shifted", eps: float = 0.1) -> TimeGrid:
+    """Grid of ``n`` flow steps (§3.8 #5).
+
+    ``shifted`` (QAM): t_i = i/N, with the drift, sigma and Jacobian evaluated at
+    t_i + h, which avoids the w = 0 singularity of x / w and sigma_w.
+    ``eps`` (LWD-reimpl-A): a uniform grid on [eps, 1] that starts from N(0, I) at eps.
+    """
+    i = torch.arange(n, dtype=torch.float64)
+    if kind == "shifted":
+        h = 1.0 / n
+        t = i * h
+        return TimeGrid(t, t + h, torch.sqrt(2 * (1 - t + h) / (t + h)), t + h, h)
+    if kind == "eps":
+        h = (1.0 - eps) / n
+        t = eps + i * h
+        return TimeGrid(t, t, torch.sqrt(2 * (1 - t) / t), t + h, h)
+    raise ValueError(f"time_grid must be 'shifted' or 'eps', got {kind!r}")
+
+
+def sample_path(v_sde: Velocity, v_last: Velocity, x0: torch.Tensor, grid: TimeGrid,
+                keep_path: bool = True) -> torch.Tensor:
+    """Memoryless-SDE path (N + 1, *x0.shape), or only x_N if not ``keep_path`` (§3.2.3, §3.3.1 item 1).
+
+    Steps 0 .. N-2: Euler-Maruyama on dX = (2 v_sde - X / w) dw + sigma_w dB.
+    Step N-1: a noiseless Euler step with ``v_last`` (the base; AM Appendix G.1).
+    Gradients flow through the path unless the caller disables them (the BPTT
+    baseline needs them; QAM samples under ``torch.no_grad``).
+    """
+    t, t_drift, sigma = grid.t.tolist(), grid.t_drift.tolist(), grid.sigma.tolist()
+    h, n = grid.h, len(t)
+    xs = [x0]
+    x = x0
+    for i in range(n - 1):
+        x = x + h * (2 * v_sde(x, t[i]) - x / t_drift[i]) + math.sqrt(h) * sigma[i] * torch.randn_like(x)
+        if keep_path:
+            xs.append(x)
+    x = x + h * v_last(x, t[n - 1])
+    return torch.stack(xs + [x]) if keep_path else x
+
+
+def terminal_adjoint(critic_fn: CriticFn, obs: Any, a1: torch.Tensor, inv_temp: float, clip: bool = True,
+                     agg: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
+    """(adjoint at w = 1, Q) = (-inv_temp * grad_a Q(s, a1), Q(s, a1)) per sample (§3.2.5, §4.2).
+
+    ``clip``: evaluate Q at clip(a1, -1, 1), so saturated coordinates get a zero
+    adjoint (``clip_adj``). ``agg`` reduces the E heads: ``mean`` or ``min``.
+    The gradient is of the batch sum, so each sample gets its own grad_a Q.
+    """
+    a = a1.detach().requires_grad_(True)
+    with torch.enable_grad():
+        qs = critic_fn(obs, a.clamp(-1.0, 1.0) if clip else a)
+        q = qs.mean(0) if agg == "mean" else qs.min(0).values
+        grad = torch.autograd.grad(q.sum(), a, allow_unused=True)[0] if q.requires_grad else None
+    grad = torch.zeros_like(a) if grad is None else grad
+    return -inv_temp * grad, q.detach()
+
+
+def adjoint_step(v_base: Velocity, x: torch.Tensor, adj: torch.Tensor, t: float, h: float) -> torch.Tensor:
+    """One backward Euler step of the lean adjoint ODE with a single VJP (§3.2.5).
+
+    adj_i = adj_{i+1} + h * [d/dx (2 v_beta(x, t) - x / t)]^T adj_{i+1}, at x = x_i.
+    """
+    x = x.detach().requires_grad_(True)
+    with torch.enable_grad():
+        drift = 2 * v_base(x, t) - x / t
+        (vjp,) = torch.autograd.grad(drift, x, grad_outputs=adj)
+    return (adj + h * vjp).detach()
+
+
+def lean_adjoint(v_base: Velocity, xs: torch.Tensor, adj_terminal: torch.Tensor, grid: TimeGrid) -> torch.Tensor:
+    """Adjoints (N, ...) at the grid points x_0 .. x_{N-1}, integrated backwards from w = 1."""
+    t_adj = grid.t_adj.tolist()
+    adjs, adj = [], adj_terminal
+    for i in reversed(range(len(t_adj))):
+        adj = adjoint_step(v_base, xs[i], adj, t_adj[i], grid.h)
+        adjs.append(adj)
+    return torch.stack(adjs[::-1])
+
+
+def am_target(v_base: torch.Tensor, adj: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """Velocity target v_beta - (sigma^2 / 2) * adjoint (§3.2.6)."""
+    return v_base - 0.5 * sigma**2 * adj
+
+
+def am_loss(v_fine: torch.Tensor, v_base: torch.Tensor, adj: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """Per-step adjoint-matching loss (N, B): (4 / sigma^2) ||v_theta - target||^2, summed over action dims.
+
+    Equal to ||2 (v_theta - v_beta) / sigma + sigma * adj||^2 (invariant 12); ``sigma``
+    broadcasts against ``v_fine`` (N, B, ...).
+    """
+    return (4.0 / sigma**2 * (v_fine - am_target(v_base, adj, sigma)).pow(2)).flatten(2).sum(-1)
+
+
+def control_cost(v_fine: torch.Tensor, v_base: torch.Tensor, sigma: torch.Tensor, h: float) -> torch.Tensor:
+    """Girsanov KL of the controlled path, sum over SDE steps of h * ||u||^2 / 2, u = 2 (v_theta - v_beta) / sigma.
+
+    Inputs (N, B, ...); returns (B,). The last step is the uncontrolled base ODE step
+    and is excluded. Along fine paths this estimates KL(pi_theta || pi_beta) of the
+    path laws, an upper bound on the KL of the actions (§3.2.4).
+    """
+    return (2.0 * h / sigma[:-1] ** 2 * (v_fine[:-1] - v_base[:-1]).pow(2)).flatten(2).sum(-1).sum(0)
+
+
+def policy_velocity(policy: FlowPolicy, z: torch.Tensor) -> Velocity:
+    """v(s, x, w) of ``policy`` for states already encoded as z, as a function of (x, w)."""
+    return lambda x, w: policy.velocity(z, x, torch.full((x.shape[0],), w, device=x.device, dtype=x.dtype))
+
+
+# --- learner ----------------------------------------------------------------------
+@dataclass
+class QAMConfig:
+    """QAM hyperparameters (§3.4, §3.8, §4.2; CPU-scale defaults).
+
+    Attributes:
+        inv_temp: kappa = 1 / lambda of pi_beta * exp(kappa Q) (LWD lambda = 2 for Q in [0, 1]).
+        path_source: ``fine`` samples paths from the current fine policy (QAM, AM: the
+            fixed point is the exact tilt); ``reference`` from the frozen base (literal
+            LWD reading: a first-order approximation, §3.2.7).
+        q_net: ``target`` or ``online`` critic for grad_a Q; read by the learner when it
+            builds ``critic_fn = value_learner.critic_fn(q_net)`` (§3.8 #2).
+        q_agg: ``mean`` or ``min`` over critic heads for grad_a Q (§3.8 #2).
+        base: ``frozen`` keeps pi_beta fixed (LWD); ``ema_cotrained`` trains a BC flow on
+            the batch and uses its EMA as pi_beta (QAM code) (§3.8 #3).
+        init: ``base`` starts pi_theta as a copy of pi_beta (LWD); ``random`` re-initialises
+            it (QAM code) (§3.8 #4).
+        time_grid: ``shifted`` (QAM h-offset) or ``eps`` (grid on [eps, 1]) (§3.8 #5).
+        eps: start of the ``eps`` grid.
+        quadrature: ``sum`` over steps (QAM) or ``dw`` weights h (LWD-reimpl-A); a
+            constant factor on a uniform grid (§3.8 #6).
+        clip_adj: evaluate the critic at clip(a_1, -1, 1) (§3.8 #7).
+        bc_weight: weight of an extra BC flow loss on pi_theta (LWD: 0, §4.8 #5).
+        lr: policy learning rate (§1.5 CPU scale 3e-4; LWD AdamW 2e-5 on a VLA).
+        weight_decay: AdamW weight decay (0 keeps a zero gradient a no-op, invariant 11).
+        lr_decay_steps: cosine-decay the learning rate to 0 over this many updates; 0 = constant.
+        grad_clip: global gradient-norm clip (QAM and LWD: 1.0).
+        ema_rate: EMA rate of pi_beta when ``base = ema_cotrained``.
+    """
+
+    inv_temp: float = 0.5
+    path_source: str = "fine"
+    q_net: str = "target"
+    q_agg: str = "mean"
+    base: str = "frozen"
+    init: str = "base"
+    time_grid: str = "shifted"
+    eps: float = 0.1
+    quadrature: str = "sum"
+    clip_adj: bool = True
+    bc_weight: float = 0.0
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    lr_decay_steps: int = 0
+    grad_clip: float = 1.0
+    ema_rate: float = 0.005
+
+
+class QAM:
+    """Adjoint-matching fine-tuning of a copy of a reference flow policy.
+
+    Args:
+        reference: the BC flow policy pi_beta (copied; the caller's module is untouched).
+        config: ``QAMConfig``.
+        device: torch device of the policies.
+    """
+
+    def __init__(self, reference: FlowPolicy, config: QAMConfig | None = None, device: torch.device | str = "cpu"):
+        self.config = cfg = config or QAMConfig()
+        choices = {"path_source": ("fine", "reference"), "q_net": ("target", "online"), "q_agg": ("mean", "min"),
+                   "base": ("frozen", "ema_cotrained"), "init": ("base", "random"), "quadrature": ("sum", "dw")}
+        for name, allowed in choices.items():
+            if getattr(cfg, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
+        self.device = torch.device(device)
+        self.reference = copy.deepcopy(reference).to(self.device).requires_grad_(False)
+        self.fine = copy.deepcopy(reference).to(self.device).requires_grad_(True)
+        if cfg.init == "random":
+            for m in self.fine.modules():
+                if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Conv2d)):
+                    m.reset_parameters()
+        params = list(self.fine.parameters())
+        self.bc = None
+        if cfg.base == "ema_cotrained":
+            self.bc = copy.deepcopy(reference).to(self.device).requires_grad_(True)
+            params += list(self.bc.parameters())
+        self.params = params
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        steps = cfg.lr_decay_steps
+        self.scheduler = None if steps <= 0 else torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, steps) / steps)))
+        self.grid = time_grid(self.fine.config.flow_steps, cfg.time_grid, cfg.eps)
+        self.steps = 0
+
+    def update(self, batch: dict[str, Any], critic_fn: CriticFn) -> dict[str, float]:
+        """One actor update (§3.3.2) on a sampler batch; returns metrics.
+
+        Uses ``batch["obs"]`` (and ``actions``/``action_mask`` only for BC terms).
+        """
+        cfg, grid, fine, ref = self.config, self.grid, self.fine, self.reference
+        obs = batch["obs"]
+        B, H, A = batch["actions"].shape
+        N = len(grid.t)
+
+        # 1. Stop-gradient memoryless-SDE paths from the fine policy (or the reference).
+        with torch.no_grad():
+            z_ref = ref.encode(obs)
+            src, z_src = (fine, fine.encode(obs)) if cfg.path_source == "fine" else (ref, z_ref)
+            x0 = torch.randn(B, H, A, device=self.device)
+            xs = sample_path(policy_velocity(src, z_src), policy_velocity(ref, z_ref), x0, grid)
+
+        # 2. Lean adjoint from the critic's action gradient at the generated endpoint.
+        adj1, q1 = terminal_adjoint(critic_fn, obs, xs[-1], cfg.inv_temp, cfg.clip_adj, cfg.q_agg)
+        adjs = lean_adjoint(policy_velocity(ref, z_ref), xs, adj1, grid)
+
+        # 3. Regress v_theta onto the AM target, all N steps in one batched forward.
+        x_flat = xs[:-1].flatten(0, 1)
+        t_flat = grid.t.to(self.device, x_flat.dtype).repeat_interleave(B)
+        v_fine = fine.velocity(fine.encode(obs).repeat(N, 1), x_flat, t_flat).view(N, B, H, A)
+        with torch.no_grad():
+            v_base = ref.velocity(z_ref.repeat(N, 1), x_flat, t_flat).view(N, B, H, A)
+        sigma = grid.sigma.to(self.device, x_flat.dtype).view(N, 1, 1, 1)
+        loss_am = am_loss(v_fine, v_base, adjs, sigma).sum(0).mean() * (grid.h if cfg.quadrature == "dw" else 1.0)
+        loss = loss_am
+        metrics: dict[str, float] = {}
+        if cfg.bc_weight > 0:
+            bc_fine = fine.bc_loss(obs, batch["actions"], batch.get("action_mask"))
+            loss = loss + cfg.bc_weight * bc_fine
+            metrics["bc_loss_fine"] = bc_fine.item()
+        if self.bc is not None:
+            bc_base = self.bc.bc_loss(obs, batch["actions"], batch.get("action_mask"))
+            loss = loss + bc_base
+            metrics["bc_loss_base"] = bc_base.item()
+
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        self.opt.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if self.bc is not None:
+            ema_update(self.reference, self.bc, cfg.ema_rate)
+        self.steps += 1
+        kl = control_cost(v_fine.detach(), v_base, sigma, grid.h).mean()
+        return {"loss_am": loss_am.item(), "q_endpoint": q1.mean().item(), "adj_terminal_abs": adj1.abs().mean().item(),
+                "adj0_abs": adjs[0].abs().mean().item(), "kl_path": kl.item(), "grad_norm": grad_norm.item(), **metrics}
+
+    def act(self, obs: dict[str, Any], seed: int | None = None) -> torch.Tensor:
+        """Action chunks (B, H, A) in env units: Euler ODE of the fine policy, clipped (§3.3.1 item 5)."""
+        return self.fine.sample(obs, seed=seed)
