@@ -6,7 +6,7 @@ and inverse temperature kappa by
 
 - QAM (path_source fine, the default, and reference),
 - FQL one-step distillation (alpha in {1, 10, 100}; critic kappa * Q),
-- BAM: backpropagation through the 10-step memoryless SDE on the SOC cost
+- BAM: backpropagation through the N-step memoryless SDE on the SOC cost
   E[sum_i h ||u_i||^2 / 2 - kappa Q(X_1)] (§3.2.4),
 
 and compared with the ground truth: self-normalised importance resampling of base
@@ -23,8 +23,9 @@ explicit backward Euler step of the lean adjoint (QAM's discretisation, §3.3.1)
 decays far faster than the exact adjoint where the base velocity is stiff
 (k(w) ~ -6 near w = 1 for std 0.08; h = 0.1 gives step factors 1 + h(2k - 1/w) < 0),
 so little mode-selection signal reaches early flow times. The error shrinks with
-``--flow-steps`` (linear critic, kappa = 2: 0.09 at N = 10, 0.04 at N = 20, 0.014
-at N = 40); the blurrier base of ``--quick`` passes at N = 10.
+``--flow-steps`` (measured: linear kappa = 8, 0.22 at N = 10 and 0.03 at N = 40;
+quadratic kappa = 2, 0.18 at N = 10 and 0.06 at N = 40), while the blurrier base of
+``--quick`` passes at N = 10.
 
 Run: ``python benchmarks/qam_tilt.py [--quick] [--flow-steps N]`` (two worker processes, one thread each).
 """

@@ -17,7 +17,20 @@ from typing import Any
 from robo_post.fleet.client import ClientConfig, read_status, run_client
 
 
-class LocalLauncher:
+class _Launcher:
+    """Shared supervision loop; subclasses provide start/poll/statuses/stop."""
+
+    def run(self, show: bool = True, poll_s: float = 0.5) -> list[dict[str, Any]]:
+        """Start, supervise until every client is done (or gave up), return statuses."""
+        self.start()
+        try:
+            _supervise(self.poll, self.statuses, show, poll_s)
+        finally:
+            self.stop()
+        return self.statuses()
+
+
+class LocalLauncher(_Launcher):
     """One OS process per client (``python -m robo_post.fleet.client <json>``).
 
     A client that exits non-zero (crash, SIGKILL) is restarted up to
@@ -72,17 +85,9 @@ class LocalLauncher:
         for proc in self.procs.values():
             proc.wait()
 
-    def run(self, show: bool = True, poll_s: float = 0.5) -> list[dict[str, Any]]:
-        """Start, supervise until every client is done (or gave up), return statuses."""
-        self.start()
-        try:
-            _supervise(self.poll, self.statuses, show, poll_s)
-        finally:
-            self.stop()
-        return self.statuses()
 
 
-class RayLauncher:
+class RayLauncher(_Launcher):
     """One Ray actor per client; Ray restarts a dead actor and retries its run.
 
     Args:
@@ -131,13 +136,6 @@ class RayLauncher:
         for actor in self.actors.values():
             self.ray.kill(actor)
 
-    def run(self, show: bool = True, poll_s: float = 0.5) -> list[dict[str, Any]]:
-        self.start()
-        try:
-            _supervise(self.poll, self.statuses, show, poll_s)
-        finally:
-            self.stop()
-        return self.statuses()
 
 
 class _ClientActor:

@@ -101,7 +101,7 @@ def test_registry_round_trip_gives_bit_identical_actions(tmp_path):
     loaded = FlowPolicy.from_artifact(*registry.load(version))
     obs = _obs(3)
     assert torch.equal(model.eval().sample(obs, seed=11), loaded.sample(obs, seed=11))
-    assert torch.equal(loaded.proprio_mean, torch.arange(5.0))
+    assert torch.equal(loaded.encoder.proprio_mean, torch.arange(5.0))
     assert registry.load(version)[1]["algorithm"] == "test"
 
 

@@ -40,6 +40,8 @@ class DIVLQAM:
     def __init__(self, reference: FlowPolicy, divl: DIVLConfig, qam: QAMConfig, critic_warmup: int = 0,
                  device: torch.device | str = "cpu"):
         self.divl = DIVL(CriticConfig.like(reference.config), divl, device)
+        for net in (self.divl.net, self.divl.target):  # the critic sees proprio standardised like the policy
+            net.set_proprio_stats(reference.encoder.proprio_mean.cpu(), reference.encoder.proprio_std.cpu())
         self.qam = QAM(reference, qam, device)
         self.critic_warmup = critic_warmup
         self.updates = 0  # learner steps so far, across phases (train_loop restores it on resume)

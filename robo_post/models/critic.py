@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from robo_post.models.encoders import ImageEncoder, TextEncoder, mlp
+from robo_post.models.encoders import ObservationEncoder, mlp
 from robo_post.models.flow import FlowPolicyConfig
 
 
@@ -65,11 +65,7 @@ class CriticNet(nn.Module):
         super().__init__()
         self.config = c = config
         e, h = c.embed_dim, c.hidden_dim
-        self.proprio = nn.Sequential(nn.Linear(c.proprio_dim, e), nn.LayerNorm(e))
-        self.image = ImageEncoder(c.image_size, e) if c.image_size else None
-        self.text = TextEncoder(e) if c.use_text else None
-        n_mod = 1 + (self.image is not None) + (self.text is not None)
-        self.fuse = mlp([n_mod * e, h, h], layer_norm=True)
+        self.encoder = ObservationEncoder(c.proprio_dim, c.image_size, c.use_text, e, h)
         chunk_dim = c.horizon * c.action_dim
         self.q_heads = nn.ModuleList([mlp([h + chunk_dim, h, h, 1], layer_norm=True) for _ in range(2)])
         self.value_head = mlp([h, h, h, value_outputs], layer_norm=True)
@@ -81,8 +77,6 @@ class CriticNet(nn.Module):
         high = torch.tensor(c.action_high or [1.0] * c.action_dim, dtype=torch.float32)
         self.register_buffer("action_low", low)
         self.register_buffer("action_high", high)
-        self.register_buffer("proprio_mean", torch.zeros(c.proprio_dim))
-        self.register_buffer("proprio_std", torch.ones(c.proprio_dim))
 
     @property
     def device(self) -> torch.device:
@@ -90,13 +84,11 @@ class CriticNet(nn.Module):
 
     def encoder_parameters(self) -> list[nn.Parameter]:
         """Parameters of the shared state encoder (everything but the heads)."""
-        heads = {id(p) for m in (self.q_heads, self.value_head) for p in m.parameters()}
-        return [p for p in self.parameters() if id(p) not in heads]
+        return list(self.encoder.parameters())
 
-    def set_proprio_stats(self, mean: np.ndarray, std: np.ndarray) -> None:
-        """Standardise proprio with dataset statistics (std floored as in FlowPolicy)."""
-        self.proprio_mean.copy_(torch.as_tensor(mean, dtype=torch.float32))
-        self.proprio_std.copy_(torch.as_tensor(np.maximum(std, 1e-3), dtype=torch.float32))
+    def set_proprio_stats(self, mean: np.ndarray | torch.Tensor, std: np.ndarray | torch.Tensor) -> None:
+        """Standardise proprio with dataset statistics."""
+        self.encoder.set_proprio_stats(mean, std)
 
     def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
         """(…, A) env units -> [-1, 1], the critic's input convention (§1.4)."""
@@ -104,13 +96,7 @@ class CriticNet(nn.Module):
 
     def encode(self, obs: dict[str, Any]) -> torch.Tensor:
         """Observation dict (B, ...) as the sampler yields it -> z (B, hidden_dim)."""
-        proprio = (obs["proprio"].to(self.device).float() - self.proprio_mean) / self.proprio_std
-        parts = [self.proprio(proprio)]
-        if self.image is not None:
-            parts.append(self.image(obs["image"].to(self.device)))
-        if self.text is not None:
-            parts.append(self.text(list(obs["instruction"])))
-        return self.fuse(torch.cat(parts, dim=-1))
+        return self.encoder(obs)
 
     def q(self, z: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
         """Twin Q values (2, B) for z (B, hidden) and a normalised chunk (B, H, A)."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 from functools import lru_cache
+from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -74,3 +76,43 @@ def mlp(sizes: list[int], layer_norm: bool = False) -> nn.Sequential:
                 layers.append(nn.LayerNorm(b))
             layers.append(nn.GELU())
     return nn.Sequential(*layers)
+
+
+class ObservationEncoder(nn.Module):
+    """Standardised proprio + optional camera CNN + optional instruction text -> (B, out_dim).
+
+    Shared by the policy and the critic (each owns its own instance and weights).
+    The proprio statistics are buffers, so they are saved with the weights.
+
+    Args:
+        proprio_dim: size of ``obs["proprio"]``.
+        image_size: side of ``obs["image"]`` (uint8 (B, S, S, 3)); ``None`` = no camera.
+        use_text: encode ``obs["instruction"]`` (a list of B strings) with frozen MiniLM.
+        embed_dim: width of each modality embedding.
+        out_dim: width of the fused state embedding.
+    """
+
+    def __init__(self, proprio_dim: int, image_size: int | None, use_text: bool, embed_dim: int, out_dim: int):
+        super().__init__()
+        self.proprio = nn.Sequential(nn.Linear(proprio_dim, embed_dim), nn.LayerNorm(embed_dim))
+        self.image = ImageEncoder(image_size, embed_dim) if image_size else None
+        self.text = TextEncoder(embed_dim) if use_text else None
+        n_mod = 1 + (self.image is not None) + (self.text is not None)
+        self.fuse = mlp([n_mod * embed_dim, out_dim, out_dim], layer_norm=True)
+        self.register_buffer("proprio_mean", torch.zeros(proprio_dim))
+        self.register_buffer("proprio_std", torch.ones(proprio_dim))
+
+    def set_proprio_stats(self, mean: np.ndarray | torch.Tensor, std: np.ndarray | torch.Tensor) -> None:
+        """Standardise proprio with dataset statistics (std floored at 1 cm so near-constant dims cannot blow up)."""
+        self.proprio_mean.copy_(torch.as_tensor(mean, dtype=torch.float32))
+        self.proprio_std.copy_(torch.as_tensor(np.maximum(np.asarray(std, dtype=np.float64), 1e-2), dtype=torch.float32))
+
+    def forward(self, obs: dict[str, Any]) -> torch.Tensor:
+        device = self.proprio_mean.device
+        proprio = (obs["proprio"].to(device).float() - self.proprio_mean) / self.proprio_std
+        parts = [self.proprio(proprio)]
+        if self.image is not None:
+            parts.append(self.image(obs["image"].to(device)))
+        if self.text is not None:
+            parts.append(self.text(list(obs["instruction"])))
+        return self.fuse(torch.cat(parts, dim=-1))

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from robo_post.models.encoders import ImageEncoder, TextEncoder, mlp
+from robo_post.models.encoders import ObservationEncoder, mlp
 
 
 @dataclass
@@ -71,12 +71,7 @@ class FlowPolicy(nn.Module):
     def __init__(self, config: FlowPolicyConfig):
         super().__init__()
         self.config = c = config
-        e = c.embed_dim
-        self.proprio = nn.Sequential(nn.Linear(c.proprio_dim, e), nn.LayerNorm(e))
-        self.image = ImageEncoder(c.image_size, e) if c.image_size else None
-        self.text = TextEncoder(e) if c.use_text else None
-        n_mod = 1 + (self.image is not None) + (self.text is not None)
-        self.fuse = mlp([n_mod * e, c.hidden_dim, c.hidden_dim], layer_norm=True)
+        self.encoder = ObservationEncoder(c.proprio_dim, c.image_size, c.use_text, c.embed_dim, c.hidden_dim)
         self.chunk_dim = c.horizon * c.action_dim
         self.velocity_net = mlp([c.hidden_dim + self.chunk_dim + TIME_FEATURES, c.hidden_dim, c.hidden_dim, self.chunk_dim])
         # Normalisers are buffers so they travel with the weights.
@@ -84,14 +79,11 @@ class FlowPolicy(nn.Module):
         high = torch.tensor(c.action_high or [1.0] * c.action_dim, dtype=torch.float32)
         self.register_buffer("action_low", low)
         self.register_buffer("action_high", high)
-        self.register_buffer("proprio_mean", torch.zeros(c.proprio_dim))
-        self.register_buffer("proprio_std", torch.ones(c.proprio_dim))
 
     # --- normalisation ---------------------------------------------------------
     def set_proprio_stats(self, mean: np.ndarray, std: np.ndarray) -> None:
-        """Standardise proprio with dataset statistics (std floored at 1 cm so near-constant dims cannot blow up)."""
-        self.proprio_mean.copy_(torch.as_tensor(mean, dtype=torch.float32))
-        self.proprio_std.copy_(torch.as_tensor(np.maximum(std, 1e-2), dtype=torch.float32))
+        """Standardise proprio with dataset statistics."""
+        self.encoder.set_proprio_stats(mean, std)
 
     def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
         """(…, A) env units -> [-1, 1]."""
@@ -108,13 +100,7 @@ class FlowPolicy(nn.Module):
 
     def encode(self, obs: dict[str, Any]) -> torch.Tensor:
         """Observation dict (B, ...) -> state embedding (B, hidden_dim)."""
-        proprio = (obs["proprio"].to(self.device).float() - self.proprio_mean) / self.proprio_std
-        parts = [self.proprio(proprio)]
-        if self.image is not None:
-            parts.append(self.image(obs["image"].to(self.device)))
-        if self.text is not None:
-            parts.append(self.text(list(obs["instruction"])))
-        return self.fuse(torch.cat(parts, dim=-1))
+        return self.encoder(obs)
 
     def velocity(self, z: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """v(s, x, w): z (B, hidden), x (B, H, A) normalised, w (B,) -> (B, H, A)."""
@@ -187,7 +173,7 @@ class FlowPolicyRunner:
                 "proprio": torch.as_tensor(np.asarray(obs["proprio"]))[None],
                 "instruction": [env.unwrapped.instruction],
             }
-            if self.model.image is not None:
+            if self.model.config.image_size:
                 batch["image"] = torch.as_tensor(np.asarray(obs["image"]))[None]
             chunk = self.model.sample(batch, seed=self.seed)[0].cpu().numpy()
             self.seed += 1

@@ -1,0 +1,31 @@
+"""Smoke test of the main job (`robo-post run`) on a tiny, state-only budget."""
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_run_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"run_dir={run_dir}", "show=false", "env.tasks=[reach]", "env.kwargs.render_images=false", "fleet.n_clients=1",
+        "preset.demo_episodes=6", "preset.play_episodes=3", "preset.bc_updates=30", "bc.eval.every=0",
+        "+bc.model.use_text=false", "+bc.model.hidden_dim=32", "+bc.model.embed_dim=16", "bc.batch_size=16",
+        "preset.critic_warmup=5", "preset.offline_updates=15", "preset.online_rounds=1",
+        "preset.online_episodes=2", "preset.online_updates=10", "preset.eval_episodes=2", "lwd.batch_size=16",
+    ]
+    r = subprocess.run([sys.executable, "-m", "robo_post.cli", "run", *overrides], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # v1 = BC, v2 = offline DIVL+QAM, v3 = after the online round; each on both phrasings splits.
+    assert sorted({(row["version"], row["split"]) for row in summary["results"]}) == [
+        (v, s) for v in (1, 2, 3) for s in ("heldout", "train")]
+    assert all(0.0 <= row["mean_success"] <= 1.0 for row in summary["results"])
+    lineage = json.loads((run_dir / "lwd" / "online-0.json").read_text())
+    assert (lineage["version"], lineage["parent_version"], lineage["online_episodes"]) == (3, 2, 2)
+    rows = [json.loads(line) for line in (run_dir / "lwd" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["update"] == 25 and "loss_am" in rows[-1] and "tau_mean" in rows[-1]
+    report = (run_dir / "report" / "report.md").read_text()
+    assert "v3" in report and os.path.getsize(run_dir / "report" / "success_rates.png") > 0
