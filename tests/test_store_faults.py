@@ -51,10 +51,10 @@ def test_sigkill_during_commits_never_exposes_partial_episodes(tmp_path):
     store = Store.create(root, SCHEMA)
     rnd = random.Random(0)
     committed = visible = rounds = 0
-    while committed < 25:
+    while committed < 25 or rounds < 6:  # several kills, at random points, over >= 25 commits
         proc = _spawn(root, "victim")
         assert proc.stdout.readline().split()[0] == "ready"
-        time.sleep(rnd.uniform(0.0, 0.4))
+        time.sleep(rnd.uniform(0.0, 0.25))
         proc.send_signal(signal.SIGKILL)
         out = proc.stdout.read().split("\n")
         proc.wait()
@@ -71,7 +71,6 @@ def test_sigkill_during_commits_never_exposes_partial_episodes(tmp_path):
     assert [e.attrs["n"] for e in snap] == list(range(visible))  # no duplicates, no gaps
     for e in snap.episodes()[-3:]:
         assert (snap.load(e)["obs"]["proprio"][:, 0] == e.attrs["n"]).all()
-    assert rounds > 1
 
 
 def test_four_concurrent_writers_200_episodes(tmp_path):
