@@ -255,9 +255,10 @@ class QAM:
         N = len(grid.t)
 
         # 1. Stop-gradient memoryless-SDE paths from the fine policy (or the reference).
+        z_fine = fine.encode(obs)  # encoded once: detached for the paths, with grad for the regression
         with torch.no_grad():
             z_ref = ref.encode(obs)
-            src, z_src = (fine, fine.encode(obs)) if cfg.path_source == "fine" else (ref, z_ref)
+            src, z_src = (fine, z_fine.detach()) if cfg.path_source == "fine" else (ref, z_ref)
             x0 = torch.randn(B, H, A, device=self.device)
             xs = sample_path(policy_velocity(src, z_src), policy_velocity(ref, z_ref), x0, grid)
 
@@ -268,7 +269,7 @@ class QAM:
         # 3. Regress v_theta onto the AM target, all N steps in one batched forward.
         x_flat = xs[:-1].flatten(0, 1)
         t_flat = grid.t.to(self.device, x_flat.dtype).repeat_interleave(B)
-        v_fine = fine.velocity(fine.encode(obs).repeat(N, 1), x_flat, t_flat).view(N, B, H, A)
+        v_fine = fine.velocity(z_fine.repeat(N, 1), x_flat, t_flat).view(N, B, H, A)
         with torch.no_grad():
             v_base = ref.velocity(z_ref.repeat(N, 1), x_flat, t_flat).view(N, B, H, A)
         sigma = grid.sigma.to(self.device, x_flat.dtype).view(N, 1, 1, 1)
