@@ -6,7 +6,7 @@ One short prepared check for a lent GPU machine (CI never runs it):
     .venv/bin/python benchmarks/learner_gpu.py --quick    # fewer timed updates
 
 Synthetic batches with the tabletop shapes (proprio 31, 64x64x3 image, chunk 8x4)
-feed the real ``DIVLQAM`` learner; the text encoder is off so nothing is downloaded.
+feed the real ``ActorCritic('divl_qam')`` learner; the text encoder is off so nothing is downloaded.
 Prints updates/s per device and the GPU/CPU ratio for each size.
 """
 
@@ -17,9 +17,7 @@ import time
 
 import torch
 
-from robo_post.algos.divl import DIVLConfig
-from robo_post.algos.qam import QAMConfig
-from robo_post.learner.lwd import DIVLQAM
+from robo_post.learner.algorithms import ActorCritic
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
 
 SIZES = {"default": dict(embed_dim=128, hidden_dim=256), "10x": dict(embed_dim=384, hidden_dim=896)}
@@ -37,7 +35,7 @@ def updates_per_s(size: str, device: torch.device, n: int) -> tuple[float, int]:
     torch.manual_seed(0)
     policy = FlowPolicy(FlowPolicyConfig(proprio_dim=31, action_dim=4, horizon=8, image_size=64, use_text=False,
                                          **SIZES[size])).to(device)
-    algo = DIVLQAM(policy, DIVLConfig(), QAMConfig(), critic_warmup=0, device=device)
+    algo = ActorCritic("divl_qam", policy, device=device)
     data = batch(device)
     for _ in range(3):  # warm-up (cuDNN autotune, allocator)
         algo.update(data)

@@ -150,6 +150,10 @@ class ValueLearner:
         self.schedulers = [_cosine(opt, config.lr_decay_steps) for opt in (self.opt_v, self.opt_q)]
         self.steps = 0
 
+    @property
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {"value": self.opt_v, "critic": self.opt_q}
+
     def value_loss(self, v_out: torch.Tensor, q_label: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
 

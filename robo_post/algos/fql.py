@@ -7,8 +7,10 @@ critic:
     L(mu) = alpha * E ||mu(s, eps) - clip(ODE_beta(s, eps))||^2 - E[Q(s, clip(mu(s, eps)))]
 
 Unlike the FQL paper, which co-trains the BC flow, the reference here is the frozen
-BC flow, as for QAM in LWD (§4.2), and the critic comes from the value learner
-through the same ``critic_fn(obs, normalised_chunk) -> (E, B)`` hand-off as QAM.
+BC flow, as for QAM in LWD (§4.2). The actor reads its critic through the same
+``critic_fn(obs, normalised_chunk) -> (E, B)`` hand-off as QAM, so it can sit on
+any critic; ``FQLCritic`` is FQL's own: plain TD whose bootstrap action is the
+one-step policy's chunk at the next state, y = r + gamma^H * agg_j Q'_j(s', mu(s', eps)).
 
 The one-step policy reuses the ``FlowPolicy`` architecture: mu(s, eps) = eps +
 v_mu(s, eps, 0), i.e. a single Euler step, initialised from the reference.
@@ -22,7 +24,8 @@ from typing import Any
 
 import torch
 
-from robo_post.algos.divl import CriticFn
+from robo_post.algos.divl import CriticFn, td_target
+from robo_post.models.critic import CriticConfig, CriticNet, ema_update
 from robo_post.models.flow import FlowPolicy
 
 
@@ -37,6 +40,7 @@ class FQLConfig:
         q_agg: ``mean`` or ``min`` over critic heads.
         lr: Adam learning rate (FQL: 3e-4).
         grad_clip: global gradient-norm clip; 0 disables it (FQL has none).
+        q_net: critic the actor climbs: ``online`` (FQL code) or ``target``.
     """
 
     alpha: float = 10.0
@@ -44,6 +48,7 @@ class FQLConfig:
     q_agg: str = "mean"
     lr: float = 3e-4
     grad_clip: float = 0.0
+    q_net: str = "online"
 
 
 class FQL:
@@ -93,6 +98,20 @@ class FQL:
         return {"distill_loss": distill.item(), "q_loss": q_loss.item(), "q_mean": q.mean().item()}
 
     @torch.no_grad()
+    def next_chunks(self, obs: dict[str, Any]) -> torch.Tensor:
+        """Clipped normalised one-step chunks (B, H, A) at ``obs``: FQL's bootstrap action."""
+        c = self.one_step.config
+        B = len(next(v for v in obs.values() if isinstance(v, torch.Tensor)))
+        return self.one_step_actions(obs, torch.randn(B, c.horizon, c.action_dim, device=self.device)).clamp(-1.0, 1.0)
+
+    def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The one-step policy as a registry artifact: a ``FlowPolicy`` with ``flow_steps = 1``
+        samples exactly mu(s, eps) = eps + v(s, eps, 0), clipped."""
+        weights, config = self.one_step.artifact(**provenance)
+        config["model"]["flow_steps"] = 1
+        return weights, config
+
+    @torch.no_grad()
     def act(self, obs: dict[str, Any], noise: torch.Tensor | None = None) -> torch.Tensor:
         """Action chunks (B, H, A) in env units from one network evaluation, clipped."""
         if noise is None:
@@ -100,3 +119,65 @@ class FQL:
             c = self.one_step.config
             noise = torch.randn(B, c.horizon, c.action_dim, device=self.device)
         return self.one_step.unnormalize_actions(self.one_step_actions(obs, noise.to(self.device)).clamp(-1.0, 1.0))
+
+
+@dataclass
+class FQLCriticConfig:
+    """FQL's critic (``seohongpark/fql`` defaults).
+
+    Attributes:
+        lr: Adam learning rate.
+        ema_rate: target-network EMA rate.
+        q_agg: ``mean`` (FQL default) or ``min`` (FQL on antmaze) over the target heads.
+    """
+
+    lr: float = 3e-4
+    ema_rate: float = 0.005
+    q_agg: str = "mean"
+
+
+class FQLCritic:
+    """Twin Q (no value head) trained by TD with the actor's next chunk as the bootstrap action.
+
+    Args:
+        critic: architecture (same ``CriticNet`` as DIVL and IQL, ``value_outputs = 0``).
+        config: ``FQLCriticConfig``.
+        device: torch device.
+    """
+
+    def __init__(self, critic: CriticConfig, config: FQLCriticConfig | None = None, device: torch.device | str = "cpu"):
+        self.config = config or FQLCriticConfig()
+        if self.config.q_agg not in ("mean", "min"):
+            raise ValueError(f"q_agg must be 'mean' or 'min', got {self.config.q_agg!r}")
+        self.device = torch.device(device)
+        self.net = CriticNet(critic, 0).to(self.device)
+        self.target = copy.deepcopy(self.net).requires_grad_(False)
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=self.config.lr)
+        self.steps = 0
+
+    @property
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {"critic": self.opt}
+
+    def update(self, batch: dict[str, Any], next_chunks: Any) -> dict[str, float]:
+        """One TD step; ``next_chunks(obs) -> (B, H, A)`` normalised chunks from the actor."""
+        net, target = self.net, self.target
+        with torch.no_grad():
+            qs_next = target.q(target.encode(batch["next_obs"]), next_chunks(batch["next_obs"]))
+            q_next = qs_next.mean(0) if self.config.q_agg == "mean" else qs_next.min(0).values
+            y = td_target(batch["rewards"].to(self.device).float(), batch["discounts"].to(self.device).float(), q_next)
+        q = net.q(net.encode(batch["obs"]), net.normalize_actions(batch["actions"]))
+        loss = (q - y).pow(2).mean(-1).sum()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        ema_update(target, net, self.config.ema_rate)
+        self.steps += 1
+        return {"loss_q": loss.item(), "q_mean": q.mean().item(), "td_target_mean": y.mean().item()}
+
+    def critic_fn(self, net: str = "online") -> CriticFn:
+        """``critic_fn(obs, normalised_chunk) -> (2, B)``, differentiable in the chunk only."""
+        if net not in ("target", "online"):
+            raise ValueError(f"net must be 'target' or 'online', got {net!r}")
+        module = self.target if net == "target" else self.net
+        return lambda obs, chunk: module.q(module.encode(obs), chunk)

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -286,6 +287,10 @@ def _learning_section(doc: _Doc, out_dir: str, run_dirs: list[str]) -> None:
         return
     _plot_curves(os.path.join(out_dir, "learning_curves.png"), runs)
     doc.image("learning_curves.png", "training metrics against update")
+    for run_dir in run_dirs:  # DIVL's value distributions along a success and a failure, per phase
+        for name in sorted(n for n in os.listdir(run_dir) if n.startswith("value_distributions-") and n.endswith(".png")):
+            shutil.copyfile(os.path.join(run_dir, name), os.path.join(out_dir, name))
+            doc.image(name, f"value distribution along a success and a failure ({name[20:-4]})")
 
 
 def _plot_curves(path: str, runs: dict[str, list[dict[str, Any]]]) -> None:

@@ -88,7 +88,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             lwd.online_round(store_root, lwd_dir, cfg.lwd, offline_snapshot, k)
 
     results = []
-    for version in registry.versions():
+    versions = registry.versions() if cfg.eval.versions is None else list(cfg.eval.versions)
+    for version in versions:
         for split in cfg.eval.splits:
             results.append(evaluate(
                 store_root, version, list(cfg.env.tasks), cfg.eval.episodes_per_task, split=split,

@@ -116,9 +116,25 @@ def _progress(show: bool, total: int, start: int):
     )
 
 
+def lwd_config(cfg: DictConfig) -> DictConfig:
+    """The learner config (``robo_post.learner.lwd``) of a `robo-post train` job with a critic-based algo."""
+    a = cfg.algo
+    return OmegaConf.create({
+        "algo": a.name, "value": a.value, "actor": a.actor, "critic_warmup": a.critic_warmup,
+        "reference_version": a.reference_version, "device": cfg.device, "seed": cfg.seed, "show": cfg.show,
+        "gamma": cfg.gamma, "batch_size": cfg.batch_size, "log_every": cfg.log_every,
+        "checkpoint_every": cfg.checkpoint_every, "offline": {"updates": cfg.updates, "n_step": a.n_step},
+    })
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """`robo-post train`: train ``cfg.algo`` on a store snapshot and publish the policy."""
+    """`robo-post train`: train ``cfg.algo`` on a store snapshot and publish the policy.
+
+    ``bc_flow`` trains a flow policy from scratch; the critic-based algorithms
+    (``divl_qam``, ``iql_qam``, ``fql``) start from a published BC version.
+    """
     from robo_post.algos.bc_flow import BCFlow, BCFlowConfig
+    from robo_post.learner.algorithms import ALGORITHMS
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.torch_threads)
@@ -128,29 +144,35 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     episodes = snap.episodes(task=list(cfg.data.tasks) if cfg.data.tasks else None, success=cfg.data.success)
     if not episodes:
         raise ValueError(f"no episodes in snapshot {snap.id} match the data filter {OmegaConf.to_container(cfg.data)}")
-    sampler = WindowSampler.from_snapshot(
-        snap, episodes, horizon=cfg.model.horizon, n_step=1, gamma=cfg.gamma, device=device, seed=cfg.seed
-    )
-    if cfg.algo.name != "bc_flow":
-        raise ValueError(f"unknown algo {cfg.algo.name!r}; `robo-post train` supports: bc_flow")
-    model_cfg = flow_config_from_schema(store.schema, OmegaConf.to_container(cfg.model, resolve=True))
-    algo = BCFlow(BCFlowConfig(**{k: v for k, v in cfg.algo.items() if k != "name"}), model_cfg, device)
-    algo.policy.set_proprio_stats(*sampler.obs_stats("proprio"))
+    if cfg.algo.name != "bc_flow" and cfg.algo.name not in ALGORITHMS:
+        raise ValueError(f"unknown algo {cfg.algo.name!r}; choose one of {['bc_flow', *sorted(ALGORITHMS)]}")
     run_dir = cfg.run_dir
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write(OmegaConf.to_yaml(cfg, resolve=True))
-    t0 = time.perf_counter()
+    tasks = sorted({e.task_id for e in episodes})
     evaluate = None
     if cfg.eval.every:
         from robo_post.eval.rollout import in_process_success
 
-        tasks = sorted({e.task_id for e in episodes})
-        evaluate = lambda update: in_process_success(algo.policy, tasks, cfg.eval.episodes_per_task)  # noqa: E731
+        evaluate = lambda policy: in_process_success(policy, tasks, cfg.eval.episodes_per_task)  # noqa: E731
+    if cfg.algo.name != "bc_flow":
+        from robo_post.learner import lwd
+
+        return lwd.offline(cfg.store, run_dir, lwd_config(cfg), snapshot=snap.id, episodes=episodes,
+                           eval_every=cfg.eval.every, evaluate=evaluate)
+
+    sampler = WindowSampler.from_snapshot(
+        snap, episodes, horizon=cfg.model.horizon, n_step=1, gamma=cfg.gamma, device=device, seed=cfg.seed
+    )
+    model_cfg = flow_config_from_schema(store.schema, OmegaConf.to_container(cfg.model, resolve=True))
+    algo = BCFlow(BCFlowConfig(**{k: v for k, v in cfg.algo.items() if k != "name"}), model_cfg, device)
+    algo.policy.set_proprio_stats(*sampler.obs_stats("proprio"))
+    t0 = time.perf_counter()
     logged = train_loop(
         algo, lambda: sampler.sample(cfg.batch_size), run_dir, cfg.updates, {"sampler": sampler.rng},
         log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every, eval_every=cfg.eval.every,
-        evaluate=evaluate, show=cfg.show,
+        evaluate=evaluate and (lambda update: evaluate(algo.policy)), show=cfg.show,
     )
     wall = time.perf_counter() - t0
     weights, config = algo.policy.artifact(

@@ -59,7 +59,7 @@ class CriticConfig:
 
 
 class CriticNet(nn.Module):
-    """State encoder + twin Q heads + value head (``value_outputs`` logits)."""
+    """State encoder + twin Q heads + value head (``value_outputs`` logits; 0 = no value head, as in FQL)."""
 
     def __init__(self, config: CriticConfig, value_outputs: int):
         super().__init__()
@@ -68,11 +68,12 @@ class CriticNet(nn.Module):
         self.encoder = ObservationEncoder(c.proprio_dim, c.image_size, c.use_text, e, h)
         chunk_dim = c.horizon * c.action_dim
         self.q_heads = nn.ModuleList([mlp([h + chunk_dim, h, h, 1], layer_norm=True) for _ in range(2)])
-        self.value_head = mlp([h, h, h, value_outputs], layer_norm=True)
-        # Zero logits at init: uniform categorical, so H~ = 1 and tau starts at
-        # clip(tau_base - alpha) (spec §2.4 "Start of training").
-        nn.init.zeros_(self.value_head[-1].weight)
-        nn.init.zeros_(self.value_head[-1].bias)
+        self.value_head = mlp([h, h, h, value_outputs], layer_norm=True) if value_outputs else None
+        if self.value_head is not None:
+            # Zero logits at init: uniform categorical, so H~ = 1 and tau starts at
+            # clip(tau_base - alpha) (spec §2.4 "Start of training").
+            nn.init.zeros_(self.value_head[-1].weight)
+            nn.init.zeros_(self.value_head[-1].bias)
         low = torch.tensor(c.action_low or [-1.0] * c.action_dim, dtype=torch.float32)
         high = torch.tensor(c.action_high or [1.0] * c.action_dim, dtype=torch.float32)
         self.register_buffer("action_low", low)

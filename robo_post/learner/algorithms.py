@@ -1,0 +1,95 @@
+"""Critic-based policy extraction algorithms, selectable by name (``algo=``).
+
+Each is a value learner paired with a policy extractor, both starting from a
+published BC flow policy (the frozen reference):
+
+============  ===========================================  ==============================
+name          value learner (critic)                       policy extraction
+============  ===========================================  ==============================
+``divl_qam``  DIVL: categorical V, adaptive quantile TD    QAM (adjoint matching)
+``iql_qam``   IQL: expectile V                             QAM
+``fql``       FQL's TD critic (bootstrap from the actor)   FQL (one-step distillation + Q)
+============  ===========================================  ==============================
+
+All share the networks (``CriticNet``, ``FlowPolicy``), the sampler batches and
+the ``train_loop`` interface (``modules``, ``optimizers``, ``update``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from robo_post.algos.divl import DIVL, DIVLConfig
+from robo_post.algos.fql import FQL, FQLConfig, FQLCritic, FQLCriticConfig
+from robo_post.algos.iql import IQL, IQLConfig
+from robo_post.algos.qam import QAM, QAMConfig
+from robo_post.models.critic import CriticConfig
+from robo_post.models.flow import FlowPolicy
+
+# name -> (value learner, its config, actor, its config)
+ALGORITHMS = {
+    "divl_qam": (DIVL, DIVLConfig, QAM, QAMConfig),
+    "iql_qam": (IQL, IQLConfig, QAM, QAMConfig),
+    "fql": (FQLCritic, FQLCriticConfig, FQL, FQLConfig),
+}
+
+
+class ActorCritic:
+    """A value learner and a policy extractor trained together, one step each per update.
+
+    Args:
+        name: a key of ``ALGORITHMS``.
+        reference: the BC flow policy (frozen reference; the actor starts as a copy).
+        value: overrides of the value learner's config dataclass.
+        actor: overrides of the actor's config dataclass.
+        critic_warmup: updates that train only the critic before the actor moves.
+        device: torch device.
+    """
+
+    def __init__(self, name: str, reference: FlowPolicy, value: dict[str, Any] | None = None,
+                 actor: dict[str, Any] | None = None, critic_warmup: int = 0, device: torch.device | str = "cpu"):
+        if name not in ALGORITHMS:
+            raise ValueError(f"unknown algo {name!r}; choose one of {sorted(ALGORITHMS)}")
+        value_cls, value_cfg, actor_cls, actor_cfg = ALGORITHMS[name]
+        self.name = name
+        self.value = value_cls(CriticConfig.like(reference.config), value_cfg(**(value or {})), device)
+        for net in (self.value.net, self.value.target):  # the critic sees proprio standardised like the policy
+            net.set_proprio_stats(reference.encoder.proprio_mean.cpu(), reference.encoder.proprio_std.cpu())
+        self.actor = actor_cls(reference, actor_cfg(**(actor or {})), device)
+        self.critic_warmup = critic_warmup
+        self.updates = 0  # learner steps so far, across phases (train_loop restores it on resume)
+
+    @property
+    def policy(self) -> FlowPolicy:
+        """The policy being trained (QAM's fine flow or FQL's one-step policy)."""
+        return self.actor.fine if isinstance(self.actor, QAM) else self.actor.one_step
+
+    @property
+    def modules(self) -> dict[str, torch.nn.Module]:
+        return {"critic": self.value.net, "critic_target": self.value.target, "actor": self.policy,
+                "reference": self.actor.reference}
+
+    @property
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {**self.value.optimizers, "actor": self.actor.opt}
+
+    def set_stage(self, stage: str) -> None:
+        """``offline`` or ``online``: DIVL switches tau_base; the others have no stage settings."""
+        if isinstance(self.value, DIVL):
+            self.value.set_stage(stage)
+
+    def update(self, batch: dict[str, Any]) -> dict[str, float]:
+        self.updates += 1
+        if isinstance(self.value, FQLCritic):
+            metrics = self.value.update(batch, self.actor.next_chunks)
+        else:
+            metrics = self.value.update(batch)
+        if self.updates > self.critic_warmup:
+            metrics.update(self.actor.update(batch, self.value.critic_fn(self.actor.config.q_net)))
+        return metrics
+
+    def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The trained policy as a registry artifact (``FlowPolicy`` weights + JSON)."""
+        return self.actor.artifact(algorithm=self.name, **provenance)
