@@ -287,7 +287,7 @@ def _learning_section(doc: _Doc, out_dir: str, run_dirs: list[str]) -> None:
         return
     _plot_curves(os.path.join(out_dir, "learning_curves.png"), runs)
     doc.image("learning_curves.png", "training metrics against update")
-    for run_dir in run_dirs:  # DIVL's value distributions along a success and a failure, per phase
+    for run_dir in filter(os.path.isdir, run_dirs):  # DIVL's value distributions along a success and a failure
         for name in sorted(n for n in os.listdir(run_dir) if n.startswith("value_distributions-") and n.endswith(".png")):
             shutil.copyfile(os.path.join(run_dir, name), os.path.join(out_dir, name))
             doc.image(name, f"value distribution along a success and a failure ({name[20:-4]})")
