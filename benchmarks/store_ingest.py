@@ -40,10 +40,11 @@ What is measured:
 Each timing is repeated (``--repeats``; the cheap numpy.save ceiling three times
 as often) with the methods interleaved, and the fastest repeat counts
 (``--verbose`` prints every repeat). The store writers use their defaults
-(``fsync=True``: commit.json is fsync'd once per episode).
+(``fsync=True``: the commit record is fdatasync'd once per episode; numpy.save
+syncs nothing).
 
 ``--profile`` instead splits the add/commit path into phases by wall time and
-prints a cProfile of it (main thread; the zarr writes run on other threads).
+prints a cProfile of it.
 
 The script never fails on a missed target: it prints PASS/MISS and exits 0.
 """
@@ -415,14 +416,13 @@ def profile_commit(n_episodes: int, workdir: str) -> None:
     """Wall time of each phase of add/commit, then a cProfile of the same path.
 
     The phases are timed by wrapping, in this process only, the helpers that
-    ``ShardWriter.commit`` calls. The zarr writes run on the writer's thread pool
-    and on zarr's own IO thread: cProfile (main thread only) sees them as lock waits,
-    the phase split times them per array.
+    ``ShardWriter.commit`` calls, each array's chunk writer (encode + write files)
+    and the fdatasync of the commit record.
     """
     from robo_post.store import Store
     from robo_post.store import writer as writer_module
 
-    helpers = ("stack_field", "validate_array", "episode_checksum", "write_json_atomic")
+    helpers = ("stack_field", "validate_array", "episode_checksum")
     for variant, with_image in VARIANTS.items():
         episodes = [make_episode(2000 + i, with_image) for i in range(n_episodes)]
         root = os.path.join(workdir, f"profile-{variant}")
@@ -444,9 +444,9 @@ def profile_commit(n_episodes: int, workdir: str) -> None:
         originals = {name: getattr(writer_module, name) for name in helpers}
         for name, fn in originals.items():
             setattr(writer_module, name, timed(name, fn))
-        pool_map, write_rows = writer._pool.map, writer._write_rows
-        writer._pool.map = timed("zarr writes, all arrays (parallel)", lambda *a: list(pool_map(*a)))
-        writer._write_rows = lambda name, start, values: timed(f"  zarr write {name}", write_rows)(name, start, values)
+        for name, column in writer._columns.items():
+            column.write = timed(f"chunk write {name}", column.write)
+        writer._commit.sync = timed("commit record fdatasync", writer._commit.sync)
         writer.commit = timed("commit (total)", writer.commit)
         writer.add = timed("add (total, all steps)", writer.add)
         try:
@@ -456,9 +456,11 @@ def profile_commit(n_episodes: int, workdir: str) -> None:
         finally:
             for name, fn in originals.items():
                 setattr(writer_module, name, fn)
-        for name in ("commit", "add", "_write_rows"):
+        for name in ("commit", "add"):
             del writer.__dict__[name]
-        del writer._pool.map
+        for column in writer._columns.values():
+            del column.write
+        del writer._commit.sync
 
         profiler = cProfile.Profile()
         profiler.enable()
@@ -469,7 +471,7 @@ def profile_commit(n_episodes: int, workdir: str) -> None:
 
         print(f"\n=== variant {variant}: add/commit of {n_episodes} episodes, "
               f"{elapsed / (n_episodes * T) * 1e6:.1f} us/transition in all ===")
-        print("wall time per phase, ms per episode (the zarr writes of the arrays overlap each other):")
+        print("wall time per phase, ms per episode:")
         for name, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
             print(f"  {name:<36} {seconds / n_episodes * 1e3:8.3f}")
         out = io.StringIO()

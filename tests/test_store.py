@@ -313,8 +313,8 @@ def test_cli_info_and_validate_detect_corruption(store):
     r = _cli("store", "validate", store.root)
     assert r.returncode == 1 and "a/1: checksum mismatch" in r.stderr
     # A torn chunk file: caught as unreadable data.
-    chunk_dir = os.path.join(store.root, "shards", "a", "data", "obs", "image", "c")
-    chunk = next(os.path.join(d, f[0]) for d, _, f in os.walk(chunk_dir) if f)
+    image_dir = os.path.join(store.root, "shards", "a", "data", "obs", "image")
+    chunk = os.path.join(image_dir, next(f for f in os.listdir(image_dir) if f.startswith("c.")))
     with open(chunk, "r+b") as f:
         f.truncate(os.path.getsize(chunk) // 2)
     r = _cli("store", "validate", store.root)

@@ -95,6 +95,11 @@ def asymmetric_loss(u: torch.Tensor, tau: float | torch.Tensor, power: int) -> t
     return (tau - (u < 0).to(u.dtype)).abs() * u.abs().pow(power)
 
 
+def weighted_mean(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Mean over the last (batch) dim; with prioritized replay, weighted by the IS weights (B,)."""
+    return x.mean(-1) if weights is None else (x * weights.to(x.device)).mean(-1)
+
+
 def td_target(rewards: torch.Tensor, discounts: torch.Tensor, v_next: torch.Tensor) -> torch.Tensor:
     """Chunk TD target r + gamma^(nH) * alive * V(s_{t+nH}) (§2.2.9; the sampler folds alive into discounts)."""
     return rewards + discounts * v_next
@@ -149,6 +154,7 @@ class ValueLearner:
         self.opt_q = torch.optim.Adam(self.net.encoder_parameters() + list(self.net.q_heads.parameters()), lr=config.lr)
         self.schedulers = [_cosine(opt, config.lr_decay_steps) for opt in (self.opt_v, self.opt_q)]
         self.steps = 0
+        self.td_error: torch.Tensor | None = None  # |TD error| (B,) of the last update
 
     @property
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
@@ -184,9 +190,9 @@ class ValueLearner:
             v_next, boot_metrics = self.bootstrap(src.value(src.encode(batch["next_obs"])))
             y = td_target(rewards, discounts, v_next)
 
-        # 3. Critic step: scalar MSE on both heads (Eq. 15).
+        # 3. Critic step: scalar MSE on both heads (Eq. 15), importance-weighted under prioritized replay.
         q = net.q(z, chunk)
-        per_head = (q - y).pow(2).mean(-1)
+        per_head = weighted_mean((q - y).pow(2), batch.get("weights"))
         loss_q = per_head.sum() if cfg.q_head_reduce == "sum" else per_head.mean()
         loss_q.backward()
         if cfg.update_mode == "joint":
@@ -199,6 +205,7 @@ class ValueLearner:
         # 4. Target EMA (§2.2.10).
         ema_update(self.target, net, cfg.ema_rate)
         self.steps += 1
+        self.td_error = (y - q.detach().mean(0)).abs()  # (B,) base priorities for prioritized replay
         return {"loss_v": loss_v.item(), "loss_q": loss_q.item(), "q_mean": q.mean().item(),
                 "q_label_mean": q_label.mean().item(), "td_target_mean": y.mean().item(),
                 **metrics, **boot_metrics}

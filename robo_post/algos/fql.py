@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from robo_post.algos.divl import CriticFn, td_target
+from robo_post.algos.divl import CriticFn, td_target, weighted_mean
 from robo_post.models.critic import CriticConfig, CriticNet, ema_update
 from robo_post.models.flow import FlowPolicy
 
@@ -154,6 +154,7 @@ class FQLCritic:
         self.target = copy.deepcopy(self.net).requires_grad_(False)
         self.opt = torch.optim.Adam(self.net.parameters(), lr=self.config.lr)
         self.steps = 0
+        self.td_error: torch.Tensor | None = None  # |TD error| (B,) of the last update
 
     @property
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
@@ -167,12 +168,13 @@ class FQLCritic:
             q_next = qs_next.mean(0) if self.config.q_agg == "mean" else qs_next.min(0).values
             y = td_target(batch["rewards"].to(self.device).float(), batch["discounts"].to(self.device).float(), q_next)
         q = net.q(net.encode(batch["obs"]), net.normalize_actions(batch["actions"]))
-        loss = (q - y).pow(2).mean(-1).sum()
+        loss = weighted_mean((q - y).pow(2), batch.get("weights")).sum()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
         ema_update(target, net, self.config.ema_rate)
         self.steps += 1
+        self.td_error = (y - q.detach().mean(0)).abs()  # (B,) base priorities for prioritized replay
         return {"loss_q": loss.item(), "q_mean": q.mean().item(), "td_target_mean": y.mean().item()}
 
     def critic_fn(self, net: str = "online") -> CriticFn:

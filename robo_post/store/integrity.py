@@ -15,7 +15,7 @@ def validate_store(root: str) -> tuple[int, list[str]]:
 
     Returns ``(episodes_checked, problems)``; an empty problem list means healthy.
     Checks: schema, commit records vs. metadata, contiguous row ranges, array
-    extents, per-episode CRC32, schema constraints on every row, and that every
+    extents, per-episode checksum, schema constraints on every row, and that every
     published policy has loadable weights and config.
     """
     try:
@@ -49,7 +49,7 @@ def validate_store(root: str) -> tuple[int, list[str]]:
             arrays = {f"obs/{k}": data["obs"][k][o0 : o0 + T + 1] for k in schema.observations}
             arrays["action"] = data["action"][s0 : s0 + T]
             arrays["step"] = data["step"][s0 : s0 + T]
-            if episode_checksum(arrays) != ep.crc32:
+            if episode_checksum(arrays, ep.checksum_kind) != ep.checksum:
                 problems.append(f"{ep.key}: checksum mismatch (data changed after commit)")
                 continue
             try:

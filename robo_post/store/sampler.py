@@ -86,12 +86,19 @@ class WindowSampler:
         self.rng = np.random.default_rng(seed)
         self.episodes: list[EpisodeInfo] = []
         self._obs: dict[str, _Grow] = {}
+        # Actions with each episode's last action repeated H - 1 more times, so the
+        # window of every start step is one contiguous run of rows.
         self._action: _Grow | None = None
-        self._reward = _Grow(np.float32, ())
+        # Everything a window needs that depends only on its start step is computed
+        # once per step when episodes are added; sample() is then a few gathers.
         self._version = _Grow(np.int64, ())
-        self._ep_end = _Grow(np.int64, ())  # per step: exclusive end step of its episode
-        self._ep_ord = _Grow(np.int64, ())  # per step: ordinal of its episode (obs row = step + ordinal)
-        self._ep_term = _Grow(bool, ())  # per step: did its episode terminate (vs. truncate)
+        self._ordinal = _Grow(np.int64, ())  # episode ordinal (for the instruction)
+        self._obs_row = _Grow(np.int64, ())  # observation row of s_t
+        self._next_row = _Grow(np.int64, ())  # observation row of the bootstrap s_{t+K}
+        self._action_row = _Grow(np.int64, ())  # row of a_t in the padded actions
+        self._action_mask = _Grow(bool, (horizon,))  # True where a_{t+i} is real, not padding
+        self._return = _Grow(np.float32, ())  # chunked discounted reward sum
+        self._discount = _Grow(np.float32, ())
         self._pow = gamma ** np.arange(n_step * horizon + 1, dtype=np.float64)
 
     @classmethod
@@ -102,7 +109,7 @@ class WindowSampler:
 
     def __len__(self) -> int:
         """Number of steps (= possible window starts) held."""
-        return self._reward.n
+        return self._version.n
 
     def obs_stats(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """Per-dimension mean and std of observation ``key`` over the held data."""
@@ -120,24 +127,41 @@ class WindowSampler:
             for ep in eps:
                 self._append(ep, data, keys)
         self._instructions = np.array([e.instruction for e in self.episodes], dtype=object)
+        if self._action is None:
+            return
+        # (rows, H, A) view whose row i is the action window starting at padded row i.
+        pad = self._action.view
+        self._action_windows = np.lib.stride_tricks.as_strided(
+            pad, (len(pad) - self.horizon + 1, self.horizon, *pad.shape[1:]), (pad.strides[0], *pad.strides), writeable=False
+        )
 
     def _append(self, ep: EpisodeInfo, data: dict, keys: list[str]) -> None:
         T, s0, o0 = ep.length, ep.step_start, ep.obs_start
+        H, K = self.horizon, self.n_step * self.horizon
         if self._action is None:
             self.obs_keys = keys
             for k in keys:
                 self._obs[k] = _Grow(data["obs"][k].dtype, data["obs"][k].shape[1:])
             self._action = _Grow(np.float32, data["action"].shape[1:])
-        start, ordinal = self._reward.n, len(self.episodes)
+        obs_start, action_start = self._obs[keys[0]].n, self._action.n
         for k in keys:
             self._obs[k].extend(data["obs"][k][o0 : o0 + T + 1])
-        self._action.extend(data["action"][s0 : s0 + T])
+        actions = data["action"][s0 : s0 + T]
+        self._action.extend(np.concatenate([actions, np.repeat(actions[-1:], H - 1, axis=0)]))
         table = data["step"][s0 : s0 + T]
-        self._reward.extend(table[:, 0])
+        t = np.arange(T)
+        # Rewards r_t .. r_{t+K-1}, zero past the episode end.
+        r = table[:, 0].astype(np.float32)[np.minimum(t[:, None] + np.arange(K), T - 1)] * (t[:, None] + np.arange(K) < T)
+        taken = np.minimum(K, T - t)  # env steps until bootstrap (or episode end)
+        no_bootstrap = (t + K >= T) & ep.terminated
+        self._return.extend((r @ self._pow[:K]).astype(np.float32))
+        self._discount.extend((self._pow[taken] * ~no_bootstrap).astype(np.float32))
         self._version.extend(table[:, 3])
-        self._ep_end.extend(np.full(T, start + T))
-        self._ep_ord.extend(np.full(T, ordinal))
-        self._ep_term.extend(np.full(T, ep.terminated))
+        self._ordinal.extend(np.full(T, len(self.episodes)))
+        self._obs_row.extend(obs_start + t)
+        self._next_row.extend(obs_start + t + taken)  # == final-observation row when the window overruns
+        self._action_row.extend(action_start + t)
+        self._action_mask.extend(t[:, None] + np.arange(H) < T)
         self.episodes.append(ep)
 
     def sample(
@@ -160,35 +184,18 @@ class WindowSampler:
                 if len(eligible) == 0:
                     raise ValueError(f"no steps with policy_version >= {min_policy_version}")
                 starts = eligible[self.rng.integers(0, len(eligible), batch_size)]
-        t = np.asarray(starts, dtype=np.int64)
-        H, K = self.horizon, self.n_step * self.horizon
-        end, ordinal = self._ep_end.view[t], self._ep_ord.view[t]
-
-        a_idx = t[:, None] + np.arange(H)
-        action_mask = a_idx < end[:, None]
-        actions = self._action.view[np.minimum(a_idx, end[:, None] - 1)]
-
-        r_idx = t[:, None] + np.arange(K)
-        r_valid = r_idx < end[:, None]
-        r = self._reward.view[np.minimum(r_idx, end[:, None] - 1)] * r_valid
-        rewards = r @ self._pow[:K]
-
-        taken = np.minimum(K, end - t)  # env steps until bootstrap (or episode end)
-        overrun = t + K >= end
-        discounts = self._pow[taken] * ~(overrun & self._ep_term.view[t])
-        next_rows = t + taken + ordinal  # == final-observation row when the window overruns
-
-        def to(x):
-            return torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
-
-        instructions = self._instructions[ordinal].tolist()
+        t = np.ascontiguousarray(starts, dtype=np.int64)
+        rows, next_rows = self._obs_row.view[t], self._next_row.view[t]
+        instructions = self._instructions[self._ordinal.view[t]].tolist()
+        # Fancy indexing yields new contiguous arrays: from_numpy shares them, no copy.
+        to = torch.from_numpy if self.device.type == "cpu" else lambda x: torch.from_numpy(x).to(self.device)
         return {
-            "obs": {k: to(self._obs[k].view[t + ordinal]) for k in self.obs_keys} | {"instruction": instructions},
-            "actions": to(actions.astype(np.float32, copy=False)),
-            "action_mask": to(action_mask),
-            "rewards": to(rewards.astype(np.float32)),
+            "obs": {k: to(self._obs[k].view[rows]) for k in self.obs_keys} | {"instruction": instructions},
+            "actions": to(self._action_windows[self._action_row.view[t]]),
+            "action_mask": to(self._action_mask.view[t]),
+            "rewards": to(self._return.view[t]),
             "next_obs": {k: to(self._obs[k].view[next_rows]) for k in self.obs_keys} | {"instruction": instructions},
-            "discounts": to(discounts.astype(np.float32)),
+            "discounts": to(self._discount.view[t]),
             "policy_version": to(self._version.view[t]),
             "indices": to(t),
         }

@@ -4,8 +4,11 @@ Layout on disk::
 
     ROOT/store.json                      schema (+ schema_version)
     ROOT/shards/<client>/data/           zarr v3 group: obs/<key>, action, step
+    ROOT/shards/<client>/pending/        raw rows of each array's partly filled last chunk
+                                         while a writer is open (see chunks.py)
     ROOT/shards/<client>/episodes.jsonl  one JSON record per episode
-    ROOT/shards/<client>/commit.json     {"episodes", "steps", "meta_bytes"}: what is committed
+    ROOT/shards/<client>/commit.bin      {episodes, steps, meta_bytes}: what is committed
+                                         (see commit.py; commit.json in older shards)
     ROOT/snapshots/<id>.json             shard -> committed counts, to reopen a snapshot
     ROOT/policies/v000001/               policy registry (see registry.py)
 """
@@ -29,10 +32,9 @@ from robo_post.store.schema import (
     StoreSchema,
     check_name,
 )
+from robo_post.store.chunks import read_rows
+from robo_post.store.commit import read_commit
 from robo_post.store.writer import ShardWriter, write_json_atomic
-
-_EMPTY_COMMIT = {"episodes": 0, "steps": 0, "meta_bytes": 0}
-
 
 @dataclass(frozen=True)
 class EpisodeInfo:
@@ -52,7 +54,8 @@ class EpisodeInfo:
     start_time: float
     end_time: float
     attrs: dict
-    crc32: int
+    checksum: int  # over every stored array of the episode, see ``writer.episode_checksum``
+    checksum_kind: str  # "crc32c", or "crc32" in records of older stores
     ret: float
 
     @property
@@ -62,10 +65,11 @@ class EpisodeInfo:
 
     @classmethod
     def from_record(cls, r: dict[str, Any]) -> "EpisodeInfo":
+        kind = "crc32c" if "crc32c" in r else "crc32"
         return cls(
             r["client_id"], r["episode"], r["task_id"], r["instruction"], r["seed"], r["success"], r["length"],
             r["step_start"], r["obs_start"], r["policy_version"], r["terminated"], r["start_time"], r["end_time"],
-            r["attrs"], r["crc32"], r["return"],
+            r["attrs"], r[kind], kind, r["return"],
         )
 
 
@@ -119,12 +123,7 @@ class Store:
 
     def read_commit(self, shard: str) -> dict[str, int]:
         """The committed counts of one shard (zeros for a shard never committed)."""
-        path = os.path.join(self.root, "shards", shard, "commit.json")
-        try:
-            with open(path) as f:
-                return json.load(f)
-        except FileNotFoundError:
-            return dict(_EMPTY_COMMIT)
+        return read_commit(os.path.join(self.root, "shards", shard))
 
     def shard_episodes(self, shard: str, counts: dict[str, int] | None = None) -> list[EpisodeInfo]:
         """Committed episode records of one shard (up to ``counts``, default: now)."""
@@ -237,6 +236,13 @@ class Snapshot:
             self._arrays[shard] = {n: group[n] for n in names}
         return self._arrays[shard]
 
+    def _read(self, shard: str, name: str, lo: int, hi: int) -> np.ndarray:
+        """Rows ``lo..hi`` of array ``name`` of a shard in this snapshot."""
+        arr = self._shard_arrays(shard)[name]  # typed error for a shard outside the snapshot
+        c = self.counts[shard]
+        end = c["steps"] + c["episodes"] if name.startswith("obs/") else c["steps"]
+        return read_rows(arr, os.path.join(self.store.root, "shards", shard, "pending"), lo, hi, end)
+
     def load(self, episode: EpisodeInfo) -> dict[str, Any]:
         """Load one episode as numpy arrays.
 
@@ -245,23 +251,22 @@ class Snapshot:
         (``reward``, ``terminated``, ``truncated``, ``policy_version``,
         ``intervention``, ``timestamp``, ``behavior_logprob``) and ``info``.
         """
-        arrays = self._shard_arrays(episode.client_id)
-        T, s0, o0 = episode.length, episode.step_start, episode.obs_start
-        out: dict[str, Any] = {"obs": {k: arrays[f"obs/{k}"][o0 : o0 + T + 1] for k in self.store.schema.observations}}
-        out["action"] = arrays["action"][s0 : s0 + T]
-        table = arrays["step"][s0 : s0 + T]
-        out.update(_split_table(table))
+        shard, T, s0, o0 = episode.client_id, episode.length, episode.step_start, episode.obs_start
+        out: dict[str, Any] = {"obs": {k: self._read(shard, f"obs/{k}", o0, o0 + T + 1) for k in self.store.schema.observations}}
+        out["action"] = self._read(shard, "action", s0, s0 + T)
+        out.update(_split_table(self._read(shard, "step", s0, s0 + T)))
         out["info"] = episode
         return out
 
     def load_shard(self, shard: str) -> dict[str, Any]:
         """Every committed row of a shard in one read: ``obs``, ``action``, ``step`` table."""
-        arrays = self._shard_arrays(shard)
+        self._shard_arrays(shard)  # typed error for a shard outside the snapshot
         c = self.counts[shard]
+        n_obs = c["steps"] + c["episodes"]
         return {
-            "obs": {k: arrays[f"obs/{k}"][: c["steps"] + c["episodes"]] for k in self.store.schema.observations},
-            "action": arrays["action"][: c["steps"]],
-            "step": arrays["step"][: c["steps"]],
+            "obs": {k: self._read(shard, f"obs/{k}", 0, n_obs) for k in self.store.schema.observations},
+            "action": self._read(shard, "action", 0, c["steps"]),
+            "step": self._read(shard, "step", 0, c["steps"]),
         }
 
     def __iter__(self) -> Iterator[EpisodeInfo]:

@@ -1,0 +1,235 @@
+"""Append-only writing of a zarr v3 array, and reading it back with its pending tail.
+
+Why not ``zarr.Array.__setitem__``: zarr's write path costs about a millisecond
+per call even for a few kB (event-loop round trips, reading the partial chunk
+back). And why never rewrite a chunk file: every commit ends inside a chunk, and
+replacing a file that already exists makes ext4 flush the new file's data to
+disk before the rename (``auto_da_alloc``), milliseconds per file.
+
+So a shard's array grows append-only:
+
+* a chunk is encoded and written to a new file only once it is full, with the
+  array's own codecs (raw little-endian bytes, then Blosc), the bytes zarr itself
+  would write;
+* the rows of the partly filled last chunk sit raw in a sidecar file,
+  ``pending/<array path>/<chunk index>``, and a commit only appends to it;
+* readers take rows below the last chunk boundary from zarr and the rest from the
+  sidecar, or from zarr once the chunk has been written there (``read_rows``);
+* ``close()`` writes the partial last chunk into zarr and drops the sidecar, so a
+  closed shard is a plain zarr group.
+
+Rows that a commit record covers are never rewritten in place: a sidecar only
+grows past them, a chunk file that already exists is replaced atomically, and
+while a chunk file is being written its committed rows are also in a sidecar.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import zarr
+from numcodecs import Blosc
+from zarr.codecs import BloscCodec, BytesCodec
+
+from robo_post.store.schema import StoreIntegrityError
+
+_SHUFFLE = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}
+MIN_GROWTH_CHUNKS = 64  # grow the array shape by at least this many chunks: resizing rewrites zarr.json
+
+
+def blosc_encoder(arr: zarr.Array) -> Blosc:
+    """The numcodecs Blosc that produces the same chunk bytes as ``arr``'s own codecs.
+
+    Raises ``ValueError`` for any codec chain other than bytes -> blosc, the only one
+    the store creates.
+    """
+    codecs = arr.metadata.codecs
+    if len(codecs) != 2 or not isinstance(codecs[0], BytesCodec) or not isinstance(codecs[1], BloscCodec):
+        raise ValueError(f"unsupported codec chain {codecs}: expected bytes -> blosc")
+    if codecs[0].endian is not None and codecs[0].endian.value != "little":
+        raise ValueError("only little-endian arrays are supported")
+    c = codecs[1]
+    return Blosc(cname=c.cname.value, clevel=c.clevel, shuffle=_SHUFFLE[c.shuffle.value], blocksize=c.blocksize, typesize=c.typesize)
+
+
+def pending_path(pending_dir: str, arr: zarr.Array, index: int) -> str:
+    """Sidecar file holding the raw rows of chunk ``index`` while it is partly filled."""
+    return os.path.join(pending_dir, *arr.path.split("/"), str(index))
+
+
+def read_rows(arr: zarr.Array, pending_dir: str, lo: int, hi: int, end: int) -> np.ndarray:
+    """Rows ``lo..hi`` of an array with ``end`` committed rows.
+
+    Rows of the partly filled last chunk come from its sidecar while one exists.
+    Sidecars are removed only after the chunk reached zarr, so when none is found
+    zarr has the rows; a sidecar removed while open stays readable.
+    """
+    c = arr.chunks[0]
+    sealed = end - end % c
+    if hi <= sealed:
+        return arr[lo:hi]
+    tail = _read_pending(pending_path(pending_dir, arr, sealed // c), end - sealed, arr)
+    if tail is None:
+        tail = arr[sealed:end]
+    if lo >= sealed:
+        return tail[lo - sealed : hi - sealed]
+    return np.concatenate([arr[lo:sealed], tail[: hi - sealed]])
+
+
+def _read_pending(path: str, n_rows: int, arr: zarr.Array) -> np.ndarray | None:
+    dtype, row_shape = arr.dtype.newbyteorder("<"), arr.shape[1:]
+    count = n_rows * int(np.prod(row_shape, dtype=np.int64))
+    try:
+        with open(path, "rb") as f:
+            rows = np.fromfile(f, dtype=dtype, count=count)
+    except FileNotFoundError:
+        return None
+    if len(rows) != count:
+        raise StoreIntegrityError(f"{path}: sidecar holds fewer rows than committed ({len(rows)} of {count} values)")
+    return rows.reshape(n_rows, *row_shape)
+
+
+class ChunkAppender:
+    """Appends rows to one zarr array (see the module docstring for the layout).
+
+    The committed rows of the partly filled last chunk (the "tail") are also kept
+    in memory, so sealing a chunk never reads anything back.
+
+    Args:
+        arr: the array (axis 0 is time), opened read-write.
+        pending_dir: directory of this shard's sidecar files.
+        end: number of committed rows.
+    """
+
+    def __init__(self, arr: zarr.Array, pending_dir: str, end: int):
+        self.arr = arr
+        self.pending_dir = pending_dir
+        self.dir = os.path.join(str(arr.store.root), arr.path)
+        self.chunk = arr.chunks[0]
+        self.row_shape = arr.shape[1:]
+        self.dtype = arr.dtype.newbyteorder("<")
+        self.row_nbytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+        self.codec = blosc_encoder(arr)
+        self.capacity = arr.shape[0]
+        self.tail_start = end - end % self.chunk
+        self.tail = read_rows(arr, pending_dir, self.tail_start, end, end)
+        index = self.tail_start // self.chunk
+        self._drop_sidecars(keep=index if len(self.tail) else None)
+        # Index of the sidecar holding the committed tail; None while zarr holds it.
+        self.sidecar = index if os.path.exists(pending_path(pending_dir, arr, index)) else None
+
+    @property
+    def end(self) -> int:
+        """Number of committed rows."""
+        return self.tail_start + len(self.tail)
+
+    def write(self, values: np.ndarray) -> tuple[int, np.ndarray, int | None]:
+        """Write ``values`` as rows ``end..end+len(values)``.
+
+        Returns the new state, to hand to ``advance`` once the commit record covering
+        these rows is written. Until then nothing in memory changes, so after a
+        failure the next ``write`` starts again from the committed end.
+        """
+        values = values.astype(self.dtype, copy=False)
+        c, k, start = self.chunk, len(self.tail), self.tail_start
+        n = k + len(values)
+        n_full = n // c
+        if start + n > self.capacity:  # cover the partial chunk too, for zarr reads once it is sealed
+            self._grow(start + n)
+        for j in range(n_full):
+            lo, hi = j * c, (j + 1) * c
+            if lo >= k:
+                block = values[lo - k : hi - k]  # only new rows: encode them in place
+            else:
+                block = np.concatenate([self.tail[lo:], values[: hi - k]])
+            self._write_chunk(start // c + j, block)
+        if n_full:
+            new_start = start + n_full * c
+            tail = values[new_start - start - k :].copy()
+            sidecar = new_start // c if len(tail) else None
+            if sidecar is not None:
+                self._write_sidecar(sidecar, tail, atomic=False)  # no committed rows in it yet
+        else:
+            new_start, tail, sidecar = start, np.concatenate([self.tail, values]), start // c
+            if self.sidecar == sidecar:  # append after the committed rows, touching none of them
+                fd = os.open(pending_path(self.pending_dir, self.arr, sidecar), os.O_WRONLY)
+                try:
+                    os.pwrite(fd, np.ascontiguousarray(values).data, k * self.row_nbytes)
+                finally:
+                    os.close(fd)
+            else:  # the committed tail (if any) is in zarr, written by close()
+                self._write_sidecar(sidecar, tail, atomic=k > 0)
+        return new_start, tail, sidecar
+
+    def advance(self, state: tuple[int, np.ndarray, int | None]) -> None:
+        """Accept the rows of the last ``write`` as committed; drop a sealed chunk's sidecar."""
+        if self.sidecar is not None and self.sidecar != state[2]:
+            os.unlink(pending_path(self.pending_dir, self.arr, self.sidecar))
+        self.tail_start, self.tail, self.sidecar = state
+
+    def flush(self) -> None:
+        """Write the partial last chunk into zarr (zero padded) and drop its sidecar,
+        so the zarr array alone holds every committed row."""
+        if self.sidecar is None:  # no partial chunk, or zarr holds it already
+            return
+        if self.tail_start + self.chunk > self.capacity:
+            self._grow(self.tail_start + self.chunk)
+        block = np.zeros((self.chunk, *self.row_shape), self.dtype)
+        block[: len(self.tail)] = self.tail
+        self._write_chunk(self.tail_start // self.chunk, block)
+        os.unlink(pending_path(self.pending_dir, self.arr, self.sidecar))
+        self.sidecar = None
+
+    # --- files ---------------------------------------------------------------------
+    def _write_chunk(self, index: int, block: np.ndarray) -> None:
+        # No tmp file needed for a new chunk: its committed rows (if any) are still in
+        # the sidecar, which readers prefer and which outlives this write.
+        key = self.arr.metadata.encode_chunk_key((index,) + (0,) * len(self.row_shape))
+        _write_file(os.path.join(self.dir, key), self.codec.encode(np.ascontiguousarray(block)), atomic=False)
+
+    def _write_sidecar(self, index: int, rows: np.ndarray, atomic: bool) -> None:
+        _write_file(pending_path(self.pending_dir, self.arr, index), np.ascontiguousarray(rows).data, atomic)
+
+    def _drop_sidecars(self, keep: int | None) -> None:
+        """Remove sidecars left by a crash: of sealed chunks, or holding no committed row."""
+        directory = os.path.dirname(pending_path(self.pending_dir, self.arr, 0))
+        if not os.path.isdir(directory):
+            return
+        for name in os.listdir(directory):
+            if name != str(keep):
+                os.unlink(os.path.join(directory, name))
+
+    def _grow(self, rows: int) -> None:
+        # zarr rewrites zarr.json atomically; growing geometrically keeps that rare.
+        capacity = max(rows, 2 * self.capacity, MIN_GROWTH_CHUNKS * self.chunk)
+        capacity = -(-capacity // self.chunk) * self.chunk
+        self.arr.resize((capacity, *self.row_shape))
+        self.capacity = capacity
+
+
+def _write_file(path: str, data, atomic: bool) -> None:
+    """Write a whole file. A file that exists is always replaced atomically (tmp file
+    + rename), so readers see the old or the new bytes; a new one only with ``atomic``
+    (needed when readers may open it before it is complete). Renaming onto a new name
+    is cheap; replacing an existing file is what costs an ext4 data flush."""
+    if not atomic:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:  # left behind by a crash, or a chunk written by close()
+            return _write_file(path, data, atomic=True)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            return _write_file(path, data, atomic)
+        with open(fd, "wb") as f:
+            f.write(data)
+        return
+    tmp = f"{path}.partial"
+    try:
+        f = open(tmp, "wb")
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        f = open(tmp, "wb")
+    with f:
+        f.write(data)
+    os.replace(tmp, path)

@@ -1,0 +1,252 @@
+"""Append-only shard layout: sealed zarr chunks, pending sidecars, the two-slot commit
+record, crash recovery between chunk writes and commit, and sampler windows."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from robo_post.store import ArraySpec, Store, StoreSchema, WindowSampler
+from robo_post.store import writer as writer_module
+from robo_post.store.commit import read_commit
+from robo_post.store.integrity import validate_store
+from robo_post.store.writer import episode_checksum
+
+SCHEMA = StoreSchema(
+    observations={"proprio": ArraySpec("float32", (3,)), "image": ArraySpec("uint8", (4, 4, 3))},
+    action=ArraySpec("float32", (2,), low=-1.0, high=1.0),
+)
+LENGTHS = (7, 20, 3, 16, 33, 1, 15)  # with 16-row chunks: episodes end before, on and across boundaries
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """16-row chunks for every array (the minimum), so a few episodes cross many boundaries."""
+    monkeypatch.setattr(writer_module, "CHUNK_BYTES", 1)
+
+
+def episode(i, T):
+    """Episode ``i``: every value encodes (episode, step), so any misplaced row shows."""
+    rows = i * 1000 + np.arange(T + 1)
+    obs = {
+        "proprio": np.stack([rows, rows + 0.5, -rows], axis=1).astype(np.float32),
+        "image": (rows[:, None, None, None] + np.arange(48).reshape(4, 4, 3)).astype(np.uint8),
+    }
+    actions = np.stack([np.linspace(-1, 1, T), np.full(T, i / 100)], axis=1).astype(np.float32)
+    return obs, actions, (rows[:T] % 7).astype(np.float32)
+
+
+def write(w, i, T):
+    obs, actions, rewards = episode(i, T)
+    return w.write_episode(obs, actions, rewards=rewards, truncated=np.arange(T) == T - 1, attrs={"i": i})
+
+
+def assert_episodes(snap, expected):
+    """``snap`` holds exactly the episodes ``expected`` (list of (i, T)), with their values."""
+    assert [(e.attrs["i"], e.length) for e in snap] == expected
+    for e, (i, T) in zip(snap, expected):
+        obs, actions, rewards = episode(i, T)
+        got = snap.load(e)
+        for k in obs:
+            np.testing.assert_array_equal(got["obs"][k], obs[k])
+        np.testing.assert_array_equal(got["action"], actions)
+        np.testing.assert_array_equal(got["reward"], rewards)
+
+
+def pending_files(root, shard="a"):
+    d = os.path.join(root, "shards", shard, "pending")
+    return sorted(os.path.relpath(os.path.join(p, f), d) for p, _, fs in os.walk(d) for f in fs)
+
+
+def test_readers_see_pending_rows_and_close_moves_them_into_zarr(tmp_path, small_chunks):
+    store = Store.create(str(tmp_path / "s"), SCHEMA)
+    expected = []
+    w = store.writer("a")
+    for i, T in enumerate(LENGTHS):
+        write(w, i, T)
+        expected.append((i, T))
+        assert_episodes(store.snapshot(), expected)  # committed rows of partial chunks come from sidecars
+        files = pending_files(store.root)
+        assert len(files) <= 4 and all(not f.endswith(".partial") for f in files)  # one sidecar per array at most
+    steps = sum(LENGTHS)
+    assert pending_files(store.root) == [f"action/{steps // 16}", f"obs/image/{(steps + 7) // 16}",
+                                         f"obs/proprio/{(steps + 7) // 16}", f"step/{steps // 16}"]
+    w.close()
+    assert pending_files(store.root) == []
+    # A closed shard is a plain zarr group holding every committed row.
+    proprio = zarr.open_array(os.path.join(store.root, "shards", "a", "data", "obs", "proprio"), mode="r")
+    np.testing.assert_array_equal(proprio[: steps + len(LENGTHS)], np.concatenate([episode(i, T)[0]["proprio"] for i, T in expected]))
+    # Reopen: the tail comes back from zarr, the next partial chunk goes to a new sidecar.
+    with store.writer("a") as w:
+        for i, T in enumerate((5, 40), start=len(LENGTHS)):
+            write(w, i, T)
+            expected.append((i, T))
+            assert_episodes(store.snapshot(), expected)
+    assert validate_store(store.root) == (len(expected), [])
+
+
+def test_sealed_chunk_bytes_equal_zarrs_own_encoding(tmp_path, small_chunks):
+    store = Store.create(str(tmp_path / "s"), SCHEMA)
+    with store.writer("a") as w:
+        write(w, 0, 40)  # 41 observation rows: chunks 0 and 1 sealed, 2 written at close
+    data = os.path.join(store.root, "shards", "a", "data")
+    for name in ("obs/image", "obs/proprio", "step"):
+        ours = zarr.open_array(os.path.join(data, name), mode="r")
+        twin = zarr.create_array(str(tmp_path / "twin" / name), shape=ours.shape, chunks=ours.chunks, dtype=ours.dtype,
+                                 compressors=ours.compressors, fill_value=0,
+                                 chunk_key_encoding={"name": "default", "separator": "."})
+        twin[:32] = ours[:32]
+        for key in ("c.0", "c.1"):
+            key += ".0" * (ours.ndim - 1)
+            with open(os.path.join(data, name, key), "rb") as a, open(str(tmp_path / "twin" / name / key), "rb") as b:
+                assert a.read() == b.read(), (name, key)
+
+
+CRASH_WRITER = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from test_store_append import episode
+from robo_post.store import Store
+from robo_post.store import writer as writer_module
+from robo_post.store.commit import CommitRecord
+writer_module.CHUNK_BYTES = 1
+root, n_done, T = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+w = Store.open(root).writer("a")
+for i in range(n_done):
+    obs, actions, rewards = episode(i, 20)
+    w.write_episode(obs, actions, rewards=rewards, attrs={{"i": i}})
+# Die after every chunk and sidecar of the next episode is on disk, before its commit record.
+CommitRecord.write = lambda self, counts: os.kill(os.getpid(), signal.SIGKILL)
+obs, actions, rewards = episode(n_done, T)
+w.write_episode(obs, actions, rewards=rewards, attrs={{"i": n_done}})
+"""
+
+
+@pytest.mark.parametrize("T", [2, 45])  # the killed episode's actions stay inside a chunk / seal several
+def test_kill_between_chunk_writes_and_commit_record(tmp_path, small_chunks, T):
+    root = str(tmp_path / "s")
+    store = Store.create(root, SCHEMA)
+    code = CRASH_WRITER.format(tests=os.path.dirname(__file__))
+    proc = subprocess.run([sys.executable, "-c", code, root, "3", str(T)], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    expected = [(i, 20) for i in range(3)]
+    assert store.read_commit("a")["episodes"] == 3
+    # The killed episode did reach the disk. Images: 63 committed rows (15 in chunk 3), T + 1
+    # more seal chunk 3 and beyond. Actions: 60 committed (12 in chunk 3), T more.
+    image = os.path.join(root, "shards", "a", "data", "obs", "image")
+    assert os.path.exists(os.path.join(image, f"c.{(63 + T + 1) // 16 - 1}.0.0.0"))
+    if T == 2:  # actions stay in chunk 3: appended to its sidecar
+        assert os.path.getsize(os.path.join(root, "shards", "a", "pending", "action", "3")) == (12 + T) * 8
+    assert_episodes(store.snapshot(), expected)  # the killed episode's rows are on disk but invisible
+    assert validate_store(root) == (3, [])
+    with store.writer("a") as w:  # reopen after the crash: leftovers are overwritten, not trusted
+        assert write(w, 3, 30) == 3
+    expected.append((3, 30))
+    assert_episodes(store.snapshot(), expected)
+    assert validate_store(root) == (4, []) and pending_files(root) == []
+
+
+def test_failed_commit_record_write_leaves_writer_in_step(tmp_path, small_chunks, monkeypatch):
+    store = Store.create(str(tmp_path / "s"), SCHEMA)
+    w = store.writer("a")
+    write(w, 0, 10)
+    first = store.snapshot()
+    monkeypatch.setattr(w._commit, "write", lambda counts: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        write(w, 1, 30)
+    assert store.snapshot().id == first.id
+    assert_episodes(store.snapshot(), [(0, 10)])
+    monkeypatch.undo()
+    assert write(w, 1, 25) == 1  # retried with other data: nothing of the failed attempt shows
+    w.close()
+    assert_episodes(store.snapshot(), [(0, 10), (1, 25)])
+    assert validate_store(store.root) == (2, [])
+
+
+def test_commit_record_survives_a_torn_slot(tmp_path):
+    store = Store.create(str(tmp_path / "s"), SCHEMA)
+    with store.writer("a") as w:
+        write(w, 0, 5)
+        write(w, 1, 6)
+    shard = os.path.join(store.root, "shards", "a")
+    assert read_commit(shard)["episodes"] == 2
+    # Seq 0 (creation) went to slot 0, seq 1 to slot 1, seq 2 to slot 0: tear slot 0.
+    with open(os.path.join(shard, "commit.bin"), "r+b") as f:
+        f.seek(10)
+        f.write(b"\xff")
+    c = read_commit(shard)
+    assert (c["episodes"], c["steps"]) == (1, 5)
+    assert len(store.snapshot()) == 1
+
+
+def test_shards_of_the_previous_format_still_read_and_append(tmp_path):
+    """commit.json and zlib CRC32 records (written before commit.bin and CRC32C)."""
+    store = Store.create(str(tmp_path / "s"), SCHEMA)
+    with store.writer("a") as w:
+        write(w, 0, 5)
+        write(w, 1, 6)
+    shard = os.path.join(store.root, "shards", "a")
+    snap = store.snapshot()
+    lines = []
+    for e in snap:
+        got = snap.load(e)
+        arrays = {f"obs/{k}": v for k, v in got["obs"].items()} | {"action": got["action"]}
+        arrays["step"] = zarr.open_array(os.path.join(shard, "data", "step"), mode="r")[e.step_start : e.step_start + e.length]
+        with open(os.path.join(shard, "episodes.jsonl")) as f:
+            record = json.loads(f.readlines()[e.episode])
+        del record["crc32c"]
+        record["crc32"] = episode_checksum(arrays, "crc32")
+        assert record["crc32"] == zlib.crc32(b"".join(np.ascontiguousarray(arrays[k]).tobytes() for k in sorted(arrays)))
+        lines.append(json.dumps(record) + "\n")
+    with open(os.path.join(shard, "episodes.jsonl"), "w") as f:
+        f.writelines(lines)
+    os.unlink(os.path.join(shard, "commit.bin"))
+    with open(os.path.join(shard, "commit.json"), "w") as f:
+        json.dump({"episodes": 2, "steps": 11, "meta_bytes": len("".join(lines).encode())}, f)
+    assert_episodes(store.snapshot(), [(0, 5), (1, 6)])
+    assert validate_store(store.root) == (2, [])
+    with store.writer("a") as w:
+        write(w, 2, 7)
+    assert_episodes(store.snapshot(), [(0, 5), (1, 6), (2, 7)])
+    assert validate_store(store.root) == (3, [])
+
+
+def test_sampler_windows_match_direct_formula_across_incremental_adds(tmp_path):
+    store = Store.create(str(tmp_path / "s"), SCHEMA)
+    H, n, g = 3, 2, 0.9
+    K = n * H
+    with store.writer("a") as w:
+        for i, T in enumerate((4, 9, 1)):
+            obs, actions, rewards = episode(i, T)
+            w.write_episode(obs, actions, rewards=rewards, terminated=(np.arange(T) == T - 1) & (i != 1),
+                            truncated=(np.arange(T) == T - 1) & (i == 1))
+    first = store.snapshot()
+    sampler = WindowSampler.from_snapshot(first, horizon=H, n_step=n, gamma=g)
+    with store.writer("a") as w:
+        write(w, 3, 8)  # truncated
+    second = store.snapshot()
+    sampler.add_episodes(second, second.new_since(first))  # grows every buffer after the first build
+    starts, step = [], 0
+    for e in second:
+        starts += [(step + t, e, t) for t in range(e.length)]
+        step += e.length
+    batch = sampler.sample(0, starts=np.array([s for s, _, _ in starts]))
+    for b, (_, e, t) in enumerate(starts):
+        data, T = second.load(e), e.length
+        window = [min(t + j, T - 1) for j in range(H)]
+        np.testing.assert_array_equal(batch["actions"][b].numpy(), data["action"][window])
+        assert batch["action_mask"][b].tolist() == [t + j < T for j in range(H)]
+        ret = sum(g**j * data["reward"][t + j] for j in range(K) if t + j < T)
+        assert batch["rewards"][b].item() == pytest.approx(ret, rel=1e-6)
+        taken = min(K, T - t)
+        assert batch["discounts"][b].item() == pytest.approx(0.0 if t + K >= T and e.terminated else g**taken)
+        np.testing.assert_array_equal(batch["obs"]["image"][b].numpy(), data["obs"]["image"][t])
+        np.testing.assert_array_equal(batch["next_obs"]["proprio"][b].numpy(), data["obs"]["proprio"][t + taken])
+    assert batch["actions"].dtype == torch.float32 and batch["obs"]["image"].dtype == torch.uint8
