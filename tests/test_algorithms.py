@@ -2,6 +2,7 @@
 `robo-post train`, publish loadable policies with provenance, and resume exactly."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,11 +13,12 @@ from omegaconf import OmegaConf
 
 from robo_post.algos.fql import FQLCritic
 from robo_post.cli import compose
+from robo_post.learner import lwd
 from robo_post.learner.algorithms import ALGORITHMS, ActorCritic
 from robo_post.learner.train import train
 from robo_post.models.critic import CriticConfig
 from robo_post.models.flow import FlowPolicy
-from robo_post.store import PolicyRegistry, Store, WindowSampler
+from robo_post.store import FreshPERConfig, MixedSampler, PolicyRegistry, PrioritizedSampler, Store, WindowSampler
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +32,7 @@ def bc_store(tmp_path_factory):
                             "env.kwargs.render_images=false", "fleet.n_clients=1", "show=false", *args],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
+        Store.open(store).snapshot()  # persisted by id: the demos-only one is the offline data below
     train(_cfg(store, str(root / "bc"), "bc_flow", 10))
     return store
 
@@ -101,3 +104,64 @@ def test_unknown_algo_is_a_clear_error(bc_store, tmp_path):
     cfg.algo.name = "sac"
     with pytest.raises(ValueError, match="unknown algo 'sac'"):
         train(cfg)
+
+
+def test_online_round_with_fresh_prioritized_replay(bc_store, tmp_path):
+    """Offline on the demos-only snapshot, then one online round on the play episodes with
+    FreshPER: ages start at the round's first update, the batch mixes weighted online rows."""
+    store = Store.open(bc_store)
+    demos = min((store.snapshot(f[:-5]) for f in os.listdir(os.path.join(bc_store, "snapshots"))), key=len)
+    assert len(demos) == 5
+    cfg = compose("run", []).lwd
+    OmegaConf.set_struct(cfg, False)
+    cfg = OmegaConf.merge(cfg, {
+        "algo": "divl_qam", "device": "cpu", "show": False, "batch_size": 8, "log_every": 2, "checkpoint_every": 4,
+        "critic_warmup": 2, "offline": {"updates": 4}, "actor": {"inv_temp": 1.0},
+        "online": {"updates": 4, "client_prefix": "play", "replay": {"enabled": True, "tau": 2.0}},
+    })
+    run_dir = str(tmp_path / "lwd")
+    lwd.offline(bc_store, run_dir, cfg, snapshot=demos.id)
+    summary = lwd.online_round(bc_store, run_dir, cfg, demos.id, 0)
+    assert summary["online_episodes"] == 3
+    stored = json.loads((tmp_path / "lwd" / "replay_stored_at.json").read_text())
+    assert sorted(stored.values()) == [4, 4, 4] and all(k.startswith("play") for k in stored)
+    rows = [json.loads(x) for x in (tmp_path / "lwd" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update"] for r in rows] == [2, 4, 6, 8] and np.isfinite(rows[-1]["loss_q"])
+    # The value report traces p(. | s_t) at every observation of the episodes it shows.
+    traces = json.loads((tmp_path / "lwd" / "value_distributions-online-0.json").read_text())
+    play = {e.key: e for e in store.snapshot().episodes()}
+    assert traces and all(len(t["mode"]) == play[t["episode"]].length + 1 and not t["success"] for t in traces)
+    assert (tmp_path / "lwd" / "value_distributions-online-0.png").stat().st_size > 0
+
+
+def test_prioritized_sampler_weights_and_ages(bc_store):
+    snap = Store.open(bc_store).snapshot()
+    eps = snap.episodes()
+    sampler = WindowSampler.from_snapshot(snap, eps, horizon=4, seed=0)
+    demo = np.repeat([e.client_id.startswith("demo") for e in eps], [e.length for e in eps])
+    replay = PrioritizedSampler(sampler, FreshPERConfig(tau=5.0, alpha=0.5), np.where(demo, 0, 10), seed=0)
+    replay.step = 10
+    replay.per.refresh(10)
+    p = replay.per.probabilities()
+    is_demo = demo[replay.window]
+    # Equal base priorities: P ∝ exp(-alpha * age / tau); demo windows are 10 steps older.
+    assert p[is_demo].max() / p[~is_demo].min() == pytest.approx(np.exp(-0.5 * 10 / 5.0), rel=1e-9)
+    batch = MixedSampler(sampler, replay, 0.5).sample(8)
+    assert torch.equal(batch["weights"][:4], torch.ones(4)) and torch.equal(batch["replay_ids"][:4], torch.full((4,), -1))
+    w = batch["weights"][4:]
+    assert (batch["replay_ids"][4:] >= 0).all() and w.max().item() == 1.0 and (w > 0).all()
+    ids = batch["replay_ids"][4:].numpy()
+    replay.update_priorities(batch, torch.zeros(8))
+    assert np.allclose(replay.per.base_priority(ids), FreshPERConfig().eps)
+
+
+def test_zero_importance_weights_leave_the_q_heads_unchanged(bc_store):
+    reference = FlowPolicy.from_artifact(*PolicyRegistry(bc_store).load(1))
+    algo = ActorCritic("iql_qam", reference)
+    batch = WindowSampler.from_snapshot(Store.open(bc_store).snapshot(), horizon=reference.config.horizon).sample(8)
+    before = [p.clone() for p in algo.value.net.q_heads.parameters()]
+    algo.value.update(batch | {"weights": torch.zeros(8)})
+    assert all(torch.equal(a, b) for a, b in zip(before, algo.value.net.q_heads.parameters()))
+    algo.value.update(batch)
+    assert not all(torch.equal(a, b) for a, b in zip(before, algo.value.net.q_heads.parameters()))
+    assert algo.value.td_error.shape == (8,)

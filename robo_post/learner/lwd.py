@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -26,7 +27,8 @@ from robo_post.learner.algorithms import ActorCritic
 from robo_post.learner.train import resolve_device, train_loop
 from robo_post.learner.value_report import write_value_report
 from robo_post.models.flow import FlowPolicy
-from robo_post.store import EpisodeInfo, MixedSampler, PolicyRegistry, Snapshot, Store, WindowSampler
+from robo_post.store import (EpisodeInfo, FreshPERConfig, MixedSampler, PolicyRegistry, PrioritizedSampler, Snapshot,
+                             Store, WindowSampler)
 
 
 def build(store: Store, cfg: DictConfig, device) -> tuple[ActorCritic, int]:
@@ -99,11 +101,27 @@ def online_round(store_root: str, run_dir: str, cfg: DictConfig, offline_snapsho
     algo.set_stage("online")
     offline_sampler = _sampler(algo, base, None, cfg, cfg.online.n_step, device, cfg.seed)
     online_sampler = _sampler(algo, snap, online_eps, cfg, cfg.online.n_step, device, cfg.seed + 1)
-    mixed = MixedSampler(offline_sampler, online_sampler, cfg.online.online_fraction)
+    round_start = cfg.offline.updates + round_index * cfg.online.updates
+    replay = None
+    if cfg.online.replay.enabled:  # FreshPER over the online windows: |TD| priorities decaying with age
+        replay_cfg = FreshPERConfig(**{k: v for k, v in cfg.online.replay.items() if k != "enabled"})
+        stored_at = _stored_at(run_dir, online_sampler.episodes, round_start)
+        replay = PrioritizedSampler(online_sampler, replay_cfg, stored_at, seed=cfg.seed + 2)
+    mixed = MixedSampler(offline_sampler, replay or online_sampler, cfg.online.online_fraction)
+    previous: dict[str, Any] = {}
+
+    def sample() -> dict[str, Any]:
+        if replay is not None:
+            if previous:  # the last batch's |TD| errors become its windows' base priorities
+                replay.update_priorities(previous["batch"], algo.value.td_error)
+            replay.step = algo.updates
+        previous["batch"] = batch = mixed.sample(cfg.batch_size)
+        return batch
+
     # The learner continues from the previous phase's checkpoint (networks, optimisers, RNG).
-    total = cfg.offline.updates + (round_index + 1) * cfg.online.updates
+    total = round_start + cfg.online.updates
     t0 = time.perf_counter()
-    logged = train_loop(algo, lambda: mixed.sample(cfg.batch_size), run_dir, total,
+    logged = train_loop(algo, sample, run_dir, total,
                         {"offline": offline_sampler.rng, "online": online_sampler.rng},
                         log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every, show=cfg.show)
     version = _publish(store, algo, latest, snap.id, f"online-{round_index}", cfg)
@@ -114,6 +132,23 @@ def online_round(store_root: str, run_dir: str, cfg: DictConfig, offline_snapsho
                "final": logged[-1] if logged else {}}
     _write_json(os.path.join(run_dir, f"online-{round_index}.json"), summary)
     return summary
+
+
+def _stored_at(run_dir: str, episodes: list[EpisodeInfo], step: int) -> np.ndarray:
+    """Learner step at which each window's episode first reached the learner (FreshPER's age origin).
+
+    Recorded per episode in ``RUN/replay_stored_at.json`` so ages carry across rounds and
+    resumes; episodes seen for the first time are stored at ``step``.
+    """
+    path = os.path.join(run_dir, "replay_stored_at.json")
+    known: dict[str, int] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            known = json.load(f)
+    for e in episodes:
+        known.setdefault(e.key, step)
+    _write_json(path, known)
+    return np.repeat([known[e.key] for e in episodes], [e.length for e in episodes])
 
 
 def _write_json(path: str, obj: Any) -> None:

@@ -2,7 +2,8 @@
 consistent snapshots, chunked-window sampling and a policy registry."""
 
 from robo_post.store.registry import PolicyNotFoundError, PolicyRegistry, PolicyVersionExistsError
-from robo_post.store.sampler import MixedSampler, WindowSampler
+from robo_post.store.replay import FreshPER, FreshPERConfig
+from robo_post.store.sampler import MixedSampler, PrioritizedSampler, WindowSampler
 from robo_post.store.schema import (
     SCHEMA_VERSION,
     ArraySpec,
@@ -23,11 +24,14 @@ __all__ = [
     "ArraySpec",
     "EpisodeInfo",
     "EpisodeValidationError",
+    "FreshPER",
+    "FreshPERConfig",
     "InvalidNameError",
     "MixedSampler",
     "PolicyNotFoundError",
     "PolicyRegistry",
     "PolicyVersionExistsError",
+    "PrioritizedSampler",
     "SchemaVersionError",
     "ShardLockedError",
     "ShardWriter",

@@ -33,6 +33,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from robo_post.store.replay import FreshPER, FreshPERConfig
 from robo_post.store.store import EpisodeInfo, Snapshot
 
 
@@ -201,6 +202,52 @@ class WindowSampler:
         }
 
 
+class PrioritizedSampler:
+    """FreshPER (docs/specs/craft_poe_drest.md §D2) over the windows of a ``WindowSampler``.
+
+    Every window start is one replay item stored at the learner step its episode first
+    reached the learner. Batches carry IS ``weights`` (B,) and ``replay_ids`` (B,);
+    after the learner step, ``update_priorities(batch, td_error)`` sets the base
+    priorities to |TD error|. Items enter at base priority ``initial_priority``
+    (1 = the largest |TD| of a success-in-[0, 1] critic), with decay factor 1.
+
+    Args:
+        sampler: the windows to draw from.
+        config: ``FreshPERConfig``.
+        stored_at: learner step per window start (len(sampler),).
+        initial_priority: base priority before a window's first TD error is known.
+        seed: seed of the replay's stratified draws.
+    """
+
+    def __init__(self, sampler: WindowSampler, config: FreshPERConfig, stored_at: np.ndarray,
+                 initial_priority: float = 1.0, seed: int = 0):
+        if len(stored_at) != len(sampler):
+            raise ValueError(f"stored_at has {len(stored_at)} entries for {len(sampler)} windows")
+        self.sampler = sampler
+        self.per = FreshPER(len(sampler), config, seed, on_full="error")
+        self.window = np.empty(len(sampler), dtype=np.int64)  # replay id -> window start
+        for step in np.unique(stored_at):
+            windows = np.flatnonzero(stored_at == step)
+            self.window[self.per.add(np.full(len(windows), initial_priority), int(step))] = windows
+        self.step = 0  # the learner sets its current update before each draw
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def sample(self, batch_size: int) -> dict:
+        ids, weights = self.per.sample(batch_size, self.step)
+        batch = self.sampler.sample(batch_size, starts=self.window[ids])
+        batch["weights"] = torch.from_numpy(weights).to(self.sampler.device)
+        batch["replay_ids"] = torch.from_numpy(ids).to(self.sampler.device)
+        return batch
+
+    def update_priorities(self, batch: dict, td_error: torch.Tensor) -> None:
+        """New base priorities |TD| for the rows of ``batch`` drawn from this replay (``replay_ids >= 0``)."""
+        ids = batch["replay_ids"].cpu().numpy()
+        mine = ids >= 0
+        self.per.update_priorities(ids[mine], td_error.detach().cpu().numpy()[mine], self.step)
+
+
 class MixedSampler:
     """Draw a fixed fraction of each batch from a second (online) sampler.
 
@@ -210,7 +257,8 @@ class MixedSampler:
         online_fraction: share of each batch taken from ``online`` (once it holds data).
     """
 
-    def __init__(self, offline: WindowSampler, online: WindowSampler, online_fraction: float = 0.5):
+    def __init__(self, offline: WindowSampler, online: "WindowSampler | PrioritizedSampler",
+                 online_fraction: float = 0.5):
         if not 0.0 <= online_fraction <= 1.0:
             raise ValueError("online_fraction must be in [0, 1]")
         self.offline, self.online, self.online_fraction = offline, online, online_fraction
@@ -222,6 +270,11 @@ class MixedSampler:
         if n_off and not len(self.offline):
             n_on, n_off = batch_size, 0
         parts = [(s.sample(n, **kwargs), src) for s, n, src in ((self.offline, n_off, 0), (self.online, n_on, 1)) if n]
+        if any("weights" in p for p, _ in parts):  # one side prioritized: uniform rows get weight 1, no replay id
+            for p, _ in parts:
+                n = len(p["rewards"])
+                p.setdefault("weights", torch.ones(n, device=p["rewards"].device))
+                p.setdefault("replay_ids", torch.full((n,), -1, dtype=torch.int64, device=p["rewards"].device))
         batch = _concat([p for p, _ in parts])
         batch["source"] = torch.cat([torch.full((len(p["rewards"]),), src, dtype=torch.int64) for p, src in parts]).to(
             batch["rewards"].device
