@@ -106,9 +106,10 @@ def test_unknown_algo_is_a_clear_error(bc_store, tmp_path):
         train(cfg)
 
 
-def test_online_round_with_fresh_prioritized_replay(bc_store, tmp_path):
-    """Offline on the demos-only snapshot, then one online round on the play episodes with
-    FreshPER: ages start at the round's first update, the batch mixes weighted online rows."""
+def test_online_phase_with_fresh_prioritized_replay(bc_store, tmp_path):
+    """Offline on the demos-only snapshot, then the online phase on the play episodes (the
+    "fleet" has finished) with FreshPER: ages start when the episodes reached the learner,
+    a version is published every ``publish_every`` updates with its lineage."""
     store = Store.open(bc_store)
     demos = min((store.snapshot(f[:-5]) for f in os.listdir(os.path.join(bc_store, "snapshots"))), key=len)
     assert len(demos) == 5
@@ -117,21 +118,25 @@ def test_online_round_with_fresh_prioritized_replay(bc_store, tmp_path):
     cfg = OmegaConf.merge(cfg, {
         "algo": "divl_qam", "device": "cpu", "show": False, "batch_size": 8, "log_every": 2, "checkpoint_every": 4,
         "critic_warmup": 2, "offline": {"updates": 4}, "actor": {"inv_temp": 1.0},
-        "online": {"updates": 4, "client_prefix": "play", "replay": {"enabled": True, "tau": 2.0}},
+        "online": {"updates": 4, "publish_every": 2, "client_prefix": "play", "replay": {"enabled": True, "tau": 2.0}},
     })
     run_dir = str(tmp_path / "lwd")
-    lwd.offline(bc_store, run_dir, cfg, snapshot=demos.id)
-    summary = lwd.online_round(bc_store, run_dir, cfg, demos.id, 0)
-    assert summary["online_episodes"] == 3
+    offline_version = lwd.offline(bc_store, run_dir, cfg, snapshot=demos.id)["version"]
+    summary = lwd.online(bc_store, run_dir, cfg, demos.id, fleet_running=lambda: False)
+    assert summary["online_episodes"] == 3 and summary["versions"] == [offline_version + 1, offline_version + 2]
+    registry = PolicyRegistry(bc_store)
+    for v, phase in zip(summary["versions"], ("online-6", "online-8")):
+        config = registry.load(v)[1]
+        assert (config["parent_version"], config["phase"], config["algorithm"]) == (v - 1, phase, "divl_qam")
     stored = json.loads((tmp_path / "lwd" / "replay_stored_at.json").read_text())
     assert sorted(stored.values()) == [4, 4, 4] and all(k.startswith("play") for k in stored)
     rows = [json.loads(x) for x in (tmp_path / "lwd" / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in rows] == [2, 4, 6, 8] and np.isfinite(rows[-1]["loss_q"])
     # The value report traces p(. | s_t) at every observation of the episodes it shows.
-    traces = json.loads((tmp_path / "lwd" / "value_distributions-online-0.json").read_text())
+    traces = json.loads((tmp_path / "lwd" / "value_distributions-online.json").read_text())
     play = {e.key: e for e in store.snapshot().episodes()}
     assert traces and all(len(t["mode"]) == play[t["episode"]].length + 1 and not t["success"] for t in traces)
-    assert (tmp_path / "lwd" / "value_distributions-online-0.png").stat().st_size > 0
+    assert (tmp_path / "lwd" / "value_distributions-online.png").stat().st_size > 0
 
 
 def test_prioritized_sampler_weights_and_ages(bc_store):

@@ -82,55 +82,88 @@ def offline(store_root: str, run_dir: str, cfg: DictConfig, snapshot: str | None
     return summary
 
 
-def online_round(store_root: str, run_dir: str, cfg: DictConfig, offline_snapshot: str, round_index: int) -> dict:
-    """One online round: resume the learner, mix offline data with fleet episodes recorded
-    since the offline snapshot, run ``cfg.online.updates`` updates, publish a version."""
+def online(store_root: str, run_dir: str, cfg: DictConfig, offline_snapshot: str,
+           fleet_running: Callable[[], bool]) -> dict[str, Any]:
+    """The online phase, concurrent with the fleet (Learning While Deploying).
+
+    While the fleet records episodes with the newest published version, the learner
+    keeps ingesting fleet episodes recorded since ``offline_snapshot`` (client prefix
+    ``cfg.online.client_prefix``, optionally within ``max_staleness`` versions), mixes
+    them with the offline windows, holds its update-to-data ratio (online updates <=
+    ``utd`` x online env steps ingested; waiting for data counts as data-wait), and
+    publishes a version every ``publish_every`` updates. ``fleet_running()`` says whether
+    more episodes may still arrive; once it is false the learner stops waiting for data.
+
+    A killed phase resumes from the learner's last checkpoint; which fleet episodes a
+    batch sees depends on arrival timing, so unlike the offline phase this one is not
+    bit-reproducible.
+    """
     device = resolve_device(cfg.device)
     store = Store.open(store_root)
     registry = PolicyRegistry(store.root)
+    on = cfg.online
     base = store.snapshot(offline_snapshot)
-    snap = store.snapshot()
-    latest = registry.latest()
-    online_eps = [e for e in snap.new_since(base) if e.client_id.startswith(cfg.online.client_prefix)]
-    if cfg.online.max_staleness is not None:  # bounded staleness: v_c - v_b <= eta
-        online_eps = [e for e in online_eps if latest - e.policy_version <= cfg.online.max_staleness]
-    if not online_eps:
-        raise ValueError(f"online round {round_index}: no fleet episodes (client prefix "
-                         f"{cfg.online.client_prefix!r}, max_staleness {cfg.online.max_staleness}) since {base.id}")
     algo, _ = build(store, cfg, device)
     algo.set_stage("online")
-    offline_sampler = _sampler(algo, base, None, cfg, cfg.online.n_step, device, cfg.seed)
-    online_sampler = _sampler(algo, snap, online_eps, cfg, cfg.online.n_step, device, cfg.seed + 1)
-    round_start = cfg.offline.updates + round_index * cfg.online.updates
+    offline_sampler = _sampler(algo, base, None, cfg, on.n_step, device, cfg.seed)
+    online_sampler = _sampler(algo, base, [], cfg, on.n_step, device, cfg.seed + 1)
+    start, total = cfg.offline.updates, cfg.offline.updates + on.updates
     replay = None
-    if cfg.online.replay.enabled:  # FreshPER over the online windows: |TD| priorities decaying with age
-        replay_cfg = FreshPERConfig(**{k: v for k, v in cfg.online.replay.items() if k != "enabled"})
-        stored_at = _stored_at(run_dir, online_sampler.episodes, round_start)
-        replay = PrioritizedSampler(online_sampler, replay_cfg, stored_at, seed=cfg.seed + 2)
-    mixed = MixedSampler(offline_sampler, replay or online_sampler, cfg.online.online_fraction)
-    previous: dict[str, Any] = {}
+    if on.replay.enabled:  # FreshPER over the online windows: |TD| priorities decaying with age
+        replay_cfg = FreshPERConfig(**{k: v for k, v in on.replay.items() if k != "enabled"})
+    mixed = MixedSampler(offline_sampler, online_sampler, on.online_fraction)
+    state: dict[str, Any] = {"seen": base, "steps": 0, "episodes": 0, "polled": 0.0, "batch": None}
+
+    def ingest() -> None:
+        nonlocal replay
+        snap = store.snapshot()
+        latest = registry.latest()
+        new = [e for e in snap.new_since(state["seen"]) if e.client_id.startswith(on.client_prefix)
+               and (on.max_staleness is None or latest - e.policy_version <= on.max_staleness)]
+        state["seen"], state["polled"] = snap, time.monotonic()
+        if not new:
+            return
+        online_sampler.add_episodes(snap, new)
+        state["steps"] += sum(e.length for e in new)
+        state["episodes"] += len(new)
+        if on.replay.enabled:  # rebuilt over all windows; ages persist in RUN/replay_stored_at.json
+            stored_at = _stored_at(run_dir, online_sampler.episodes, algo.updates)
+            replay = PrioritizedSampler(online_sampler, replay_cfg, stored_at, seed=cfg.seed + 2)
+            mixed.online = replay
 
     def sample() -> dict[str, Any]:
+        if replay is not None and state["batch"] is not None:  # last batch's |TD| -> its base priorities
+            replay.update_priorities(state["batch"], algo.value.td_error)
+        while True:
+            if time.monotonic() - state["polled"] > on.poll_s:
+                ingest()
+            if algo.updates - start < on.utd * state["steps"] or not fleet_running():
+                break
+            time.sleep(on.poll_s / 4)  # ahead of the data: wait for the fleet (logged as data_wait)
+        if not fleet_running():
+            ingest()
         if replay is not None:
-            if previous:  # the last batch's |TD| errors become its windows' base priorities
-                replay.update_priorities(previous["batch"], algo.value.td_error)
             replay.step = algo.updates
-        previous["batch"] = batch = mixed.sample(cfg.batch_size)
-        return batch
+        state["batch"] = mixed.sample(cfg.batch_size)
+        return state["batch"]
 
-    # The learner continues from the previous phase's checkpoint (networks, optimisers, RNG).
-    total = round_start + cfg.online.updates
+    published: list[int] = []
+
+    def after_update(update: int) -> None:
+        if (update - start) % on.publish_every == 0 or update == total:
+            parent = registry.latest()
+            published.append(_publish(store, algo, parent, state["seen"].id, f"online-{update}", cfg))
+
     t0 = time.perf_counter()
-    logged = train_loop(algo, sample, run_dir, total,
-                        {"offline": offline_sampler.rng, "online": online_sampler.rng},
-                        log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every, show=cfg.show)
-    version = _publish(store, algo, latest, snap.id, f"online-{round_index}", cfg)
-    if isinstance(algo.value, DIVL):  # on the round's fleet episodes: the policy's own successes and failures
-        write_value_report(run_dir, f"online-{round_index}", algo.value, snap, online_eps)
-    summary = {"algo": cfg.algo, "version": version, "parent_version": latest, "snapshot": snap.id,
-               "online_episodes": len(online_eps), "wall_s": time.perf_counter() - t0,
-               "final": logged[-1] if logged else {}}
-    _write_json(os.path.join(run_dir, f"online-{round_index}.json"), summary)
+    logged = train_loop(algo, sample, run_dir, total, {"offline": offline_sampler.rng, "online": online_sampler.rng},
+                        log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every, show=cfg.show,
+                        after_update=after_update)
+    if isinstance(algo.value, DIVL):  # on the fleet's episodes: the policy's own successes and failures
+        write_value_report(run_dir, "online", algo.value, state["seen"], online_sampler.episodes)
+    summary = {"algo": cfg.algo, "versions": published, "snapshot": state["seen"].id,
+               "online_episodes": len(online_sampler.episodes), "online_steps": len(online_sampler),
+               "wall_s": time.perf_counter() - t0, "final": logged[-1] if logged else {}}
+    _write_json(os.path.join(run_dir, "online.json"), summary)
     return summary
 
 

@@ -6,8 +6,8 @@ Stages (each is skipped when its output already exists, so a killed run resumes)
    and near-miss "play" episodes (plausible failures) into ``RUN/store``.
 2. ``bc``: flow BC on the successful episodes -> policy v1 in the registry.
 3. ``lwd``: offline DIVL+QAM on all episodes (successes, failures, play) -> v2; then
-   online rounds: the fleet runs the newest version, the learner mixes its episodes
-   with the offline data and publishes the next version.
+   online, concurrently: the fleet runs the newest version while the learner mixes
+   its episodes with the offline data and publishes a version every K updates.
 4. ``eval``: every published version on seen and held-out instruction phrasings.
 5. ``report``: Markdown/HTML report with success tables, curves and rollout frames.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -31,7 +32,7 @@ def _compose(name: str, values: dict[str, Any]) -> DictConfig:
 
 
 def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, policy: dict[str, Any],
-                  follow_registry: bool = False) -> None:
+                  follow_registry: bool = False, show: bool | None = None) -> None:
     """Record episodes under client ids ``prefix-*`` until they hold ``episodes``; clients run
     ``policy``, or the newest registry version when ``follow_registry``."""
     from robo_post.fleet.collect import collect
@@ -41,7 +42,7 @@ def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, 
     if done >= episodes:
         return
     collect(_compose("collect", {
-        "store": store_root, "episodes": episodes - done, "seed": cfg.seed, "show": cfg.show,
+        "store": store_root, "episodes": episodes - done, "seed": cfg.seed, "show": cfg.show if show is None else show,
         "env": {"tasks": list(cfg.env.tasks), "kwargs": OmegaConf.to_container(cfg.env.kwargs)},
         "policy": policy,
         "fleet": {"n_clients": cfg.fleet.n_clients, "client_prefix": prefix, "follow_registry": follow_registry},
@@ -79,13 +80,23 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             lwd.offline(store_root, lwd_dir, cfg.lwd)
         with open(summary_path) as f:
             offline_snapshot = json.load(f)["snapshot"]
-        for k in range(cfg.lwd.online.rounds):
-            if os.path.exists(os.path.join(lwd_dir, f"online-{k}.json")):
-                continue
-            # The fleet runs the newest version (hot-swapped at episode boundaries) and records it.
-            collect_stage(cfg, store_root, cfg.lwd.online.client_prefix, (k + 1) * cfg.lwd.online.episodes,
-                          {"kind": "expert"}, follow_registry=True)
-            lwd.online_round(store_root, lwd_dir, cfg.lwd, offline_snapshot, k)
+        if cfg.lwd.online.episodes and not os.path.exists(os.path.join(lwd_dir, "online.json")):
+            # The fleet runs the newest version (hot-swapped at episode boundaries) while the learner trains.
+            fleet_error: list[BaseException] = []
+
+            def fleet() -> None:
+                try:
+                    collect_stage(cfg, store_root, cfg.lwd.online.client_prefix, cfg.lwd.online.episodes,
+                                  {"kind": "expert"}, follow_registry=True, show=False)
+                except BaseException as e:  # re-raised below, after the learner stops
+                    fleet_error.append(e)
+
+            thread = threading.Thread(target=fleet, name="fleet", daemon=True)
+            thread.start()
+            lwd.online(store_root, lwd_dir, cfg.lwd, offline_snapshot, fleet_running=thread.is_alive)
+            thread.join()
+            if fleet_error:
+                raise fleet_error[0]
 
     results = []
     versions = registry.versions() if cfg.eval.versions is None else list(cfg.eval.versions)

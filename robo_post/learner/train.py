@@ -64,8 +64,11 @@ def train_loop(
     eval_every: int = 0,
     evaluate: Callable[[int], dict[str, float]] | None = None,
     show: bool = True,
+    after_update: Callable[[int], None] | None = None,
 ) -> list[dict[str, float]]:
     """Run ``updates`` updates of ``algo`` (resuming from ``run_dir`` if a checkpoint exists).
+
+    ``after_update(update)`` runs after each update, before its checkpoint (e.g. to publish).
 
     Returns the logged metric windows (each the mean over ``log_every`` updates).
     """
@@ -89,6 +92,8 @@ def train_loop(
             wait += time.perf_counter() - t0
             for k, v in algo.update(batch).items():
                 window.setdefault(k, []).append(v)
+            if after_update is not None:
+                after_update(update)
             if update % log_every == 0 or update == updates:
                 elapsed = time.perf_counter() - t_window
                 row = {"update": update, **{k: float(np.mean(v)) for k, v in window.items()}}

@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import threading
 import time
 import zlib
 from typing import TYPE_CHECKING, Any, Mapping
@@ -55,7 +56,7 @@ _COL = {name: i for i, name in enumerate(STEP_COLUMNS)}
 
 def write_json_atomic(path: str, obj: Any, fsync: bool = True) -> None:
     """Write JSON to ``path`` so readers see the old or the new file, never a mix."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # unique per writer thread too
     with open(tmp, "w") as f:
         json.dump(obj, f)
         if fsync:
