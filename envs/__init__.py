@@ -15,3 +15,10 @@ gym.register(
     entry_point="robo_post.envs.driving:DrivingEnv",
     kwargs={"scenario": "highway-fast"},
 )
+
+# Sparse-reward Reacher-v5 of demonstration E3 (docs/specs/lwd_divl_qam.md §4.6).
+gym.register(
+    id="robo_post/SparseReacher-v0",
+    entry_point="robo_post.envs.reacher:SparseReacherEnv",
+    max_episode_steps=50,
+)

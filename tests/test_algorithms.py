@@ -84,6 +84,18 @@ def test_fql_published_policy_acts_like_the_one_step_policy(bc_store):
     obs = {"proprio": torch.randn(5, reference.config.proprio_dim)}
     noise = torch.randn(5, reference.config.horizon, reference.config.action_dim)
     torch.testing.assert_close(published.sample(obs, noise=noise), algo.actor.act(obs, noise=noise))
+    torch.testing.assert_close(algo.policy.sample(obs, noise=noise), algo.actor.act(obs, noise=noise))
+    assert algo.actor.reference.config.flow_steps == reference.config.flow_steps == 4  # the reference stays multi-step
+
+
+def test_published_artifacts_are_copies_of_the_live_weights(bc_store):
+    reference = FlowPolicy.from_artifact(*PolicyRegistry(bc_store).load(1))
+    weights, _ = reference.artifact()
+    before = {k: v.clone() for k, v in weights.items()}
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(1.0)
+    assert all(torch.equal(before[k], weights[k]) for k in weights)
 
 
 def test_fql_critic_bootstraps_from_the_actor_chunk(bc_store):

@@ -19,6 +19,7 @@ v_mu(s, eps, 0), i.e. a single Euler step, initialised from the reference.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,8 @@ class FQL:
         self.device = torch.device(device)
         self.reference = copy.deepcopy(reference).to(self.device).requires_grad_(False)
         self.one_step = copy.deepcopy(reference).to(self.device).requires_grad_(True)
+        # A FlowPolicy with one Euler step samples exactly mu(s, eps) = eps + v(s, eps, 0), clipped.
+        self.one_step.config = dataclasses.replace(reference.config, flow_steps=1)
         self.opt = torch.optim.Adam(self.one_step.parameters(), lr=self.config.lr)
         self.steps = 0
 
@@ -105,11 +108,8 @@ class FQL:
         return self.one_step_actions(obs, torch.randn(B, c.horizon, c.action_dim, device=self.device)).clamp(-1.0, 1.0)
 
     def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The one-step policy as a registry artifact: a ``FlowPolicy`` with ``flow_steps = 1``
-        samples exactly mu(s, eps) = eps + v(s, eps, 0), clipped."""
-        weights, config = self.one_step.artifact(**provenance)
-        config["model"]["flow_steps"] = 1
-        return weights, config
+        """The one-step policy as a registry artifact (a ``FlowPolicy`` with ``flow_steps = 1``)."""
+        return self.one_step.artifact(**provenance)
 
     @torch.no_grad()
     def act(self, obs: dict[str, Any], noise: torch.Tensor | None = None) -> torch.Tensor:

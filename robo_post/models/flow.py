@@ -142,7 +142,7 @@ class FlowPolicy(nn.Module):
     # --- artifacts -------------------------------------------------------------
     def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """``(weights, config)`` for ``PolicyRegistry.publish``; provenance goes in the config."""
-        weights = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        weights = {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}  # a copy: training goes on
         return weights, {"kind": "flow", "model": asdict(self.config), **provenance}
 
     @classmethod
