@@ -172,6 +172,25 @@ def test_prioritized_sampler_weights_and_ages(bc_store):
     assert np.allclose(replay.per.base_priority(ids), FreshPERConfig().eps)
 
 
+def test_prioritized_sampler_keeps_priorities_when_episodes_arrive(bc_store):
+    snap = Store.open(bc_store).snapshot()
+    eps = snap.episodes()
+    sampler = WindowSampler.from_snapshot(snap, eps[:4], horizon=4, seed=0)
+    first = PrioritizedSampler(sampler, FreshPERConfig(), np.zeros(len(sampler), dtype=np.int64))
+    first.per.update_priorities(np.arange(len(sampler)), np.linspace(0.1, 0.9, len(sampler)), 0)
+    n_old = len(sampler)
+    sampler.add_episodes(snap, eps[4:])
+    second = PrioritizedSampler(sampler, FreshPERConfig(), np.r_[np.zeros(n_old), np.full(len(sampler) - n_old, 5)])
+    second.inherit(first)
+    id_of_window = np.empty(len(sampler), dtype=np.int64)
+    id_of_window[second.window] = np.arange(len(sampler))
+    old_windows = first.window[np.arange(n_old)]
+    np.testing.assert_allclose(second.per.base_priority(id_of_window[old_windows]),
+                               first.per.base_priority(np.arange(n_old)), rtol=1e-12)
+    new_ids = id_of_window[np.arange(n_old, len(sampler))]
+    np.testing.assert_allclose(second.per.base_priority(new_ids), 1.0 + FreshPERConfig().eps)
+
+
 def test_zero_importance_weights_leave_the_q_heads_unchanged(bc_store):
     reference = FlowPolicy.from_artifact(*PolicyRegistry(bc_store).load(1))
     algo = ActorCritic("iql_qam", reference)

@@ -128,7 +128,11 @@ def online(store_root: str, run_dir: str, cfg: DictConfig, offline_snapshot: str
         state["episodes"] += len(new)
         if on.replay.enabled:  # rebuilt over all windows; ages persist in RUN/replay_stored_at.json
             stored_at = _stored_at(run_dir, online_sampler.episodes, algo.updates)
-            replay = PrioritizedSampler(online_sampler, replay_cfg, stored_at, seed=cfg.seed + 2)
+            previous = replay
+            replay = PrioritizedSampler(online_sampler, replay_cfg, stored_at, seed=cfg.seed + 2 + state["episodes"])
+            replay.step = algo.updates
+            if previous is not None:  # learned |TD| priorities survive the rebuild
+                replay.inherit(previous)
             mixed.online = replay
 
     def sample() -> dict[str, Any]:

@@ -234,6 +234,16 @@ class PrioritizedSampler:
     def __len__(self) -> int:
         return len(self.sampler)
 
+    def inherit(self, previous: "PrioritizedSampler") -> None:
+        """Carry the base priorities of ``previous`` (over a prefix of these windows, before
+        more episodes were added to the sampler) over to the same windows here."""
+        n = len(previous.per)
+        id_of_window = np.empty(len(self.window), dtype=np.int64)
+        id_of_window[self.window] = np.arange(len(self.window))
+        old_ids = np.arange(n)
+        self.per.update_priorities(id_of_window[previous.window[old_ids]],
+                                   previous.per.base_priority(old_ids) - previous.per.config.eps, self.step)
+
     def sample(self, batch_size: int) -> dict:
         ids, weights = self.per.sample(batch_size, self.step)
         batch = self.sampler.sample(batch_size, starts=self.window[ids])
