@@ -63,6 +63,7 @@ def offline(store_root: str, run_dir: str, cfg: DictConfig, snapshot: str | None
     publishes the trained policy. ``evaluate(policy)`` runs every ``eval_every`` updates."""
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.torch_threads)
     store = Store.open(store_root)
     snap = store.snapshot(snapshot)
     algo, parent = build(store, cfg, device)
@@ -99,6 +100,7 @@ def online(store_root: str, run_dir: str, cfg: DictConfig, offline_snapshot: str
     bit-reproducible.
     """
     device = resolve_device(cfg.device)
+    torch.set_num_threads(cfg.torch_threads)
     store = Store.open(store_root)
     registry = PolicyRegistry(store.root)
     on = cfg.online

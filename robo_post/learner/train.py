@@ -126,7 +126,8 @@ def lwd_config(cfg: DictConfig) -> DictConfig:
     a = cfg.algo
     return OmegaConf.create({
         "algo": a.name, "value": a.value, "actor": a.actor, "critic_warmup": a.critic_warmup,
-        "reference_version": a.reference_version, "device": cfg.device, "seed": cfg.seed, "show": cfg.show,
+        "reference_version": a.reference_version, "device": cfg.device, "torch_threads": cfg.torch_threads,
+        "seed": cfg.seed, "show": cfg.show,
         "gamma": cfg.gamma, "batch_size": cfg.batch_size, "log_every": cfg.log_every,
         "checkpoint_every": cfg.checkpoint_every, "offline": {"updates": cfg.updates, "n_step": a.n_step},
     })
