@@ -156,11 +156,12 @@ def test_prioritized_sampler_weights_and_ages(bc_store):
     eps = snap.episodes()
     sampler = WindowSampler.from_snapshot(snap, eps, horizon=4, seed=0)
     demo = np.repeat([e.client_id.startswith("demo") for e in eps], [e.length for e in eps])
-    replay = PrioritizedSampler(sampler, FreshPERConfig(tau=5.0, alpha=0.5), np.where(demo, 0, 10), seed=0)
+    replay = PrioritizedSampler(sampler, FreshPERConfig(tau=5.0, alpha=0.5), seed=0)
+    replay.add_windows(np.where(demo, 0, 10))
     replay.step = 10
     replay.per.refresh(10)
     p = replay.per.probabilities()
-    is_demo = demo[replay.window]
+    is_demo = demo[replay.window[:len(replay)]]
     # Equal base priorities: P ∝ exp(-alpha * age / tau); demo windows are 10 steps older.
     assert p[is_demo].max() / p[~is_demo].min() == pytest.approx(np.exp(-0.5 * 10 / 5.0), rel=1e-9)
     batch = MixedSampler(sampler, replay, 0.5).sample(8)
@@ -176,19 +177,23 @@ def test_prioritized_sampler_keeps_priorities_when_episodes_arrive(bc_store):
     snap = Store.open(bc_store).snapshot()
     eps = snap.episodes()
     sampler = WindowSampler.from_snapshot(snap, eps[:4], horizon=4, seed=0)
-    first = PrioritizedSampler(sampler, FreshPERConfig(), np.zeros(len(sampler), dtype=np.int64))
-    first.per.update_priorities(np.arange(len(sampler)), np.linspace(0.1, 0.9, len(sampler)), 0)
+    replay = PrioritizedSampler(sampler, FreshPERConfig())
+    replay.add_windows(np.zeros(len(sampler), dtype=np.int64))
     n_old = len(sampler)
+    replay.per.update_priorities(np.arange(n_old), np.linspace(0.1, 0.9, n_old), 0)
+    before = dict(zip(replay.window[:n_old], replay.per.base_priority(np.arange(n_old))))
     sampler.add_episodes(snap, eps[4:])
-    second = PrioritizedSampler(sampler, FreshPERConfig(), np.r_[np.zeros(n_old), np.full(len(sampler) - n_old, 5)])
-    second.inherit(first)
+    replay.add_windows(np.full(len(sampler) - n_old, 5))  # more than the buffer held: it grows
+    assert len(replay) == len(sampler) and replay.per.capacity >= len(sampler)
     id_of_window = np.empty(len(sampler), dtype=np.int64)
-    id_of_window[second.window] = np.arange(len(sampler))
-    old_windows = first.window[np.arange(n_old)]
-    np.testing.assert_allclose(second.per.base_priority(id_of_window[old_windows]),
-                               first.per.base_priority(np.arange(n_old)), rtol=1e-12)
+    id_of_window[replay.window[:len(sampler)]] = np.arange(len(sampler))
+    old_windows = np.array(sorted(before))
+    np.testing.assert_allclose(replay.per.base_priority(id_of_window[old_windows]),
+                               [before[w] for w in old_windows], rtol=1e-12)
+    np.testing.assert_array_equal(replay.per.stored_at(id_of_window[old_windows]), 0)
     new_ids = id_of_window[np.arange(n_old, len(sampler))]
-    np.testing.assert_allclose(second.per.base_priority(new_ids), 1.0 + FreshPERConfig().eps)
+    np.testing.assert_allclose(replay.per.base_priority(new_ids), 1.0 + FreshPERConfig().eps)
+    np.testing.assert_array_equal(replay.per.stored_at(new_ids), 5)
 
 
 def test_zero_importance_weights_leave_the_q_heads_unchanged(bc_store):

@@ -110,14 +110,14 @@ def online(store_root: str, run_dir: str, cfg: DictConfig, offline_snapshot: str
     offline_sampler = _sampler(algo, base, None, cfg, on.n_step, device, cfg.seed)
     online_sampler = _sampler(algo, base, [], cfg, on.n_step, device, cfg.seed + 1)
     start, total = cfg.offline.updates, cfg.offline.updates + on.updates
-    replay = None
-    if on.replay.enabled:  # FreshPER over the online windows: |TD| priorities decaying with age
+    replay = None  # FreshPER over the online windows: |TD| priorities decaying with age
+    if on.replay.enabled:
         replay_cfg = FreshPERConfig(**{k: v for k, v in on.replay.items() if k != "enabled"})
-    mixed = MixedSampler(offline_sampler, online_sampler, on.online_fraction)
-    state: dict[str, Any] = {"seen": base, "steps": 0, "episodes": 0, "polled": 0.0, "batch": None}
+        replay = PrioritizedSampler(online_sampler, replay_cfg, seed=cfg.seed + 2)
+    mixed = MixedSampler(offline_sampler, online_sampler if replay is None else replay, on.online_fraction)
+    state: dict[str, Any] = {"seen": base, "polled": 0.0, "drained": False, "batch": None}
 
     def ingest() -> None:
-        nonlocal replay
         snap = store.snapshot()
         latest = registry.latest()
         new = [e for e in snap.new_since(state["seen"]) if e.client_id.startswith(on.client_prefix)
@@ -126,28 +126,21 @@ def online(store_root: str, run_dir: str, cfg: DictConfig, offline_snapshot: str
         if not new:
             return
         online_sampler.add_episodes(snap, new)
-        state["steps"] += sum(e.length for e in new)
-        state["episodes"] += len(new)
-        if on.replay.enabled:  # rebuilt over all windows; ages persist in RUN/replay_stored_at.json
-            stored_at = _stored_at(run_dir, online_sampler.episodes, algo.updates)
-            previous = replay
-            replay = PrioritizedSampler(online_sampler, replay_cfg, stored_at, seed=cfg.seed + 2 + state["episodes"])
-            replay.step = algo.updates
-            if previous is not None:  # learned |TD| priorities survive the rebuild
-                replay.inherit(previous)
-            mixed.online = replay
+        if replay is not None:  # the new windows, in the order the sampler appended them
+            replay.add_windows(_stored_at(run_dir, online_sampler.episodes[-len(new):], algo.updates))
 
     def sample() -> dict[str, Any]:
         if replay is not None and state["batch"] is not None:  # last batch's |TD| -> its base priorities
             replay.update_priorities(state["batch"], algo.value.td_error)
         while True:
-            if time.monotonic() - state["polled"] > on.poll_s:
+            running = fleet_running()
+            # Poll while the fleet runs; once it has stopped, one last look finds everything.
+            if not state["drained"] and (not running or time.monotonic() - state["polled"] > on.poll_s):
                 ingest()
-            if algo.updates - start < on.utd * state["steps"] or not fleet_running():
+                state["drained"] = not running
+            if not running or algo.updates - start < on.utd * len(online_sampler):
                 break
             time.sleep(on.poll_s / 4)  # ahead of the data: wait for the fleet (logged as data_wait)
-        if not fleet_running():
-            ingest()
         if replay is not None:
             replay.step = algo.updates
         state["batch"] = mixed.sample(cfg.batch_size)
@@ -176,8 +169,8 @@ def online(store_root: str, run_dir: str, cfg: DictConfig, offline_snapshot: str
 def _stored_at(run_dir: str, episodes: list[EpisodeInfo], step: int) -> np.ndarray:
     """Learner step at which each window's episode first reached the learner (FreshPER's age origin).
 
-    Recorded per episode in ``RUN/replay_stored_at.json`` so ages carry across rounds and
-    resumes; episodes seen for the first time are stored at ``step``.
+    Recorded per episode in ``RUN/replay_stored_at.json`` so ages survive a resume;
+    episodes seen for the first time are stored at ``step``.
     """
     path = os.path.join(run_dir, "replay_stored_at.json")
     known: dict[str, int] = {}

@@ -205,44 +205,51 @@ class WindowSampler:
 class PrioritizedSampler:
     """FreshPER (docs/specs/craft_poe_drest.md §D2) over the windows of a ``WindowSampler``.
 
-    Every window start is one replay item stored at the learner step its episode first
-    reached the learner. Batches carry IS ``weights`` (B,) and ``replay_ids`` (B,);
-    after the learner step, ``update_priorities(batch, td_error)`` sets the base
-    priorities to |TD error|. Items enter at base priority ``initial_priority``
-    (1 = the largest |TD| of a success-in-[0, 1] critic), with decay factor 1.
+    Every window start is one replay item, stored at the learner step its episode
+    reached the learner; ``add_windows`` registers the windows of episodes just added
+    to the sampler. Batches carry IS ``weights`` (B,) and ``replay_ids`` (B,); after
+    the learner step, ``update_priorities(batch, td_error)`` sets the base priorities
+    to |TD error|. Items enter at base priority ``initial_priority`` (1 = the largest
+    |TD| of a success-in-[0, 1] critic), with decay factor 1.
 
     Args:
         sampler: the windows to draw from.
         config: ``FreshPERConfig``.
-        stored_at: learner step per window start (len(sampler),).
         initial_priority: base priority before a window's first TD error is known.
         seed: seed of the replay's stratified draws.
     """
 
-    def __init__(self, sampler: WindowSampler, config: FreshPERConfig, stored_at: np.ndarray,
-                 initial_priority: float = 1.0, seed: int = 0):
-        if len(stored_at) != len(sampler):
-            raise ValueError(f"stored_at has {len(stored_at)} entries for {len(sampler)} windows")
-        self.sampler = sampler
-        self.per = FreshPER(len(sampler), config, seed, on_full="error")
-        self.window = np.empty(len(sampler), dtype=np.int64)  # replay id -> window start
-        for step in np.unique(stored_at):
-            windows = np.flatnonzero(stored_at == step)
-            self.window[self.per.add(np.full(len(windows), initial_priority), int(step))] = windows
+    def __init__(self, sampler: WindowSampler, config: FreshPERConfig, initial_priority: float = 1.0, seed: int = 0):
+        self.sampler, self.initial_priority = sampler, initial_priority
+        self.per = FreshPER(max(len(sampler), 1), config, seed, on_full="error")
+        self.window = np.zeros(self.per.capacity, dtype=np.int64)  # replay id -> window start
         self.step = 0  # the learner sets its current update before each draw
 
     def __len__(self) -> int:
-        return len(self.sampler)
+        return len(self.per)
 
-    def inherit(self, previous: "PrioritizedSampler") -> None:
-        """Carry the base priorities of ``previous`` (over a prefix of these windows, before
-        more episodes were added to the sampler) over to the same windows here."""
-        n = len(previous.per)
-        id_of_window = np.empty(len(self.window), dtype=np.int64)
-        id_of_window[self.window] = np.arange(len(self.window))
-        old_ids = np.arange(n)
-        self.per.update_priorities(id_of_window[previous.window[old_ids]],
-                                   previous.per.base_priority(old_ids) - previous.per.config.eps, self.step)
+    def add_windows(self, stored_at: np.ndarray) -> None:
+        """Make the sampler's last ``len(stored_at)`` window starts (just added by
+        ``add_episodes``) replay items stored at these learner steps."""
+        n = len(stored_at)
+        starts = np.arange(len(self.sampler) - n, len(self.sampler))
+        if len(self.per) + n > self.per.capacity:
+            self._grow(len(self.per) + n)
+        self._add(starts, np.asarray(stored_at), np.full(n, self.initial_priority))
+
+    def _add(self, starts: np.ndarray, stored_at: np.ndarray, base: np.ndarray) -> None:
+        for step in np.unique(stored_at):
+            sel = stored_at == step
+            self.window[self.per.add(base[sel], int(step))] = starts[sel]
+
+    def _grow(self, size: int) -> None:
+        """Move every item, with its base priority and stored step, into a larger buffer."""
+        old, ids = self.per, np.arange(len(self.per))
+        starts = self.window[ids]
+        self.per = FreshPER(max(size, 2 * old.capacity), old.config, on_full="error")
+        self.per.rng = old.rng  # one stream of draws across growths
+        self.window = np.zeros(self.per.capacity, dtype=np.int64)
+        self._add(starts, old.stored_at(ids), old.base_priority(ids) - old.config.eps)
 
     def sample(self, batch_size: int) -> dict:
         ids, weights = self.per.sample(batch_size, self.step)
