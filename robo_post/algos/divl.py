@@ -95,6 +95,23 @@ def asymmetric_loss(u: torch.Tensor, tau: float | torch.Tensor, power: int) -> t
     return (tau - (u < 0).to(u.dtype)).abs() * u.abs().pow(power)
 
 
+def aggregate_heads(qs: torch.Tensor, how: str) -> torch.Tensor:
+    """Reduce twin Q values (E, B) over the heads: ``mean`` or ``min`` -> (B,)."""
+    if how == "mean":
+        return qs.mean(0)
+    if how == "min":
+        return qs.min(0).values
+    raise ValueError(f"q_agg must be 'mean' or 'min', got {how!r}")
+
+
+def twin_critic_fn(online: CriticNet, target: CriticNet, net: str) -> CriticFn:
+    """``critic_fn(obs, normalised_chunk) -> (2, B)`` from the ``online`` or ``target`` critic (§4.2)."""
+    if net not in ("target", "online"):
+        raise ValueError(f"net must be 'target' or 'online', got {net!r}")
+    module = target if net == "target" else online
+    return lambda obs, chunk: module.q(module.encode(obs), chunk)
+
+
 def weighted_mean(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     """Mean over the last (batch) dim; with prioritized replay, weighted by the IS weights (B,)."""
     return x.mean(-1) if weights is None else (x * weights.to(x.device)).mean(-1)
@@ -217,8 +234,7 @@ class ValueLearner:
 
     def q_values(self, obs: dict[str, Any], chunk: torch.Tensor, net: str = "target") -> torch.Tensor:
         """Twin Q (2, B) at a normalised chunk (B, H, A); differentiable in ``chunk``."""
-        module = self.target if net == "target" else self.net
-        return module.q(module.encode(obs), chunk)
+        return twin_critic_fn(self.net, self.target, net)(obs, chunk)
 
     def critic_fn(self, net: str = "target") -> CriticFn:
         """``critic_fn(obs, normalised_chunk) -> (2, B)`` for QAM/FQL (§4.2).
@@ -226,9 +242,7 @@ class ValueLearner:
         ``net`` is ``QAMConfig.q_net``. Only d/d(chunk) is ever taken, so the actor
         update leaves critic parameters and their ``.grad`` untouched (invariant 19).
         """
-        if net not in ("target", "online"):
-            raise ValueError(f"net must be 'target' or 'online', got {net!r}")
-        return lambda obs, chunk: self.q_values(obs, chunk, net)
+        return twin_critic_fn(self.net, self.target, net)
 
 
 def _cosine(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR | None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from robo_post.algos.divl import CriticFn, td_target, weighted_mean
+from robo_post.algos.divl import CriticFn, aggregate_heads, td_target, twin_critic_fn, weighted_mean
 from robo_post.models.critic import CriticConfig, CriticNet, ema_update
 from robo_post.models.flow import FlowPolicy
 
@@ -87,7 +87,7 @@ class FQL:
         actions = self.one_step_actions(obs, noise)
         distill = (actions - target).pow(2).mean()
         qs = critic_fn(obs, actions.clamp(-1.0, 1.0))
-        q = qs.mean(0) if cfg.q_agg == "mean" else qs.min(0).values
+        q = aggregate_heads(qs, cfg.q_agg)
         q_loss = -q.mean()
         if cfg.normalize_q_loss:
             q_loss = q_loss / q.abs().mean().detach().clamp_min(1e-6)
@@ -165,7 +165,7 @@ class FQLCritic:
         net, target = self.net, self.target
         with torch.no_grad():
             qs_next = target.q(target.encode(batch["next_obs"]), next_chunks(batch["next_obs"]))
-            q_next = qs_next.mean(0) if self.config.q_agg == "mean" else qs_next.min(0).values
+            q_next = aggregate_heads(qs_next, self.config.q_agg)
             y = td_target(batch["rewards"].to(self.device).float(), batch["discounts"].to(self.device).float(), q_next)
         q = net.q(net.encode(batch["obs"]), net.normalize_actions(batch["actions"]))
         loss = weighted_mean((q - y).pow(2), batch.get("weights")).sum()
@@ -179,7 +179,4 @@ class FQLCritic:
 
     def critic_fn(self, net: str = "online") -> CriticFn:
         """``critic_fn(obs, normalised_chunk) -> (2, B)``, differentiable in the chunk only."""
-        if net not in ("target", "online"):
-            raise ValueError(f"net must be 'target' or 'online', got {net!r}")
-        module = self.target if net == "target" else self.net
-        return lambda obs, chunk: module.q(module.encode(obs), chunk)
+        return twin_critic_fn(self.net, self.target, net)

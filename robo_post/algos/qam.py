@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from robo_post.algos.divl import CriticFn
+from robo_post.algos.divl import CriticFn, aggregate_heads
 from robo_post.models.critic import ema_update
 from robo_post.models.flow import FlowPolicy
 
@@ -103,7 +103,7 @@ def terminal_adjoint(critic_fn: CriticFn, obs: Any, a1: torch.Tensor, inv_temp: 
     a = a1.detach().requires_grad_(True)
     with torch.enable_grad():
         qs = critic_fn(obs, a.clamp(-1.0, 1.0) if clip else a)
-        q = qs.mean(0) if agg == "mean" else qs.min(0).values
+        q = aggregate_heads(qs, agg)
         grad = torch.autograd.grad(q.sum(), a, allow_unused=True)[0] if q.requires_grad else None
     grad = torch.zeros_like(a) if grad is None else grad
     return -inv_temp * grad, q.detach()
