@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 
 import numpy as np
-from omegaconf import OmegaConf
 
 from robo_post.cli import compose
 from robo_post.learner.run import run
@@ -39,11 +37,9 @@ from robo_post.store import PolicyRegistry
 
 
 def _run(root: str, overrides: list[str], extra: list[str]) -> dict:
-    cfg = compose("run", [*overrides, *extra])
-    OmegaConf.update(cfg, "run_dir", root)
     path = os.path.join(root, "summary.json")
     if not os.path.exists(path):
-        run(cfg)
+        run(compose("run", [*overrides, *extra, f"run_dir={root}"]))
     with open(path) as f:
         return json.load(f)
 
@@ -74,17 +70,16 @@ def main() -> None:
             os.rename(os.path.join(root, "store.partial"), os.path.join(root, "store"))
         registry = PolicyRegistry(os.path.join(root, "store"))
         # Evaluate only this algorithm's versions: v1 is the shared BC, already evaluated.
-        cfg = compose("run", overrides)
-        n_versions = 2 + math.ceil(cfg.lwd.online.updates / cfg.lwd.online.publish_every)
-        summary = _run(root, overrides, [f"lwd.algo={algo}", f"eval.versions=[{','.join(map(str, range(2, n_versions + 1)))}]"])
+        summary = _run(root, overrides, [f"lwd.algo={algo}", "eval.from_version=2"])
         for r in summary["results"]:
             phase = registry.load(r["version"])[1].get("phase", "?")
             rows.append({"algo": algo, "phase": phase, **r})
         speeds[algo] = _speed(os.path.join(root, "lwd"))
 
     tasks = list(rows[0]["per_task"])
+    episodes_per_task = compose("run", overrides).eval.episodes_per_task
     for split in ("train", "heldout"):
-        print(f"\nSuccess rate, {split} instruction phrasings (eval episodes per task: {cfg.eval.episodes_per_task})")
+        print(f"\nSuccess rate, {split} instruction phrasings (eval episodes per task: {episodes_per_task})")
         print(f"{'algo':<10} {'phase':<10} {'ver':>3} " + " ".join(f"{t:>7}" for t in tasks) + f" {'mean':>7}")
         for r in rows:
             if r["split"] == split:

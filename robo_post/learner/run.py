@@ -99,7 +99,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 raise fleet_error[0]
 
     results = []
-    versions = registry.versions() if cfg.eval.versions is None else list(cfg.eval.versions)
+    versions = [v for v in registry.versions() if v >= cfg.eval.from_version]
     for version in versions:
         for split in cfg.eval.splits:
             results.append(evaluate(
