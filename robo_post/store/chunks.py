@@ -10,7 +10,9 @@ So a shard's array grows append-only:
 
 * a chunk is encoded and written to a new file only once it is full, with the
   array's own codecs (raw little-endian bytes, then Blosc), the bytes zarr itself
-  would write;
+  would write; when Blosc could not compress a chunk (it then stores it raw behind
+  its 16-byte header), the next ``SKIP_AFTER_INCOMPRESSIBLE`` full chunks of that
+  array are written the same way without trying, as that header plus the raw rows;
 * the rows of the partly filled last chunk sit raw in a sidecar file,
   ``pending/<array path>/<chunk index>``, and a commit only appends to it;
 * readers take rows below the last chunk boundary from zarr and the rest from the
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import os
 
+import numcodecs.blosc
 import numpy as np
 import zarr
 from numcodecs import Blosc
@@ -36,6 +39,11 @@ from robo_post.store.schema import StoreIntegrityError
 
 _SHUFFLE = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}
 MIN_GROWTH_CHUNKS = 64  # grow the array shape by at least this many chunks: resizing rewrites zarr.json
+# Noisy camera frames do not compress with LZ4; the failed attempt cost as much as
+# writing the chunk. After one, skip the attempt for this many chunks, then try again.
+SKIP_AFTER_INCOMPRESSIBLE = 8
+_BLOSC_HEADER = 16
+_BLOSC_MEMCPYED = 0x02  # flags bit: the chunk's data is stored uncompressed
 
 
 def blosc_encoder(arr: zarr.Array) -> Blosc:
@@ -111,6 +119,9 @@ class ChunkAppender:
         self.dtype = arr.dtype.newbyteorder("<")
         self.row_nbytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
         self.codec = blosc_encoder(arr)
+        # Header of the last full chunk that Blosc stored raw, and chunks left to skip.
+        self._raw_header: bytes | None = None
+        self._skip = 0
         self.capacity = arr.shape[0]
         self.tail_start = end - end % self.chunk
         self.tail = read_rows(arr, pending_dir, self.tail_start, end, end)
@@ -186,10 +197,21 @@ class ChunkAppender:
         # No tmp file needed for a new chunk: its committed rows (if any) are still in
         # the sidecar, which readers prefer and which outlives this write.
         key = self.arr.metadata.encode_chunk_key((index,) + (0,) * len(self.row_shape))
-        _write_file(os.path.join(self.dir, key), self.codec.encode(np.ascontiguousarray(block)), atomic=False)
+        block = np.ascontiguousarray(block)
+        if self._skip > 0:
+            # Every full chunk has the same size, so Blosc's header for the raw chunk
+            # is the same too: these are the bytes Blosc writes when it gives up.
+            self._skip -= 1
+            parts = [self._raw_header, block.data]
+        else:
+            data = _encode(self.codec, block)
+            if data[2] & _BLOSC_MEMCPYED:
+                self._raw_header, self._skip = bytes(data[:_BLOSC_HEADER]), SKIP_AFTER_INCOMPRESSIBLE
+            parts = [data]
+        _write_file(os.path.join(self.dir, key), parts, atomic=False)
 
     def _write_sidecar(self, index: int, rows: np.ndarray, atomic: bool) -> None:
-        _write_file(pending_path(self.pending_dir, self.arr, index), np.ascontiguousarray(rows).data, atomic)
+        _write_file(pending_path(self.pending_dir, self.arr, index), [np.ascontiguousarray(rows).data], atomic)
 
     def _drop_sidecars(self, keep: int | None) -> None:
         """Remove sidecars left by a crash: of sealed chunks, or holding no committed row."""
@@ -208,28 +230,43 @@ class ChunkAppender:
         self.capacity = capacity
 
 
-def _write_file(path: str, data, atomic: bool) -> None:
-    """Write a whole file. A file that exists is always replaced atomically (tmp file
-    + rename), so readers see the old or the new bytes; a new one only with ``atomic``
-    (needed when readers may open it before it is complete). Renaming onto a new name
-    is cheap; replacing an existing file is what costs an ext4 data flush."""
-    if not atomic:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:  # left behind by a crash, or a chunk written by close()
-            return _write_file(path, data, atomic=True)
-        except FileNotFoundError:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            return _write_file(path, data, atomic)
-        with open(fd, "wb") as f:
-            f.write(data)
-        return
-    tmp = f"{path}.partial"
+def _encode(codec: Blosc, block: np.ndarray) -> bytes:
+    # Blosc's own threads cost more than they save on chunks of <= 512 KB: on 2 cores
+    # a threaded encode took ~3x as long (benchmarks/store_ingest.py). Writers get their
+    # parallelism from processes instead. The bytes are the same either way.
+    previous = numcodecs.blosc.use_threads
+    numcodecs.blosc.use_threads = False
     try:
-        f = open(tmp, "wb")
+        return codec.encode(block)
+    finally:
+        numcodecs.blosc.use_threads = previous
+
+
+def _write_file(path: str, parts: list, atomic: bool) -> None:
+    """Write a whole file from the buffers ``parts``. A file that exists is always
+    replaced atomically (tmp file + rename), so readers see the old or the new bytes;
+    a new one only with ``atomic`` (needed when readers may open it before it is
+    complete). Renaming onto a new name is cheap; replacing an existing file is what
+    costs an ext4 data flush."""
+    target = f"{path}.partial" if atomic else path
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if atomic else os.O_EXCL)
+    try:
+        fd = os.open(target, flags, 0o644)
+    except FileExistsError:  # left behind by a crash, or a chunk written by close()
+        return _write_file(path, parts, atomic=True)
     except FileNotFoundError:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        f = open(tmp, "wb")
-    with f:
-        f.write(data)
-    os.replace(tmp, path)
+        return _write_file(path, parts, atomic)
+    try:
+        views = [memoryview(p).cast("B") for p in parts]
+        while views:  # writev may write less than asked
+            n = os.writev(fd, views)
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if views:
+                views[0] = views[0][n:]
+    finally:
+        os.close(fd)
+    if atomic:
+        os.replace(target, path)
