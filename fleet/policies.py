@@ -72,11 +72,19 @@ def _flow_policy(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> Po
     return FlowPolicyRunner(FlowPolicy.from_artifact(weights, config))
 
 
+def _ranked_flow_policy(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> Policy:
+    from robo_post.models.flow import FlowPolicyRunner
+    from robo_post.models.ranked import RankedFlowPolicy
+
+    return FlowPolicyRunner(RankedFlowPolicy.from_artifact(weights, config))
+
+
 Builder = Callable[[dict[str, torch.Tensor], dict[str, Any]], Policy]
 POLICY_KINDS: dict[str, Builder] = {
     "random": lambda weights, config: RandomPolicy(**config),
     "expert": lambda weights, config: ExpertPolicy(**{k: v for k, v in config.items() if k in ("noise", "mode")}),
     "flow": _flow_policy,
+    "flow_ranked": _ranked_flow_policy,
 }
 
 

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from robo_post.algos.fql import FQLCritic
 from robo_post.cli import compose
+from robo_post.fleet.policies import build_policy
 from robo_post.learner import lwd
 from robo_post.learner.algorithms import ALGORITHMS, ActorCritic
 from robo_post.learner.train import train
@@ -206,3 +207,36 @@ def test_zero_importance_weights_leave_the_q_heads_unchanged(bc_store):
     algo.value.update(batch)
     assert not all(torch.equal(a, b) for a, b in zip(before, algo.value.net.q_heads.parameters()))
     assert algo.value.td_error.shape == (8,)
+
+
+@pytest.mark.parametrize("algo", ["divl_qam", "fql"])
+def test_best_of_n_executes_the_candidate_the_critic_rates_highest(bc_store, algo):
+    reference = FlowPolicy.from_artifact(*PolicyRegistry(bc_store).load(1))
+    agent = ActorCritic(algo, reference, best_of_n=6)
+    with torch.no_grad():  # an untrained critic with zero-ish heads would rate every chunk alike
+        for p in agent.value.target.q_heads.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    c = reference.config
+    obs = {"proprio": torch.randn(4, c.proprio_dim)}
+    noise = torch.randn(4, 6, c.horizon, c.action_dim)
+    chosen = agent.acting_policy.sample(obs, noise=noise)
+
+    policy, critic = agent.policy, agent.value.target
+    candidates = torch.stack([policy.sample(obs, noise=noise[:, i]) for i in range(6)], 1)  # (B, N, H, A)
+    with torch.no_grad():
+        q = torch.stack([critic.q(critic.encode(obs), policy.normalize_actions(candidates[:, i])).mean(0)
+                         for i in range(6)], 1)
+    assert (q.argmax(1) != 0).any()  # so the check below is not passed by always taking the first candidate
+    torch.testing.assert_close(chosen, candidates[torch.arange(4), q.argmax(1)])
+
+    weights, config = agent.artifact(phase="offline")
+    assert (config["kind"], config["best_of_n"], config["algorithm"], config["phase"]) == ("flow_ranked", 6, algo, "offline")
+    runner = build_policy(weights, config)  # what fleet clients and the evaluator load
+    torch.testing.assert_close(runner.model.sample(obs, noise=noise), chosen)
+
+
+def test_best_of_one_publishes_the_plain_flow_and_bad_n_is_an_error(bc_store):
+    reference = FlowPolicy.from_artifact(*PolicyRegistry(bc_store).load(1))
+    assert ActorCritic("divl_qam", reference, best_of_n=1).artifact()[1]["kind"] == "flow"
+    with pytest.raises(ValueError, match="best_of_n must be >= 1"):
+        ActorCritic("divl_qam", reference, best_of_n=0)

@@ -12,7 +12,9 @@ name          value learner (critic)                       policy extraction
 ============  ===========================================  ==============================
 
 All share the networks (``CriticNet``, ``FlowPolicy``), the sampler batches and
-the ``train_loop`` interface (``modules``, ``optimizers``, ``update``).
+the ``train_loop`` interface (``modules``, ``optimizers``, ``update``). With
+``best_of_n > 1`` the published policy acts by best-of-N under the target critic
+(``RankedFlowPolicy``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from robo_post.algos.iql import IQL, IQLConfig
 from robo_post.algos.qam import QAM, QAMConfig
 from robo_post.models.critic import CriticConfig
 from robo_post.models.flow import FlowPolicy
+from robo_post.models.ranked import RankedFlowPolicy
 
 # name -> (value learner, its config, actor, its config)
 ALGORITHMS = {
@@ -45,11 +48,14 @@ class ActorCritic:
         value: overrides of the value learner's config dataclass.
         actor: overrides of the actor's config dataclass.
         critic_warmup: updates that train only the critic before the actor moves.
+        best_of_n: chunks the published policy proposes per decision, executing the one
+            the target critic rates highest (``q_agg`` of the actor config; 1 = plain sampling).
         device: torch device.
     """
 
     def __init__(self, name: str, reference: FlowPolicy, value: dict[str, Any] | None = None,
-                 actor: dict[str, Any] | None = None, critic_warmup: int = 0, device: torch.device | str = "cpu"):
+                 actor: dict[str, Any] | None = None, critic_warmup: int = 0, best_of_n: int = 1,
+                 device: torch.device | str = "cpu"):
         if name not in ALGORITHMS:
             raise ValueError(f"unknown algo {name!r}; choose one of {sorted(ALGORITHMS)}")
         value_cls, value_cfg, actor_cls, actor_cfg = ALGORITHMS[name]
@@ -59,12 +65,22 @@ class ActorCritic:
             net.set_proprio_stats(reference.encoder.proprio_mean.cpu(), reference.encoder.proprio_std.cpu())
         self.actor = actor_cls(reference, actor_cfg(**(actor or {})), device)
         self.critic_warmup = critic_warmup
+        if best_of_n < 1:
+            raise ValueError(f"best_of_n must be >= 1, got {best_of_n}")
+        self.best_of_n = best_of_n
         self.updates = 0  # learner steps so far, across phases (train_loop restores it on resume)
 
     @property
     def policy(self) -> FlowPolicy:
         """The policy being trained (QAM's fine flow or FQL's one-step policy)."""
         return self.actor.fine if isinstance(self.actor, QAM) else self.actor.one_step
+
+    @property
+    def acting_policy(self) -> FlowPolicy | RankedFlowPolicy:
+        """What the published artifact runs: ``policy``, ranked by the target critic if ``best_of_n > 1``."""
+        if self.best_of_n == 1:
+            return self.policy
+        return RankedFlowPolicy(self.policy, self.value.target, self.best_of_n, getattr(self.actor.config, "q_agg", "mean"))
 
     @property
     def modules(self) -> dict[str, torch.nn.Module]:
@@ -91,5 +107,11 @@ class ActorCritic:
         return metrics
 
     def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The trained policy as a registry artifact (``FlowPolicy`` weights + JSON)."""
-        return self.actor.artifact(algorithm=self.name, **provenance)
+        """The trained policy as a registry artifact: kind ``flow`` (``FlowPolicy`` weights + JSON),
+        or ``flow_ranked`` (flow + target critic) when ``best_of_n > 1``."""
+        weights, config = self.actor.artifact(algorithm=self.name, **provenance)
+        if self.best_of_n == 1:
+            return weights, config
+        ranked = RankedFlowPolicy(FlowPolicy.from_artifact(weights, config), self.value.target, self.best_of_n,
+                                  getattr(self.actor.config, "q_agg", "mean"))
+        return ranked.artifact(**{k: v for k, v in config.items() if k not in ("kind", "model")})

@@ -132,12 +132,17 @@ class FlowPolicy(nn.Module):
         if noise is None:
             gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
             noise = torch.randn(shape, generator=gen, device=self.device)
+        return self.unnormalize_actions(self.integrate(z, noise))
+
+    @torch.no_grad()
+    def integrate(self, z: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """Euler ODE from ``noise`` (B, H, A) at state embeddings ``z`` -> chunks in [-1, 1]."""
         x = noise.to(self.device)
         n = self.config.flow_steps
         for i in range(n):
-            w = torch.full((shape[0],), i / n, device=self.device)
+            w = torch.full((x.shape[0],), i / n, device=self.device)
             x = x + self.velocity(z, x, w) / n
-        return self.unnormalize_actions(x.clamp(-1.0, 1.0))
+        return x.clamp(-1.0, 1.0)
 
     # --- artifacts -------------------------------------------------------------
     def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
