@@ -1,5 +1,6 @@
-"""Append-only shard layout: sealed zarr chunks, pending sidecars, the two-slot commit
-record, crash recovery between chunk writes and commit, and sampler windows."""
+"""Append-only shard layout: sealed zarr chunks (and skipping Blosc on incompressible
+ones), array capacity, pending sidecars, the two-slot commit record, crash recovery
+between chunk writes and commit, and sampler windows."""
 
 import json
 import os
@@ -14,6 +15,7 @@ import torch
 import zarr
 
 from robo_post.store import ArraySpec, Store, StoreSchema, WindowSampler
+from robo_post.store import chunks as chunks_module
 from robo_post.store import writer as writer_module
 from robo_post.store.commit import read_commit
 from robo_post.store.integrity import validate_store
@@ -107,6 +109,110 @@ def test_sealed_chunk_bytes_equal_zarrs_own_encoding(tmp_path, small_chunks):
             key += ".0" * (ours.ndim - 1)
             with open(os.path.join(data, name, key), "rb") as a, open(str(tmp_path / "twin" / name / key), "rb") as b:
                 assert a.read() == b.read(), (name, key)
+
+
+FRAMES = StoreSchema(observations={"image": ArraySpec("uint8", (32, 32, 3))}, action=ArraySpec("float32", (1,)))
+FRAME_LENGTHS = (40, 57, 23, 90, 130, 151)  # 497 observation rows: 31 chunks sealed while writing, 1 at close
+RAW_CHUNK = 16 + 16 * 32 * 32 * 3  # Blosc's header + the chunk's bytes
+
+
+def noise(rng, n):
+    return rng.integers(0, 256, (n, 32, 32, 3), np.uint8)
+
+
+def gradient(n, offset=0):
+    t = np.arange(offset, offset + n)[:, None, None, None]
+    y, x, c = np.ogrid[:32, :32, :3]
+    return ((t + 2 * x + 3 * y + 40 * c) % 256).astype(np.uint8)
+
+
+def write_frames(root, frames, monkeypatch):
+    """Write ``frames`` (497 rows) as the observations of episodes of ``FRAME_LENGTHS``;
+    return the image array's directory and the chunks Blosc was tried on, in order."""
+    events = []
+    encode, write_file = chunks_module._encode, chunks_module._write_file
+
+    def counted_encode(codec, block):
+        if block.dtype == np.uint8:  # the image array's, not the action's or step's
+            events.append("tried")
+        return encode(codec, block)
+
+    def counted_write_file(path, parts, atomic):
+        if f"{os.sep}image{os.sep}c." in path:
+            events.append(int(os.path.basename(path).split(".")[1]))
+        return write_file(path, parts, atomic)
+
+    monkeypatch.setattr(chunks_module, "_encode", counted_encode)
+    monkeypatch.setattr(chunks_module, "_write_file", counted_write_file)
+    store = Store.create(root, FRAMES)
+    with store.writer("a") as w:
+        row = 0
+        for T in FRAME_LENGTHS:
+            w.write_episode({"image": frames[row : row + T + 1]}, np.zeros((T, 1), np.float32))
+            row += T + 1
+    monkeypatch.undo()
+    assert row == len(frames) and sorted(e for e in events if e != "tried") == list(range(32))
+    tried = [e for prev, e in zip(events, events[1:]) if prev == "tried"]
+    return os.path.join(root, "shards", "a", "data", "obs", "image"), tried
+
+
+def chunk_file(directory, index):
+    with open(os.path.join(directory, f"c.{index}.0.0.0"), "rb") as f:
+        return f.read()
+
+
+def test_incompressible_chunks_skip_blosc_yet_keep_its_bytes(tmp_path, small_chunks, monkeypatch):
+    frames = noise(np.random.default_rng(0), 497)
+    image, tried = write_frames(str(tmp_path / "s"), frames, monkeypatch)
+    # Blosc gave up on chunk 0, then was skipped for 8 chunks, 16, then 32: 29 of the 32
+    # chunks went out as header + raw rows, gathered by writev where a chunk completes
+    # an earlier episode's rows.
+    assert tried == [0, 9, 26]
+    arr = zarr.open_array(image, mode="r")
+    blosc = chunks_module.blosc_encoder(arr)
+    for index in range(31):
+        data = chunk_file(image, index)
+        # What Blosc itself writes for the block: its header (flagged "stored raw") + the rows.
+        assert data == blosc.encode(frames[16 * index : 16 * (index + 1)]), index
+        assert data[2] & 0x02 and len(data) == RAW_CHUNK
+    assert len(chunk_file(image, 31)) == RAW_CHUNK  # written at close, zero padded
+    np.testing.assert_array_equal(arr[: len(frames)], frames)  # plain zarr, after close()
+
+
+@pytest.mark.parametrize("frames", [np.zeros((497, 32, 32, 3), np.uint8), gradient(497)], ids=["zeros", "gradient"])
+def test_compressible_chunks_are_compressed(tmp_path, small_chunks, monkeypatch, frames):
+    image, tried = write_frames(str(tmp_path / "s"), frames, monkeypatch)
+    assert tried == list(range(32))
+    for index in range(32):
+        assert len(chunk_file(image, index)) < RAW_CHUNK / 4, index
+    np.testing.assert_array_equal(zarr.open_array(image, mode="r")[: len(frames)], frames)
+
+
+def test_compression_resumes_and_skips_restart_short(tmp_path, small_chunks, monkeypatch):
+    rng = np.random.default_rng(1)
+    noisy = [0] + list(range(14, 31))  # chunks of noise; the others are a gradient
+    frames = np.concatenate([noise(rng, 16) if c in noisy else gradient(16, 16 * c) for c in range(31)] + [gradient(1)])
+    image, tried = write_frames(str(tmp_path / "s"), frames, monkeypatch)
+    # Chunk 0 fails (skip 8); chunk 9 compresses, so every chunk is tried until chunk 14
+    # fails again, and the skip starts over at 8 (not 16).
+    assert tried == [0, 9, 10, 11, 12, 13, 14, 23]
+    for index in range(31):
+        assert (len(chunk_file(image, index)) == RAW_CHUNK) == (index in noisy or 1 <= index <= 8), index
+    np.testing.assert_array_equal(zarr.open_array(image, mode="r")[: len(frames)], frames)
+
+
+def test_new_arrays_start_with_room_and_grow_geometrically(tmp_path, small_chunks, monkeypatch):
+    resizes = []
+    resize = zarr.Array.resize
+    monkeypatch.setattr(zarr.Array, "resize", lambda self, shape: resizes.append((self.path, shape[0])) or resize(self, shape))
+    store = Store.create(str(tmp_path / "s"), SCHEMA)
+    rows = 16 * chunks_module.MIN_GROWTH_CHUNKS  # 16-row chunks
+    with store.writer("a") as w:
+        write(w, 0, rows - 2)  # rows - 1 observation rows: the first resize is still ahead
+        assert resizes == []
+        write(w, 1, 3)  # action rows + 1 and observation rows + 3 reach past it
+    assert sorted(resizes) == [(name, 2 * rows) for name in ("action", "obs/image", "obs/proprio", "step")]
+    assert_episodes(store.snapshot(), [(0, rows - 2), (1, 3)])  # the capacity past them is not data
 
 
 CRASH_WRITER = """

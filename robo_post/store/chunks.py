@@ -11,8 +11,10 @@ So a shard's array grows append-only:
 * a chunk is encoded and written to a new file only once it is full, with the
   array's own codecs (raw little-endian bytes, then Blosc), the bytes zarr itself
   would write; when Blosc could not compress a chunk (it then stores it raw behind
-  its 16-byte header), the next ``SKIP_AFTER_INCOMPRESSIBLE`` full chunks of that
-  array are written the same way without trying, as that header plus the raw rows;
+  its 16-byte header), the next full chunks of that array are written the same way
+  without trying, as that header plus the raw rows: ``SKIP_AFTER_INCOMPRESSIBLE``
+  of them, twice as many after each further failed try, at most
+  ``MAX_SKIP_AFTER_INCOMPRESSIBLE``;
 * the rows of the partly filled last chunk sit raw in a sidecar file,
   ``pending/<array path>/<chunk index>``, and a commit only appends to it;
 * readers take rows below the last chunk boundary from zarr and the rest from the
@@ -38,10 +40,12 @@ from zarr.codecs import BloscCodec, BytesCodec
 from robo_post.store.schema import StoreIntegrityError
 
 _SHUFFLE = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}
-MIN_GROWTH_CHUNKS = 64  # grow the array shape by at least this many chunks: resizing rewrites zarr.json
+MIN_GROWTH_CHUNKS = 64  # new arrays hold, and grow by at least, this many chunks: resizing rewrites zarr.json
 # Noisy camera frames do not compress with LZ4; the failed attempt cost as much as
-# writing the chunk. After one, skip the attempt for this many chunks, then try again.
+# writing the chunk. After one, skip the attempt for this many chunks, then try again;
+# each further failure doubles the skip, up to the maximum (one try in 65 chunks).
 SKIP_AFTER_INCOMPRESSIBLE = 8
+MAX_SKIP_AFTER_INCOMPRESSIBLE = 64
 _BLOSC_HEADER = 16
 _BLOSC_MEMCPYED = 0x02  # flags bit: the chunk's data is stored uncompressed
 
@@ -119,9 +123,11 @@ class ChunkAppender:
         self.dtype = arr.dtype.newbyteorder("<")
         self.row_nbytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
         self.codec = blosc_encoder(arr)
-        # Header of the last full chunk that Blosc stored raw, and chunks left to skip.
+        # Header of the last full chunk that Blosc stored raw, chunks left to skip, and
+        # the skip that the next failed try sets.
         self._raw_header: bytes | None = None
         self._skip = 0
+        self._next_skip = SKIP_AFTER_INCOMPRESSIBLE
         self.capacity = arr.shape[0]
         self.tail_start = end - end % self.chunk
         self.tail = read_rows(arr, pending_dir, self.tail_start, end, end)
@@ -151,12 +157,13 @@ class ChunkAppender:
         for j in range(n_full):
             lo, hi = j * c, (j + 1) * c
             if lo >= k:
-                block = values[lo - k : hi - k]  # only new rows: encode them in place
+                rows = [values[lo - k : hi - k]]  # only new rows: encode them in place
             else:
-                block = np.concatenate([self.tail[lo:], values[: hi - k]])
-            self._write_chunk(start // c + j, block)
+                rows = [self.tail[lo:], values[: hi - k]]  # joined only if Blosc is tried
+            self._write_chunk(start // c + j, rows)
         if n_full:
             new_start = start + n_full * c
+            # Copied: the caller may overwrite its buffer once the episode is committed.
             tail = values[new_start - start - k :].copy()
             sidecar = new_start // c if len(tail) else None
             if sidecar is not None:
@@ -166,7 +173,7 @@ class ChunkAppender:
             if self.sidecar == sidecar:  # append after the committed rows, touching none of them
                 fd = os.open(pending_path(self.pending_dir, self.arr, sidecar), os.O_WRONLY)
                 try:
-                    os.pwrite(fd, np.ascontiguousarray(values).data, k * self.row_nbytes)
+                    _pwrite_all(fd, np.ascontiguousarray(values).data, k * self.row_nbytes)
                 finally:
                     os.close(fd)
             else:  # the committed tail (if any) is in zarr, written by close()
@@ -188,25 +195,30 @@ class ChunkAppender:
             self._grow(self.tail_start + self.chunk)
         block = np.zeros((self.chunk, *self.row_shape), self.dtype)
         block[: len(self.tail)] = self.tail
-        self._write_chunk(self.tail_start // self.chunk, block)
+        self._write_chunk(self.tail_start // self.chunk, [block])
         os.unlink(pending_path(self.pending_dir, self.arr, self.sidecar))
         self.sidecar = None
 
     # --- files ---------------------------------------------------------------------
-    def _write_chunk(self, index: int, block: np.ndarray) -> None:
+    def _write_chunk(self, index: int, rows: list[np.ndarray]) -> None:
+        """Write full chunk ``index`` holding the concatenation of ``rows``."""
         # No tmp file needed for a new chunk: its committed rows (if any) are still in
         # the sidecar, which readers prefer and which outlives this write.
         key = self.arr.metadata.encode_chunk_key((index,) + (0,) * len(self.row_shape))
-        block = np.ascontiguousarray(block)
         if self._skip > 0:
             # Every full chunk has the same size, so Blosc's header for the raw chunk
-            # is the same too: these are the bytes Blosc writes when it gives up.
+            # is the same too: these are the bytes Blosc writes when it gives up, and
+            # writev gathers the rows without joining them first.
             self._skip -= 1
-            parts = [self._raw_header, block.data]
+            parts = [self._raw_header, *(np.ascontiguousarray(r).data for r in rows)]
         else:
+            block = np.ascontiguousarray(rows[0] if len(rows) == 1 else np.concatenate(rows))
             data = _encode(self.codec, block)
             if data[2] & _BLOSC_MEMCPYED:
-                self._raw_header, self._skip = bytes(data[:_BLOSC_HEADER]), SKIP_AFTER_INCOMPRESSIBLE
+                self._raw_header, self._skip = bytes(data[:_BLOSC_HEADER]), self._next_skip
+                self._next_skip = min(2 * self._next_skip, MAX_SKIP_AFTER_INCOMPRESSIBLE)
+            else:
+                self._next_skip = SKIP_AFTER_INCOMPRESSIBLE
             parts = [data]
         _write_file(os.path.join(self.dir, key), parts, atomic=False)
 
@@ -240,6 +252,13 @@ def _encode(codec: Blosc, block: np.ndarray) -> bytes:
         return codec.encode(block)
     finally:
         numcodecs.blosc.use_threads = previous
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    view = data.cast("B")
+    while view:  # pwrite may write less than asked
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def _write_file(path: str, parts: list, atomic: bool) -> None:

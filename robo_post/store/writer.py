@@ -32,7 +32,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec
 
-from robo_post.store.chunks import ChunkAppender
+from robo_post.store.chunks import MIN_GROWTH_CHUNKS, ChunkAppender
 from robo_post.store.commit import CommitRecord
 from robo_post.store.schema import (
     STEP_COLUMNS,
@@ -132,7 +132,9 @@ class ShardWriter:
             else:
                 arr = root.create_array(
                     name,
-                    shape=(0, *spec.shape),
+                    # Capacity, not committed rows (the commit record has those): starting
+                    # with room saves the first resize, ~1 ms, of every array of a new shard.
+                    shape=(MIN_GROWTH_CHUNKS * time_chunk(spec), *spec.shape),
                     chunks=(time_chunk(spec), *spec.shape),
                     dtype=spec.dtype,
                     # Byte-shuffle only helps multi-byte types; bit-shuffling images costs
