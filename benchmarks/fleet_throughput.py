@@ -4,7 +4,7 @@
 
 - *fleet*: N ``LocalLauncher`` client processes run the scripted expert on one
   tabletop task for a fixed number of episodes each, recording every step into a
-  fresh store (validate, zarr write, fsync'd commit per episode). Steps/s is
+  fresh store (validate, zarr write, atomic commit per episode). Steps/s is
   measured from the store afterwards, over the steady-state window in which all
   N clients were recording: from the latest first-step timestamp to the earliest
   last-step timestamp of any client, counting the recorded steps whose per-step

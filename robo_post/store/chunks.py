@@ -25,6 +25,12 @@ So a shard's array grows append-only:
 Rows that a commit record covers are never rewritten in place: a sidecar only
 grows past them, a chunk file that already exists is replaced atomically, and
 while a chunk file is being written its committed rows are also in a sidecar.
+
+Durability (``ShardWriter(fsync=True)``): ``write`` records in a ``SyncSet``
+every file it wrote or appended to and every directory that gained an entry;
+the writer syncs them all before its commit record. A file that replaces an
+existing one is fdatasync'd before the rename, as the file it replaces may hold
+the only copy of committed rows.
 """
 
 from __future__ import annotations
@@ -102,6 +108,56 @@ def _read_pending(path: str, n_rows: int, arr: zarr.Array) -> np.ndarray | None:
     return rows.reshape(n_rows, *row_shape)
 
 
+class SyncSet:
+    """What one commit wrote, to make durable before its commit record is written.
+
+    Holds open descriptors of written files (fdatasync'd, then closed), files
+    written by zarr (by path) and directories that gained an entry (fsync'd,
+    each once).
+    """
+
+    def __init__(self):
+        self.fds: list[int] = []
+        self.paths: dict[str, None] = {}  # ordered sets
+        self.dirs: dict[str, None] = {}
+
+    def add_fd(self, fd: int) -> None:
+        """Take ownership of ``fd``: it is synced and closed by ``sync``."""
+        self.fds.append(fd)
+
+    def add_path(self, path: str) -> None:
+        self.paths[path] = None
+
+    def add_dir(self, directory: str) -> None:
+        self.dirs[directory] = None
+
+    def sync(self) -> None:
+        """fdatasync every file, then fsync every directory; closes the descriptors."""
+        try:
+            for fd in self.fds:
+                os.fdatasync(fd)
+            for path in self.paths:
+                _sync_path(path, os.O_RDONLY, os.fdatasync)
+            for directory in self.dirs:
+                _sync_path(directory, os.O_RDONLY | os.O_DIRECTORY, os.fsync)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close the descriptors without syncing (after a failed commit)."""
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+def _sync_path(path: str, flags: int, sync) -> None:
+    fd = os.open(path, flags)
+    try:
+        sync(fd)
+    finally:
+        os.close(fd)
+
+
 class ChunkAppender:
     """Appends rows to one zarr array (see the module docstring for the layout).
 
@@ -112,10 +168,12 @@ class ChunkAppender:
         arr: the array (axis 0 is time), opened read-write.
         pending_dir: directory of this shard's sidecar files.
         end: number of committed rows.
+        fsync: make ``flush`` durable before it drops a sidecar.
     """
 
-    def __init__(self, arr: zarr.Array, pending_dir: str, end: int):
+    def __init__(self, arr: zarr.Array, pending_dir: str, end: int, fsync: bool = False):
         self.arr = arr
+        self.fsync = fsync
         self.pending_dir = pending_dir
         self.dir = os.path.join(str(arr.store.root), arr.path)
         self.chunk = arr.chunks[0]
@@ -141,43 +199,46 @@ class ChunkAppender:
         """Number of committed rows."""
         return self.tail_start + len(self.tail)
 
-    def write(self, values: np.ndarray) -> tuple[int, np.ndarray, int | None]:
+    def write(self, values: np.ndarray, sync: SyncSet | None = None) -> tuple[int, np.ndarray, int | None]:
         """Write ``values`` as rows ``end..end+len(values)``.
 
         Returns the new state, to hand to ``advance`` once the commit record covering
         these rows is written. Until then nothing in memory changes, so after a
-        failure the next ``write`` starts again from the committed end.
+        failure the next ``write`` starts again from the committed end. With
+        ``sync``, every file and directory written is recorded there.
         """
         values = values.astype(self.dtype, copy=False)
         c, k, start = self.chunk, len(self.tail), self.tail_start
         n = k + len(values)
         n_full = n // c
         if start + n > self.capacity:  # cover the partial chunk too, for zarr reads once it is sealed
-            self._grow(start + n)
+            self._grow(start + n, sync)
         for j in range(n_full):
             lo, hi = j * c, (j + 1) * c
             if lo >= k:
                 rows = [values[lo - k : hi - k]]  # only new rows: encode them in place
             else:
                 rows = [self.tail[lo:], values[: hi - k]]  # joined only if Blosc is tried
-            self._write_chunk(start // c + j, rows)
+            self._write_chunk(start // c + j, rows, sync)
         if n_full:
             new_start = start + n_full * c
             # Copied: the caller may overwrite its buffer once the episode is committed.
             tail = values[new_start - start - k :].copy()
             sidecar = new_start // c if len(tail) else None
             if sidecar is not None:
-                self._write_sidecar(sidecar, tail, atomic=False)  # no committed rows in it yet
+                self._write_sidecar(sidecar, tail, False, sync)  # no committed rows in it yet
         else:
             new_start, tail, sidecar = start, np.concatenate([self.tail, values]), start // c
             if self.sidecar == sidecar:  # append after the committed rows, touching none of them
                 fd = os.open(pending_path(self.pending_dir, self.arr, sidecar), os.O_WRONLY)
                 try:
                     _pwrite_all(fd, np.ascontiguousarray(values).data, k * self.row_nbytes)
-                finally:
+                except BaseException:
                     os.close(fd)
+                    raise
+                _keep_or_close(fd, sync)
             else:  # the committed tail (if any) is in zarr, written by close()
-                self._write_sidecar(sidecar, tail, atomic=k > 0)
+                self._write_sidecar(sidecar, tail, k > 0, sync)
         return new_start, tail, sidecar
 
     def advance(self, state: tuple[int, np.ndarray, int | None]) -> None:
@@ -191,16 +252,23 @@ class ChunkAppender:
         so the zarr array alone holds every committed row."""
         if self.sidecar is None:  # no partial chunk, or zarr holds it already
             return
-        if self.tail_start + self.chunk > self.capacity:
-            self._grow(self.tail_start + self.chunk)
-        block = np.zeros((self.chunk, *self.row_shape), self.dtype)
-        block[: len(self.tail)] = self.tail
-        self._write_chunk(self.tail_start // self.chunk, [block])
+        sync = SyncSet() if self.fsync else None
+        try:
+            if self.tail_start + self.chunk > self.capacity:
+                self._grow(self.tail_start + self.chunk, sync)
+            block = np.zeros((self.chunk, *self.row_shape), self.dtype)
+            block[: len(self.tail)] = self.tail
+            self._write_chunk(self.tail_start // self.chunk, [block], sync)
+            if sync is not None:  # the sidecar holds the only durable copy of these rows until then
+                sync.sync()
+        finally:
+            if sync is not None:
+                sync.close()
         os.unlink(pending_path(self.pending_dir, self.arr, self.sidecar))
         self.sidecar = None
 
     # --- files ---------------------------------------------------------------------
-    def _write_chunk(self, index: int, rows: list[np.ndarray]) -> None:
+    def _write_chunk(self, index: int, rows: list[np.ndarray], sync: SyncSet | None) -> None:
         """Write full chunk ``index`` holding the concatenation of ``rows``."""
         # No tmp file needed for a new chunk: its committed rows (if any) are still in
         # the sidecar, which readers prefer and which outlives this write.
@@ -220,10 +288,10 @@ class ChunkAppender:
             else:
                 self._next_skip = SKIP_AFTER_INCOMPRESSIBLE
             parts = [data]
-        _write_file(os.path.join(self.dir, key), parts, atomic=False)
+        _write_file(os.path.join(self.dir, key), parts, False, sync)
 
-    def _write_sidecar(self, index: int, rows: np.ndarray, atomic: bool) -> None:
-        _write_file(pending_path(self.pending_dir, self.arr, index), [np.ascontiguousarray(rows).data], atomic)
+    def _write_sidecar(self, index: int, rows: np.ndarray, atomic: bool, sync: SyncSet | None) -> None:
+        _write_file(pending_path(self.pending_dir, self.arr, index), [np.ascontiguousarray(rows).data], atomic, sync)
 
     def _drop_sidecars(self, keep: int | None) -> None:
         """Remove sidecars left by a crash: of sealed chunks, or holding no committed row."""
@@ -234,12 +302,15 @@ class ChunkAppender:
             if name != str(keep):
                 os.unlink(os.path.join(directory, name))
 
-    def _grow(self, rows: int) -> None:
+    def _grow(self, rows: int, sync: SyncSet | None) -> None:
         # zarr rewrites zarr.json atomically; growing geometrically keeps that rare.
         capacity = max(rows, 2 * self.capacity, MIN_GROWTH_CHUNKS * self.chunk)
         capacity = -(-capacity // self.chunk) * self.chunk
         self.arr.resize((capacity, *self.row_shape))
         self.capacity = capacity
+        if sync is not None:  # readers check row ranges against the shape in zarr.json
+            sync.add_path(os.path.join(self.dir, "zarr.json"))
+            sync.add_dir(self.dir)
 
 
 def _encode(codec: Blosc, block: np.ndarray) -> bytes:
@@ -261,21 +332,42 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _write_file(path: str, parts: list, atomic: bool) -> None:
+def _keep_or_close(fd: int, sync: SyncSet | None) -> None:
+    """Hand a written file's ``fd`` to ``sync`` to be synced before the commit, or close it."""
+    if sync is None:
+        os.close(fd)
+    else:
+        sync.add_fd(fd)
+
+
+def _makedirs(directory: str, sync: SyncSet | None) -> None:
+    """``os.makedirs``; with ``sync``, record each parent that gained a directory."""
+    missing = []
+    d = directory
+    while sync is not None and not os.path.isdir(d):
+        missing.append(d)
+        d = os.path.dirname(d)
+    os.makedirs(directory, exist_ok=True)
+    for d in missing:
+        sync.add_dir(os.path.dirname(d))
+
+
+def _write_file(path: str, parts: list, atomic: bool, sync: SyncSet | None = None) -> None:
     """Write a whole file from the buffers ``parts``. A file that exists is always
     replaced atomically (tmp file + rename), so readers see the old or the new bytes;
     a new one only with ``atomic`` (needed when readers may open it before it is
     complete). Renaming onto a new name is cheap; replacing an existing file is what
-    costs an ext4 data flush."""
+    costs an ext4 data flush. With ``sync``, the file and its directory are recorded
+    there (a renamed file is fdatasync'd before the rename instead)."""
     target = f"{path}.partial" if atomic else path
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if atomic else os.O_EXCL)
     try:
         fd = os.open(target, flags, 0o644)
     except FileExistsError:  # left behind by a crash, or a chunk written by close()
-        return _write_file(path, parts, atomic=True)
+        return _write_file(path, parts, True, sync)
     except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        return _write_file(path, parts, atomic)
+        _makedirs(os.path.dirname(path), sync)
+        return _write_file(path, parts, atomic, sync)
     try:
         views = [memoryview(p).cast("B") for p in parts]
         while views:  # writev may write less than asked
@@ -285,7 +377,15 @@ def _write_file(path: str, parts: list, atomic: bool) -> None:
                 views.pop(0)
             if views:
                 views[0] = views[0][n:]
-    finally:
+        if atomic and sync is not None:
+            os.fdatasync(fd)  # the file it replaces may hold the only copy of committed rows
+    except BaseException:
         os.close(fd)
+        raise
     if atomic:
+        os.close(fd)
         os.replace(target, path)
+    else:
+        _keep_or_close(fd, sync)
+    if sync is not None:
+        sync.add_dir(os.path.dirname(path))

@@ -1,17 +1,23 @@
 """The commit record of a shard: how many episodes, steps and metadata bytes exist.
 
-It is the only thing readers trust, so replacing it must be atomic and, with
-``fsync``, durable. Writing a new file and renaming it over the old one does that
-but costs a journal commit on every episode (ext4 flushes a file renamed over an
-existing one, and the fsync of a new file commits its allocation). Instead
+It is the only thing readers trust, so replacing it must be atomic. Writing a new
+file and renaming it over the old one does that but costs a journal commit on
+every episode (ext4 flushes a file renamed over an existing one). Instead
 ``commit.bin`` has two fixed 512-byte slots, overwritten in place in turn::
 
     magic "RPC1" | seq u64 | episodes u64 | steps u64 | meta_bytes u64 | crc32c u32   (little-endian)
 
-A commit writes the slot *not* holding the latest record, then ``fdatasync``s
-it (the file never changes size, so that is a single data-block write). The
-valid slot with the higher ``seq`` is the current record: a torn or concurrent
-write fails its checksum, and the other slot still holds the previous commit.
+A commit writes the slot *not* holding the latest record. The valid slot with the
+higher ``seq`` is the current record: a torn or concurrent write fails its
+checksum, and the other slot still holds the previous commit.
+
+Durability: the record is visible to readers (and survives a killed writer) as
+soon as it is written. Only with ``fsync`` is it ``fdatasync``'d (the file never
+changes size, so that is a single data-block write), and the writer then syncs
+the episode's data *before* writing the record (``writer.py``). Without
+``fsync``, after an OS crash or power loss the on-disk record may be older than
+the last commit, or newer than the data that reached the disk.
+
 Shards written before this format have ``commit.json``, read when ``commit.bin``
 is absent.
 """
@@ -74,7 +80,7 @@ class CommitRecord:
         fsync: make ``sync`` ``fdatasync`` the record.
     """
 
-    def __init__(self, shard_dir: str, counts: dict[str, int], fsync: bool = True):
+    def __init__(self, shard_dir: str, counts: dict[str, int], fsync: bool = False):
         path = os.path.join(shard_dir, "commit.bin")
         self.fsync = fsync
         if os.path.exists(path):
@@ -87,6 +93,8 @@ class CommitRecord:
             tmp = f"{path}.partial"
             with open(tmp, "wb") as f:
                 f.write(_pack(0, counts).ljust(2 * _SLOT, b"\0"))
+                # Once per shard, whatever ``fsync``: after a power cut an empty commit.bin
+                # would make the whole shard unreadable.
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)

@@ -7,14 +7,24 @@ Commit protocol (why a killed writer never exposes a partial episode):
    zarr chunk files, the partly filled last chunk raw into a sidecar file
    (``chunks.ChunkAppender``); already-committed rows are never rewritten in place;
 3. append the episode record to ``episodes.jsonl``;
-4. atomically update the commit record ``commit.bin`` (fdatasync'd, see
-   ``commit.py``), which is the only thing readers trust for how many episodes,
-   steps and metadata bytes exist.
+4. with ``fsync=True`` only: fdatasync every file steps 2-3 wrote or appended to,
+   and fsync every directory in which they created a file;
+5. atomically update the commit record ``commit.bin`` (see ``commit.py``), which
+   is the only thing readers trust for how many episodes, steps and metadata
+   bytes exist; with ``fsync=True`` it is then fdatasync'd.
 
-A crash before step 4 leaves bytes past the committed end, which readers ignore
+A crash before step 5 leaves bytes past the committed end, which readers ignore
 and the next writer of the shard overwrites. The writer's own state (counts,
-chunk tails) only advances once step 4 succeeded, so a failed commit leaves it
+chunk tails) only advances once step 5 succeeded, so a failed commit leaves it
 in step with the disk.
+
+Durability: with the default ``fsync=False`` there is no sync call on the commit
+path. A commit is atomic and survives the writer process being killed at any
+point (the page cache outlives the process), but after an OS crash or power loss
+the most recent episodes may be lost: the commit record can reach the disk
+before their data, and ``robo-post store validate`` then reports them as failing
+their checksum. With ``fsync=True``, ``commit()`` returns only once the episode
+and its commit record are on disk, so it survives power loss too.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec
 
-from robo_post.store.chunks import MIN_GROWTH_CHUNKS, ChunkAppender
+from robo_post.store.chunks import MIN_GROWTH_CHUNKS, ChunkAppender, SyncSet
 from robo_post.store.commit import CommitRecord
 from robo_post.store.schema import (
     STEP_COLUMNS,
@@ -92,11 +102,14 @@ class ShardWriter:
     Args:
         store: the open store.
         client_id: shard name; must be a safe name (``check_name``).
-        fsync: fsync the commit record, so a committed episode survives power loss
-            of the metadata as well as process kills.
+        fsync: False (default): a commit is atomic and survives the writer process
+            being killed, but the most recent episodes may be lost in an OS crash
+            or power loss; no sync calls. True: ``commit()`` returns only once the
+            episode's files, the directories that gained new files and then the
+            commit record are synced, so committed episodes survive power loss.
     """
 
-    def __init__(self, store: "Store", client_id: str, fsync: bool = True):
+    def __init__(self, store: "Store", client_id: str, fsync: bool = False):
         self.store = store
         self.client_id = check_name(client_id)
         self.fsync = fsync
@@ -145,8 +158,25 @@ class ShardWriter:
                     chunk_key_encoding={"name": "default", "separator": "."},
                 )
             end = self.n_steps + self.n_episodes if name.startswith("obs/") else self.n_steps
-            self._columns[name] = ChunkAppender(arr, os.path.join(self.path, "pending"), end)
+            self._columns[name] = ChunkAppender(arr, os.path.join(self.path, "pending"), end, self.fsync)
         self._commit = CommitRecord(self.path, commit, self.fsync)
+        if self.fsync:
+            self._sync_layout(root)
+
+    def _sync_layout(self, root: zarr.Group) -> None:
+        """Make the shard's files and directories as created so far durable: each
+        commit only syncs what it writes itself. Cheap when nothing is dirty."""
+        sync = SyncSet()
+        sync.add_path(os.path.join(self.path, "episodes.jsonl"))
+        sync.add_dir(os.path.join(self.store.root, "shards"))
+        sync.add_dir(self.path)
+        for name in self._columns:  # data/, data/obs/, data/<array>/ and their zarr.json
+            parts = name.split("/")
+            for depth in range(len(parts) + 1):
+                directory = os.path.join(str(root.store.root), *parts[:depth])
+                sync.add_path(os.path.join(directory, "zarr.json"))
+                sync.add_dir(directory)
+        sync.sync()
 
     # --- step-wise API --------------------------------------------------------
     def add(
@@ -188,7 +218,9 @@ class ShardWriter:
         self._steps = []
 
     def commit(self, final_obs: Mapping[str, Any] | None = None, **meta: Any) -> int:
-        """Validate and durably append the buffered episode; return its index in the shard.
+        """Validate and atomically append the buffered episode; return its index in the shard.
+
+        Durable against power loss only with ``fsync=True`` (see the class docstring).
 
         Args:
             final_obs: the observation after the last action (used to bootstrap
@@ -233,7 +265,8 @@ class ShardWriter:
         end_time: float | None = None,
         attrs: Mapping[str, Any] | None = None,
     ) -> int:
-        """Validate and durably append one whole episode of T steps.
+        """Validate and atomically append one whole episode of T steps (durable against
+        power loss only with ``fsync=True``).
 
         Args:
             observations: key -> (T + 1, ...) array; row T is the observation after
@@ -279,8 +312,16 @@ class ShardWriter:
 
         # Nothing in memory advances until the commit record is written: a failure on the
         # way leaves the writer in step with the committed state on disk.
-        tails = {name: self._columns[name].write(values) for name, values in arrays.items()}
-        os.pwrite(self._meta_fd, line, self._meta_bytes)
+        sync = SyncSet() if self.fsync else None
+        try:
+            tails = {name: self._columns[name].write(values, sync) for name, values in arrays.items()}
+            os.pwrite(self._meta_fd, line, self._meta_bytes)
+            if sync is not None:  # the data first: the record must never point at lost bytes
+                os.fdatasync(self._meta_fd)
+                sync.sync()
+        finally:
+            if sync is not None:
+                sync.close()
         index = self.n_episodes
         commit = {"episodes": index + 1, "steps": self.n_steps + T, "meta_bytes": self._meta_bytes + len(line)}
         self._commit.write(commit)  # the episode is visible from here on
