@@ -88,7 +88,6 @@ import torch
 
 import robo_post.envs  # noqa: F401  (registers robo_post/SparseReacher-v0)
 from robo_post.algos.bc_flow import BCFlow, BCFlowConfig
-from robo_post.algos.fql import FQL
 from robo_post.envs.reacher import ACTION_DIM, OBS_DIM, Episode, make_controller, make_env, rollout
 from robo_post.learner.algorithms import ActorCritic
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
@@ -155,18 +154,13 @@ def actor_fn(agent: Any, seed: int, noise_scale: float = 1.0) -> Callable[[np.nd
     """obs (N, 10) -> env-unit chunks (N, H, 2) from a FlowPolicy or an ActorCritic (its published
     acting: best-of-N under the critic when ``best_of_n > 1``), with seeded noise."""
     gen = torch.Generator().manual_seed(seed)
+    # FQL's policy is a one-Euler-step FlowPolicy; best-of-N draws N noises per state.
+    policy, n = (agent, 1) if isinstance(agent, FlowPolicy) else (agent.acting_policy, agent.best_of_n)
+    noise_shape = (H, ACTION_DIM) if n == 1 else (n, H, ACTION_DIM)
 
     def act(obs: np.ndarray) -> np.ndarray:
-        batch = {"proprio": torch.from_numpy(obs)}
-        if isinstance(agent, FlowPolicy):
-            return agent.sample(batch, noise=noise_scale * torch.randn(len(obs), H, ACTION_DIM, generator=gen)).numpy()
-        if agent.best_of_n > 1:
-            noise = torch.randn(len(obs), agent.best_of_n, H, ACTION_DIM, generator=gen)
-            return agent.acting_policy.sample(batch, noise=noise).numpy()
-        noise = torch.randn(len(obs), H, ACTION_DIM, generator=gen)
-        if isinstance(agent.actor, FQL):  # one network evaluation, not the 10-step ODE of agent.policy
-            return agent.actor.act(batch, noise).numpy()
-        return agent.policy.sample(batch, noise=noise).numpy()
+        noise = noise_scale * torch.randn(len(obs), *noise_shape, generator=gen)
+        return policy.sample({"proprio": torch.from_numpy(obs)}, noise=noise).numpy()
 
     return act
 

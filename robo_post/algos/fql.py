@@ -107,10 +107,6 @@ class FQL:
         B = len(next(v for v in obs.values() if isinstance(v, torch.Tensor)))
         return self.one_step_actions(obs, torch.randn(B, c.horizon, c.action_dim, device=self.device)).clamp(-1.0, 1.0)
 
-    def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The one-step policy as a registry artifact (a ``FlowPolicy`` with ``flow_steps = 1``)."""
-        return self.one_step.artifact(**provenance)
-
     @torch.no_grad()
     def act(self, obs: dict[str, Any], noise: torch.Tensor | None = None) -> torch.Tensor:
         """Action chunks (B, H, A) in env units from one network evaluation, clipped."""

@@ -298,10 +298,6 @@ class QAM:
         return {"loss_am": loss_am.item(), "q_endpoint": q1.mean().item(), "adj_terminal_abs": adj1.abs().mean().item(),
                 "adj0_abs": adjs[0].abs().mean().item(), "kl_path": kl.item(), "grad_norm": grad_norm.item(), **metrics}
 
-    def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The fine policy as a registry artifact."""
-        return self.fine.artifact(**provenance)
-
     def act(self, obs: dict[str, Any], seed: int | None = None) -> torch.Tensor:
         """Action chunks (B, H, A) in env units: Euler ODE of the fine policy, clipped (§3.3.1 item 5)."""
         return self.fine.sample(obs, seed=seed)

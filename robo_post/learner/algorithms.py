@@ -80,7 +80,7 @@ class ActorCritic:
         """What the published artifact runs: ``policy``, ranked by the target critic if ``best_of_n > 1``."""
         if self.best_of_n == 1:
             return self.policy
-        return RankedFlowPolicy(self.policy, self.value.target, self.best_of_n, getattr(self.actor.config, "q_agg", "mean"))
+        return RankedFlowPolicy(self.policy, self.value.target, self.best_of_n, self.actor.config.q_agg)
 
     @property
     def modules(self) -> dict[str, torch.nn.Module]:
@@ -109,9 +109,4 @@ class ActorCritic:
     def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The trained policy as a registry artifact: kind ``flow`` (``FlowPolicy`` weights + JSON),
         or ``flow_ranked`` (flow + target critic) when ``best_of_n > 1``."""
-        weights, config = self.actor.artifact(algorithm=self.name, **provenance)
-        if self.best_of_n == 1:
-            return weights, config
-        ranked = RankedFlowPolicy(FlowPolicy.from_artifact(weights, config), self.value.target, self.best_of_n,
-                                  getattr(self.actor.config, "q_agg", "mean"))
-        return ranked.artifact(**{k: v for k, v in config.items() if k not in ("kind", "model")})
+        return self.acting_policy.artifact(algorithm=self.name, **provenance)

@@ -232,7 +232,7 @@ class ChunkAppender:
             if self.sidecar == sidecar:  # append after the committed rows, touching none of them
                 fd = os.open(pending_path(self.pending_dir, self.arr, sidecar), os.O_WRONLY)
                 try:
-                    _pwrite_all(fd, np.ascontiguousarray(values).data, k * self.row_nbytes)
+                    pwrite_all(fd, np.ascontiguousarray(values).data, k * self.row_nbytes)
                 except BaseException:
                     os.close(fd)
                     raise
@@ -325,7 +325,8 @@ def _encode(codec: Blosc, block: np.ndarray) -> bytes:
         numcodecs.blosc.use_threads = previous
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """``os.pwrite`` all of ``data`` at ``offset``."""
     view = data.cast("B")
     while view:  # pwrite may write less than asked
         n = os.pwrite(fd, view, offset)

@@ -42,7 +42,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec
 
-from robo_post.store.chunks import MIN_GROWTH_CHUNKS, ChunkAppender, SyncSet
+from robo_post.store.chunks import MIN_GROWTH_CHUNKS, ChunkAppender, SyncSet, pwrite_all
 from robo_post.store.commit import CommitRecord
 from robo_post.store.schema import (
     STEP_COLUMNS,
@@ -315,7 +315,7 @@ class ShardWriter:
         sync = SyncSet() if self.fsync else None
         try:
             tails = {name: self._columns[name].write(values, sync) for name, values in arrays.items()}
-            os.pwrite(self._meta_fd, line, self._meta_bytes)
+            pwrite_all(self._meta_fd, memoryview(line), self._meta_bytes)
             if sync is not None:  # the data first: the record must never point at lost bytes
                 os.fdatasync(self._meta_fd)
                 sync.sync()
