@@ -1,6 +1,7 @@
-"""Append-only shard layout: sealed zarr chunks (and skipping Blosc on incompressible
-ones), array capacity, pending sidecars, the two-slot commit record, crash recovery
-between chunk writes and commit, and sampler windows."""
+"""Append-only shard layout: sealed zarr chunks in shard files (and skipping Blosc on
+incompressible ones), arrays of the unsharded format, array capacity, pending
+sidecars, the two-slot commit record, crash recovery between chunk writes and
+commit, and sampler windows."""
 
 import json
 import os
@@ -9,12 +10,15 @@ import subprocess
 import sys
 import zlib
 
+import google_crc32c
 import numpy as np
 import pytest
 import torch
+import xxhash
 import zarr
 
 from robo_post.store import ArraySpec, Store, StoreSchema, WindowSampler
+from robo_post.store.schema import STEP_COLUMNS
 from robo_post.store import chunks as chunks_module
 from robo_post.store import writer as writer_module
 from robo_post.store.commit import read_commit
@@ -62,6 +66,29 @@ def assert_episodes(snap, expected):
         np.testing.assert_array_equal(got["reward"], rewards)
 
 
+def shard_chunk(directory, index):
+    """Bytes of chunk ``index`` of the array at ``directory``, read straight from its
+    shard file by the zarr sharding layout (bare index of (offset, nbytes) u64 pairs at
+    the start); None if the chunk was never written."""
+    shard, slot = divmod(index, chunks_module.CHUNKS_PER_SHARD)
+    names = [f for f in os.listdir(directory) if f.split(".")[:2] == ["c", str(shard)]]
+    if not names:
+        return None
+    with open(os.path.join(directory, *names), "rb") as f:
+        data = f.read()
+    offset, nbytes = np.frombuffer(data, "<u8", 2, 16 * slot)
+    return None if offset == 2**64 - 1 else data[offset : offset + nbytes]
+
+
+def clear_chunk(directory, index):
+    """Mark chunk ``index`` as never written in its shard file's index."""
+    shard, slot = divmod(index, chunks_module.CHUNKS_PER_SHARD)
+    (name,) = [f for f in os.listdir(directory) if f.split(".")[:2] == ["c", str(shard)]]
+    with open(os.path.join(directory, name), "r+b") as f:
+        f.seek(16 * slot)
+        f.write(b"\xff" * 16)
+
+
 def pending_files(root, shard="a"):
     d = os.path.join(root, "shards", shard, "pending")
     return sorted(os.path.relpath(os.path.join(p, f), d) for p, _, fs in os.walk(d) for f in fs)
@@ -101,14 +128,37 @@ def test_sealed_chunk_bytes_equal_zarrs_own_encoding(tmp_path, small_chunks):
     data = os.path.join(store.root, "shards", "a", "data")
     for name in ("obs/image", "obs/proprio", "step"):
         ours = zarr.open_array(os.path.join(data, name), mode="r")
-        twin = zarr.create_array(str(tmp_path / "twin" / name), shape=ours.shape, chunks=ours.chunks, dtype=ours.dtype,
-                                 compressors=ours.compressors, fill_value=0,
+        assert ours.chunks[0] == 16 and ours.shards[0] == 16 * chunks_module.CHUNKS_PER_SHARD
+        twin = zarr.create_array(str(tmp_path / "twin" / name), shape=ours.shape, chunks=ours.shards, dtype=ours.dtype,
+                                 serializer=ours.metadata.codecs[0], compressors=None, fill_value=0,
                                  chunk_key_encoding={"name": "default", "separator": "."})
-        twin[:32] = ours[:32]
-        for key in ("c.0", "c.1"):
-            key += ".0" * (ours.ndim - 1)
-            with open(os.path.join(data, name, key), "rb") as a, open(str(tmp_path / "twin" / name / key), "rb") as b:
-                assert a.read() == b.read(), (name, key)
+        twin[:32] = ours[:32]  # zarr writes the whole shard file, in its own order
+        for index in (0, 1):
+            assert shard_chunk(os.path.join(data, name), index) == shard_chunk(str(tmp_path / "twin" / name), index)
+        assert shard_chunk(str(tmp_path / "twin" / name), 2) is None
+        np.testing.assert_array_equal(ours[:41], zarr.open_array(os.path.join(data, name), mode="r")[:41])
+
+
+def test_arrays_of_the_unsharded_format_still_append_and_read(tmp_path, small_chunks):
+    """Stores written before sharding hold one file per chunk: the writer keeps to that."""
+    store = Store.create(str(tmp_path / "s"), SCHEMA)
+    data = zarr.open_group(os.path.join(store.root, "shards", "a", "data"), mode="a")
+    for name, spec in {"obs/proprio": SCHEMA.observations["proprio"], "obs/image": SCHEMA.observations["image"],
+                       "action": SCHEMA.action, "step": ArraySpec("float64", (len(STEP_COLUMNS),))}.items():
+        data.create_array(name, shape=(64, *spec.shape), chunks=(16, *spec.shape), dtype=spec.dtype, fill_value=0,
+                          compressors=zarr.codecs.BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"),
+                          chunk_key_encoding={"name": "default", "separator": "."})
+    expected = []
+    for session in (LENGTHS, (5, 40)):
+        with store.writer("a") as w:
+            for T in session:
+                write(w, len(expected), T)
+                expected.append((len(expected), T))
+        assert_episodes(store.snapshot(), expected)
+    image = os.path.join(store.root, "shards", "a", "data", "obs", "image")
+    obs_rows = sum(T + 1 for _, T in expected)
+    assert sorted(os.listdir(image)) == sorted(["zarr.json"] + [f"c.{i}.0.0.0" for i in range(-(-obs_rows // 16))])
+    assert validate_store(store.root) == (len(expected), [])
 
 
 FRAMES = StoreSchema(observations={"image": ArraySpec("uint8", (32, 32, 3))}, action=ArraySpec("float32", (1,)))
@@ -129,21 +179,23 @@ def gradient(n, offset=0):
 def write_frames(root, frames, monkeypatch):
     """Write ``frames`` (497 rows) as the observations of episodes of ``FRAME_LENGTHS``;
     return the image array's directory and the chunks Blosc was tried on, in order."""
-    events = []
-    encode, write_file = chunks_module._encode, chunks_module._write_file
+    tried, sealed = [], []
+    encode, encode_chunk = chunks_module._encode, chunks_module.ChunkAppender._encode_chunk
 
     def counted_encode(codec, block):
         if block.dtype == np.uint8:  # the image array's, not the action's or step's
-            events.append("tried")
+            tried.append(len(sealed))
         return encode(codec, block)
 
-    def counted_write_file(path, parts, atomic, sync=None):
-        if f"{os.sep}image{os.sep}c." in path:
-            events.append(int(os.path.basename(path).split(".")[1]))
-        return write_file(path, parts, atomic, sync)
+    def counted_encode_chunk(self, rows):
+        # The image array's chunks are encoded in index order, once each: 0, 1, ...
+        result = encode_chunk(self, rows)
+        if self.dtype == np.uint8:
+            sealed.append(len(sealed))
+        return result
 
     monkeypatch.setattr(chunks_module, "_encode", counted_encode)
-    monkeypatch.setattr(chunks_module, "_write_file", counted_write_file)
+    monkeypatch.setattr(chunks_module.ChunkAppender, "_encode_chunk", counted_encode_chunk)
     store = Store.create(root, FRAMES)
     with store.writer("a") as w:
         row = 0
@@ -151,31 +203,25 @@ def write_frames(root, frames, monkeypatch):
             w.write_episode({"image": frames[row : row + T + 1]}, np.zeros((T, 1), np.float32))
             row += T + 1
     monkeypatch.undo()
-    assert row == len(frames) and sorted(e for e in events if e != "tried") == list(range(32))
-    tried = [e for prev, e in zip(events, events[1:]) if prev == "tried"]
+    assert row == len(frames) and sealed == list(range(32))
     return os.path.join(root, "shards", "a", "data", "obs", "image"), tried
-
-
-def chunk_file(directory, index):
-    with open(os.path.join(directory, f"c.{index}.0.0.0"), "rb") as f:
-        return f.read()
 
 
 def test_incompressible_chunks_skip_blosc_yet_keep_its_bytes(tmp_path, small_chunks, monkeypatch):
     frames = noise(np.random.default_rng(0), 497)
     image, tried = write_frames(str(tmp_path / "s"), frames, monkeypatch)
     # Blosc gave up on chunk 0, then was skipped for 8 chunks, 16, then 32: 29 of the 32
-    # chunks went out as header + raw rows, gathered by writev where a chunk completes
+    # chunks went out as header + raw rows, gathered by pwritev where a chunk completes
     # an earlier episode's rows.
     assert tried == [0, 9, 26]
     arr = zarr.open_array(image, mode="r")
     blosc = chunks_module.blosc_encoder(arr)
     for index in range(31):
-        data = chunk_file(image, index)
+        data = shard_chunk(image, index)
         # What Blosc itself writes for the block: its header (flagged "stored raw") + the rows.
         assert data == blosc.encode(frames[16 * index : 16 * (index + 1)]), index
         assert data[2] & 0x02 and len(data) == RAW_CHUNK
-    assert len(chunk_file(image, 31)) == RAW_CHUNK  # written at close, zero padded
+    assert len(shard_chunk(image, 31)) == RAW_CHUNK  # written at close, zero padded
     np.testing.assert_array_equal(arr[: len(frames)], frames)  # plain zarr, after close()
 
 
@@ -184,7 +230,7 @@ def test_compressible_chunks_are_compressed(tmp_path, small_chunks, monkeypatch,
     image, tried = write_frames(str(tmp_path / "s"), frames, monkeypatch)
     assert tried == list(range(32))
     for index in range(32):
-        assert len(chunk_file(image, index)) < RAW_CHUNK / 4, index
+        assert len(shard_chunk(image, index)) < RAW_CHUNK / 4, index
     np.testing.assert_array_equal(zarr.open_array(image, mode="r")[: len(frames)], frames)
 
 
@@ -197,7 +243,7 @@ def test_compression_resumes_and_skips_restart_short(tmp_path, small_chunks, mon
     # fails again, and the skip starts over at 8 (not 16).
     assert tried == [0, 9, 10, 11, 12, 13, 14, 23]
     for index in range(31):
-        assert (len(chunk_file(image, index)) == RAW_CHUNK) == (index in noisy or 1 <= index <= 8), index
+        assert (len(shard_chunk(image, index)) == RAW_CHUNK) == (index in noisy or 1 <= index <= 8), index
     np.testing.assert_array_equal(zarr.open_array(image, mode="r")[: len(frames)], frames)
 
 
@@ -235,7 +281,8 @@ w.write_episode(obs, actions, rewards=rewards, attrs={{"i": n_done}})
 """
 
 
-@pytest.mark.parametrize("T", [2, 45])  # the killed episode's actions stay inside a chunk / seal several
+# The killed episode's actions stay inside a chunk / seal several / reach the next shard file.
+@pytest.mark.parametrize("T", [2, 45, 1000])
 def test_kill_between_chunk_writes_and_commit_record(tmp_path, small_chunks, T):
     root = str(tmp_path / "s")
     store = Store.create(root, SCHEMA)
@@ -247,12 +294,16 @@ def test_kill_between_chunk_writes_and_commit_record(tmp_path, small_chunks, T):
     # The killed episode did reach the disk. Images: 63 committed rows (15 in chunk 3), T + 1
     # more seal chunk 3 and beyond. Actions: 60 committed (12 in chunk 3), T more.
     image = os.path.join(root, "shards", "a", "data", "obs", "image")
-    assert os.path.exists(os.path.join(image, f"c.{(63 + T + 1) // 16 - 1}.0.0.0"))
+    last_sealed = (63 + T + 1) // 16 - 1
+    assert shard_chunk(image, last_sealed) is not None
     if T == 2:  # actions stay in chunk 3: appended to its sidecar
         assert os.path.getsize(os.path.join(root, "shards", "a", "pending", "action", "3")) == (12 + T) * 8
     assert_episodes(store.snapshot(), expected)  # the killed episode's rows are on disk but invisible
     assert validate_store(root) == (3, [])
-    with store.writer("a") as w:  # reopen after the crash: leftovers are overwritten, not trusted
+    with store.writer("a") as w:  # reopen after the crash: leftovers are dropped, not trusted
+        if last_sealed > 3:  # index entries (and shard files) past the committed rows' chunks are dropped
+            assert shard_chunk(image, last_sealed) is None
+        assert (last_sealed >= chunks_module.CHUNKS_PER_SHARD) == (T == 1000)
         assert write(w, 3, 30) == 3
     expected.append((3, 30))
     assert_episodes(store.snapshot(), expected)
@@ -292,8 +343,9 @@ def test_commit_record_survives_a_torn_slot(tmp_path):
     assert len(store.snapshot()) == 1
 
 
-def test_shards_of_the_previous_format_still_read_and_append(tmp_path):
-    """commit.json and zlib CRC32 records (written before commit.bin and CRC32C)."""
+@pytest.mark.parametrize("kind", ["crc32c", "crc32"])
+def test_shards_of_the_previous_format_still_read_and_append(tmp_path, kind):
+    """commit.json and CRC32C or zlib CRC32 records (written before commit.bin and XXH3)."""
     store = Store.create(str(tmp_path / "s"), SCHEMA)
     with store.writer("a") as w:
         write(w, 0, 5)
@@ -307,9 +359,10 @@ def test_shards_of_the_previous_format_still_read_and_append(tmp_path):
         arrays["step"] = zarr.open_array(os.path.join(shard, "data", "step"), mode="r")[e.step_start : e.step_start + e.length]
         with open(os.path.join(shard, "episodes.jsonl")) as f:
             record = json.loads(f.readlines()[e.episode])
-        del record["crc32c"]
-        record["crc32"] = episode_checksum(arrays, "crc32")
-        assert record["crc32"] == zlib.crc32(b"".join(np.ascontiguousarray(arrays[k]).tobytes() for k in sorted(arrays)))
+        joined = b"".join(np.ascontiguousarray(arrays[k]).tobytes() for k in sorted(arrays))
+        assert record.pop("xxh3_64") == xxhash.xxh3_64_intdigest(joined)
+        record[kind] = episode_checksum(arrays, kind)
+        assert record[kind] == (google_crc32c.value(joined) if kind == "crc32c" else zlib.crc32(joined))
         lines.append(json.dumps(record) + "\n")
     with open(os.path.join(shard, "episodes.jsonl"), "w") as f:
         f.writelines(lines)
@@ -439,11 +492,11 @@ def test_validate_names_trailing_episodes_whose_data_was_lost(tmp_path, small_ch
     with store.writer("a") as w:
         for i in range(5):
             write(w, i, 20)
-    # A power cut after the commit record reached the disk but not the last chunk
-    # files of the data: the image chunks of episodes 3 and 4 (rows 63..104) vanish.
+    # A power cut after the commit record reached the disk but not the last writes to
+    # the shard file: the image chunks of episodes 3 and 4 (rows 63..104) are gone.
     image = os.path.join(store.root, "shards", "a", "data", "obs", "image")
     for chunk in (4, 5, 6):
-        os.unlink(os.path.join(image, f"c.{chunk}.0.0.0"))
+        clear_chunk(image, chunk)
     checked, problems = validate_store(store.root)
     assert checked == 3 and len(problems) == 1
     assert problems[0].startswith("a/3: checksum mismatch; so do all the shard's last 2 episodes (3..4)")
