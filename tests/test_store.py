@@ -312,11 +312,20 @@ def test_cli_info_and_validate_detect_corruption(store):
     action[6, 0] = 0.123
     r = _cli("store", "validate", store.root)
     assert r.returncode == 1 and "a/1: checksum mismatch" in r.stderr
-    # A torn chunk file: caught as unreadable data.
+    # A torn shard file (cut short, as by a power cut): zarr reads the lost chunks as
+    # never written, and the checksum catches it.
     image_dir = os.path.join(store.root, "shards", "a", "data", "obs", "image")
-    chunk = os.path.join(image_dir, next(f for f in os.listdir(image_dir) if f.startswith("c.")))
-    with open(chunk, "r+b") as f:
-        f.truncate(os.path.getsize(chunk) // 2)
+    shard = os.path.join(image_dir, next(f for f in os.listdir(image_dir) if f.startswith("c.")))
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
     r = _cli("store", "validate", store.root)
-    assert r.returncode == 1 and "unreadable" in r.stderr
+    assert r.returncode == 1 and "a/0: checksum mismatch" in r.stderr
+    # Garbage over a chunk's bytes: caught as unreadable data.
+    action_shard = os.path.join(store.root, "shards", "a", "data", "action", "c.0.0")
+    with open(action_shard, "r+b") as f:
+        offset = int(np.frombuffer(f.read(8), "<u8")[0])  # chunk 0's entry in the shard index
+        f.seek(offset)
+        f.write(b"\xff" * 16)
+    r = _cli("store", "validate", store.root)
+    assert r.returncode == 1 and "a/0: arrays unreadable" in r.stderr
     assert _cli("store", "info", "/nonexistent/store").returncode == 1

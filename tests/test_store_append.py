@@ -94,30 +94,60 @@ def pending_files(root, shard="a"):
     return sorted(os.path.relpath(os.path.join(p, f), d) for p, _, fs in os.walk(d) for f in fs)
 
 
-def test_readers_see_pending_rows_and_close_moves_them_into_zarr(tmp_path, small_chunks):
+def region_chunks(root, shard="a"):
+    """Array -> index of the chunk whose shard-file entry points at a raw region."""
+    data = os.path.join(root, "shards", shard, "data")
+    out = {}
+    for name in ("action", "obs/image", "obs/proprio", "step"):
+        for index in range(chunks_module.CHUNKS_PER_SHARD):
+            chunk = shard_chunk(os.path.join(data, name), index)
+            if chunk is not None and chunk.startswith(b"RPTAIL"):
+                assert int.from_bytes(chunk[8:16], "little") == index
+                out.setdefault(name, []).append(index)
+    return out
+
+
+@pytest.mark.parametrize("image", ["compressible", "noise"])
+def test_readers_see_partial_chunks_and_close_seals_them(tmp_path, small_chunks, monkeypatch, image):
+    """Partial chunks live raw in their shard file; every snapshot, old ones too,
+    reads its rows while the writer seals those chunks (in place, or compressed
+    elsewhere with the region reused) and moves on."""
+    if image == "noise":  # images Blosc cannot compress: chunks are sealed in place
+        plain = episode
+
+        def noisy(i, T):
+            obs, actions, rewards = plain(i, T)
+            obs["image"] = np.random.default_rng(i).integers(0, 256, obs["image"].shape, np.uint8)
+            return obs, actions, rewards
+
+        monkeypatch.setitem(globals(), "episode", noisy)
     store = Store.create(str(tmp_path / "s"), SCHEMA)
-    expected = []
+    expected, snapshots = [], []
     w = store.writer("a")
     for i, T in enumerate(LENGTHS):
         write(w, i, T)
         expected.append((i, T))
-        assert_episodes(store.snapshot(), expected)  # committed rows of partial chunks come from sidecars
-        files = pending_files(store.root)
-        assert len(files) <= 4 and all(not f.endswith(".partial") for f in files)  # one sidecar per array at most
-    steps = sum(LENGTHS)
-    assert pending_files(store.root) == [f"action/{steps // 16}", f"obs/image/{(steps + 7) // 16}",
-                                         f"obs/proprio/{(steps + 7) // 16}", f"step/{steps // 16}"]
+        snapshots.append((store.snapshot(), list(expected)))
+        for snap, seen in snapshots:
+            assert_episodes(snap, seen)
+        obs_rows, steps = sum(t + 1 for _, t in expected), sum(t for _, t in expected)
+        want = {"obs/image": [obs_rows // 16], "obs/proprio": [obs_rows // 16], "action": [steps // 16], "step": [steps // 16]}
+        assert region_chunks(store.root) == {k: v for k, v in want.items() if v[0] * 16 < (obs_rows if "obs" in k else steps)}
+    assert pending_files(store.root) == []  # no sidecar files in a sharded shard
     w.close()
-    assert pending_files(store.root) == []
+    assert region_chunks(store.root) == {}
     # A closed shard is a plain zarr group holding every committed row.
+    steps = sum(LENGTHS)
     proprio = zarr.open_array(os.path.join(store.root, "shards", "a", "data", "obs", "proprio"), mode="r")
     np.testing.assert_array_equal(proprio[: steps + len(LENGTHS)], np.concatenate([episode(i, T)[0]["proprio"] for i, T in expected]))
-    # Reopen: the tail comes back from zarr, the next partial chunk goes to a new sidecar.
+    # Reopen: the tail comes back from zarr, and the partial chunk gets a region again.
     with store.writer("a") as w:
         for i, T in enumerate((5, 40), start=len(LENGTHS)):
             write(w, i, T)
             expected.append((i, T))
             assert_episodes(store.snapshot(), expected)
+            for snap, seen in snapshots:
+                assert_episodes(snap, seen)
     assert validate_store(store.root) == (len(expected), [])
 
 
@@ -180,7 +210,7 @@ def write_frames(root, frames, monkeypatch):
     """Write ``frames`` (497 rows) as the observations of episodes of ``FRAME_LENGTHS``;
     return the image array's directory and the chunks Blosc was tried on, in order."""
     tried, sealed = [], []
-    encode, encode_chunk = chunks_module._encode, chunks_module.ChunkAppender._encode_chunk
+    encode, encode_chunk = chunks_module._encode, chunks_module._Appender._encode_chunk
 
     def counted_encode(codec, block):
         if block.dtype == np.uint8:  # the image array's, not the action's or step's
@@ -195,7 +225,7 @@ def write_frames(root, frames, monkeypatch):
         return result
 
     monkeypatch.setattr(chunks_module, "_encode", counted_encode)
-    monkeypatch.setattr(chunks_module.ChunkAppender, "_encode_chunk", counted_encode_chunk)
+    monkeypatch.setattr(chunks_module._Appender, "_encode_chunk", counted_encode_chunk)
     store = Store.create(root, FRAMES)
     with store.writer("a") as w:
         row = 0
@@ -211,8 +241,8 @@ def test_incompressible_chunks_skip_blosc_yet_keep_its_bytes(tmp_path, small_chu
     frames = noise(np.random.default_rng(0), 497)
     image, tried = write_frames(str(tmp_path / "s"), frames, monkeypatch)
     # Blosc gave up on chunk 0, then was skipped for 8 chunks, 16, then 32: 29 of the 32
-    # chunks went out as header + raw rows, gathered by pwritev where a chunk completes
-    # an earlier episode's rows.
+    # chunks went out as header + raw rows; one that completes an earlier episode's rows
+    # was sealed in place, by writing Blosc's header over its region's.
     assert tried == [0, 9, 26]
     arr = zarr.open_array(image, mode="r")
     blosc = chunks_module.blosc_encoder(arr)
@@ -296,8 +326,11 @@ def test_kill_between_chunk_writes_and_commit_record(tmp_path, small_chunks, T):
     image = os.path.join(root, "shards", "a", "data", "obs", "image")
     last_sealed = (63 + T + 1) // 16 - 1
     assert shard_chunk(image, last_sealed) is not None
-    if T == 2:  # actions stay in chunk 3: appended to its sidecar
-        assert os.path.getsize(os.path.join(root, "shards", "a", "pending", "action", "3")) == (12 + T) * 8
+    if T == 2:  # actions stay in chunk 3: appended to its region
+        region = shard_chunk(os.path.join(root, "shards", "a", "data", "action"), 3)
+        assert region.startswith(b"RPTAIL")
+        on_disk = np.frombuffer(region[16:], np.float32).reshape(-1, 2)  # written up to row 14 of 16
+        np.testing.assert_array_equal(on_disk[12:14], episode(3, T)[1])
     assert_episodes(store.snapshot(), expected)  # the killed episode's rows are on disk but invisible
     assert validate_store(root) == (3, [])
     with store.writer("a") as w:  # reopen after the crash: leftovers are dropped, not trusted
@@ -514,11 +547,9 @@ def test_validate_names_episodes_of_an_unreadable_shard(tmp_path, small_chunks):
     w = store.writer("a")  # never closed, like a killed writer
     for i in range(3):
         write(w, i, 10)
-    # Not closed: the last 14 action rows are in a sidecar. A power cut that
-    # lost its data leaves it shorter than the commit record says.
-    sidecar = os.path.join(store.root, "shards", "a", "pending", "action", "1")
-    with open(sidecar, "r+b") as f:
-        f.truncate(0)
+    # Not closed: the last 14 action rows are in the region of chunk 1. A power cut
+    # that lost the shard file's last writes leaves no index entry for it.
+    clear_chunk(os.path.join(store.root, "shards", "a", "data", "action"), 1)
     checked, problems = validate_store(store.root)
     assert checked == 1 and len(problems) == 1
     assert problems[0].startswith("a/1: arrays unreadable") and "last 2 episodes (1..2)" in problems[0]

@@ -1,42 +1,50 @@
-"""Append-only writing of a zarr v3 array, and reading it back with its pending tail.
+"""Append-only writing of a zarr v3 array, and reading it back with its partial last chunk.
 
 Why not ``zarr.Array.__setitem__``: zarr's write path costs about a millisecond
 per call even for a few kB (event-loop round trips, reading the partial chunk
-back). And why never rewrite a chunk file: every commit ends inside a chunk, and
-replacing a file that already exists makes ext4 flush the new file's data to
-disk before the rename (``auto_da_alloc``), milliseconds per file.
+back, rewriting a whole shard). And why never rewrite a file: every commit ends
+inside a chunk, and replacing a file that already exists makes ext4 flush the
+new file's data to disk before the rename (``auto_da_alloc``), milliseconds per
+file. Creating a file costs about as much as writing 100 kB into one, too.
 
-So a shard's array grows append-only:
+So a shard's array grows append-only, in zarr's sharded layout: ``CHUNKS_PER_SHARD``
+chunks share one file, whose index (``sharding_indexed`` codec, at the start,
+without a checksum so single entries can change) holds each chunk's (offset,
+nbytes). ``ShardAppender`` writes it:
 
-* a chunk is encoded and written only once it is full, with the array's own
-  codecs (raw little-endian bytes, then Blosc), the bytes zarr itself would
-  write; when Blosc could not compress a chunk (it then stores it raw behind
-  its 16-byte header), the next full chunks of that array are written the same way
-  without trying, as that header plus the raw rows: ``SKIP_AFTER_INCOMPRESSIBLE``
-  of them, twice as many after each further failed try, at most
-  ``MAX_SKIP_AFTER_INCOMPRESSIBLE``;
-* arrays are zarr-sharded: ``CHUNKS_PER_SHARD`` chunks share one file, whose
-  index (zarr's ``sharding_indexed`` codec, at the start, without a checksum so
-  single entries can change) says where each chunk's bytes are. A sealed chunk is
-  appended past every byte a committed index entry refers to, then its entry is
-  set; all the chunks one commit seals in a shard file take one ``pwritev`` and
-  one index write. Why: creating a file costs ext4 about as much as writing
-  100 kB into one (a per-chunk-file layout made 5 new files per 64x64 camera
-  episode). Arrays of stores made before sharding keep one file per chunk;
-* the rows of the partly filled last chunk sit raw in a sidecar file,
-  ``pending/<array path>/<chunk index>``, and a commit only appends to it;
-* readers take rows below the last chunk boundary from zarr and the rest from the
-  sidecar, or from zarr once the chunk has been written there (``read_rows``);
-* ``close()`` writes the partial last chunk into zarr and drops the sidecar, so a
-  closed shard is a plain zarr group.
+* a chunk is encoded only once it is full, with the array's own codecs (raw
+  little-endian bytes, then Blosc), the bytes zarr itself would write; when Blosc
+  could not compress a chunk (it then stores it raw behind its 16-byte header),
+  the next full chunks of that array are written the same way without trying, as
+  that header plus the raw rows: ``SKIP_AFTER_INCOMPRESSIBLE`` of them, twice as
+  many after each further failed try, at most ``MAX_SKIP_AFTER_INCOMPRESSIBLE``;
+* the partly filled last chunk has a *region* in the shard file, sized for the
+  raw chunk: a 16-byte header naming the chunk (``_region_header``), then its rows,
+  which each commit appends; the chunk's index entry points at the region;
+* when the chunk fills and is stored raw, Blosc's header overwrites the region's:
+  the region is the sealed chunk, and no row was written twice. When it
+  compresses, the compressed bytes are appended, the entry moves to them, and the
+  region is reused for the next partial chunk (header first, then rows);
+* new bytes always go past every byte an index entry refers to; all the chunks one
+  commit seals in a shard file take one ``pwritev`` and one index write;
+* readers take sealed rows from zarr and the partial chunk's rows from its region
+  (``read_rows``), as a seqlock: the rows count only if the region's header still
+  names their chunk after they were read. Otherwise the chunk was sealed, and
+  zarr has it;
+* ``close()`` seals the partial last chunk zero padded, so a closed shard is a
+  plain zarr group.
 
-Rows that a commit record covers are never rewritten in place: a sidecar only
-grows past them, a chunk file that already exists is replaced atomically, a
-shard file only grows past them, and while a chunk is being written its
-committed rows are also in a sidecar. The one index entry that can change while
-it refers to committed rows is that of a closed shard's zero-padded last chunk,
-once a reopened writer fills that chunk: the entry then moves (16 bytes, one
-``pwrite``) from the old bytes to the new ones, both of which hold those rows.
+Rows that a commit record covers are never rewritten in place. The one index
+entry that can change while it refers to committed rows is that of a partial
+chunk whose region is gone (sealed by ``close()``, or by a writer killed after
+sealing it in place): when a reopened writer appends to that chunk, the entry
+moves (16 bytes, one ``pwrite``) from the sealed chunk to a new region, both of
+which hold those rows.
+
+Stores made before sharding hold one file per chunk, and the partial last chunk's
+rows in a sidecar file, ``pending/<array path>/<chunk index>``; ``ChunkAppender``
+keeps writing them that way (a chunk file that exists is replaced atomically, and
+while one is written its committed rows are also in the sidecar).
 
 Durability (``ShardWriter(fsync=True)``): ``write`` records in a ``SyncSet``
 every file it wrote or appended to and every directory that gained an entry;
@@ -68,6 +76,7 @@ SKIP_AFTER_INCOMPRESSIBLE = 8
 MAX_SKIP_AFTER_INCOMPRESSIBLE = 64
 _BLOSC_HEADER = 16
 _BLOSC_MEMCPYED = 0x02  # flags bit: the chunk's data is stored uncompressed
+_REGION_MAGIC = b"RPTAIL\0\0"  # a partial chunk's region, then the chunk index as u64
 
 
 def new_array(group: zarr.Group, name: str, dtype: str, row_shape: tuple[int, ...], chunk_rows: int) -> zarr.Array:
@@ -132,20 +141,64 @@ def pending_path(pending_dir: str, arr: zarr.Array, index: int) -> str:
 def read_rows(arr: zarr.Array, pending_dir: str, lo: int, hi: int, end: int) -> np.ndarray:
     """Rows ``lo..hi`` of an array with ``end`` committed rows.
 
-    Rows of the partly filled last chunk come from its sidecar while one exists.
-    Sidecars are removed only after the chunk reached zarr, so when none is found
-    zarr has the rows; a sidecar removed while open stays readable.
+    Rows of the partly filled last chunk come from its region in the shard file
+    (sharded arrays) or its sidecar (others) while there is one: a region is
+    sealed in place or reused only after its chunk reached zarr, and a sidecar is
+    removed only then, so when neither is found zarr has the rows.
     """
     c = arr.chunks[0]
     sealed = end - end % c
     if hi <= sealed:
         return arr[lo:hi]
-    tail = _read_pending(pending_path(pending_dir, arr, sealed // c), end - sealed, arr)
+    if _chunk_codecs(arr)[1] is not None:
+        tail = _read_region(arr, sealed // c, end - sealed)
+    else:
+        tail = _read_pending(pending_path(pending_dir, arr, sealed // c), end - sealed, arr)
     if tail is None:
         tail = arr[sealed:end]
     if lo >= sealed:
         return tail[lo - sealed : hi - sealed]
     return np.concatenate([arr[lo:sealed], tail[: hi - sealed]])
+
+
+def _region_header(index: int) -> bytes:
+    """First 16 bytes of the region of partial chunk ``index``; never a Blosc header
+    (whose first byte is its format version, 2)."""
+    return _REGION_MAGIC + index.to_bytes(8, "little")
+
+
+def _read_region(arr: zarr.Array, index: int, n_rows: int) -> np.ndarray | None:
+    """The first ``n_rows`` rows of partial chunk ``index`` from its region in the
+    shard file, or None once the chunk is sealed (zarr then decodes it)."""
+    per_shard = arr.shards[0] // arr.chunks[0]
+    key = arr.metadata.encode_chunk_key((index // per_shard,) + (0,) * (arr.ndim - 1))
+    path = os.path.join(str(arr.store.root), arr.path, key)
+    dtype, row_shape = arr.dtype.newbyteorder("<"), arr.shape[1:]
+    rows = np.empty((n_rows, *row_shape), dtype)
+    header = _region_header(index)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise StoreIntegrityError(f"{path}: missing, yet chunk {index} holds committed rows") from None
+    try:
+        # Seqlock: the rows count only if the header still names this chunk after
+        # they were read (the writer changes the header before any row).
+        for _ in range(100):
+            offset = int(np.frombuffer(os.pread(fd, 8, 16 * (index % per_shard)), "<u8")[0])
+            if offset == _EMPTY:
+                raise StoreIntegrityError(f"{path}: no index entry for chunk {index}, which holds committed rows")
+            head = os.pread(fd, _BLOSC_HEADER, offset)
+            if head[: len(_REGION_MAGIC)] != _REGION_MAGIC:
+                return None  # sealed
+            if head != header:
+                continue  # reused by a later chunk, so this one is sealed: read its entry again
+            if os.preadv(fd, [rows], offset + _BLOSC_HEADER) != rows.nbytes:
+                raise StoreIntegrityError(f"{path}: chunk {index} holds fewer rows than committed")
+            if os.pread(fd, _BLOSC_HEADER, offset) == header:
+                return rows
+        raise StoreIntegrityError(f"{path}: chunk {index} kept changing while read")
+    finally:
+        os.close(fd)
 
 
 def _read_pending(path: str, n_rows: int, arr: zarr.Array) -> np.ndarray | None:
@@ -211,11 +264,301 @@ def _sync_path(path: str, flags: int, sync) -> None:
         os.close(fd)
 
 
-class ChunkAppender:
-    """Appends rows to one zarr array (see the module docstring for the layout).
+def open_appender(arr: zarr.Array, pending_dir: str, end: int, fsync: bool = False) -> "ShardAppender | ChunkAppender":
+    """The appender for ``arr``: ``ShardAppender`` for a sharded array, else
+    ``ChunkAppender`` (stores made before sharding). Args as for ``ChunkAppender``."""
+    if _chunk_codecs(arr)[1] is not None:
+        return ShardAppender(arr, end, fsync)
+    return ChunkAppender(arr, pending_dir, end, fsync)
 
-    The committed rows of the partly filled last chunk (the "tail") are also kept
-    in memory, so sealing a chunk never reads anything back.
+
+class _Appender:
+    """What both appenders share: the committed tail in memory, encoding full chunks
+    (skipping Blosc after incompressible ones), and the array's capacity.
+
+    The committed rows of the partly filled last chunk (the "tail") are kept in
+    memory, so sealing a chunk never reads anything back.
+    """
+
+    def __init__(self, arr: zarr.Array, end: int, fsync: bool):
+        self.arr = arr
+        self.fsync = fsync
+        self.dir = os.path.join(str(arr.store.root), arr.path)
+        self.chunk = arr.chunks[0]
+        self.row_shape = arr.shape[1:]
+        self.dtype = arr.dtype.newbyteorder("<")
+        self.row_nbytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+        self.codec = blosc_encoder(arr)
+        # Header of the last full chunk that Blosc stored raw, chunks left to skip, and
+        # the skip that the next failed try sets.
+        self._raw_header: bytes | None = None
+        self._skip = 0
+        self._next_skip = SKIP_AFTER_INCOMPRESSIBLE
+        self.capacity = arr.shape[0]
+        self.tail_start = end - end % self.chunk
+        self.tail = np.empty((0, *self.row_shape), self.dtype)
+        self._grow_unit = self.chunk
+
+    @property
+    def end(self) -> int:
+        """Number of committed rows."""
+        return self.tail_start + len(self.tail)
+
+    def close(self) -> None:
+        """Release open files (after ``flush``, if the rows should reach zarr)."""
+
+    def _encode_chunk(self, rows: list[np.ndarray]) -> tuple[list, bytes | None]:
+        """The bytes of a full chunk holding the concatenation of ``rows``, as buffers,
+        and Blosc's header if it stores the chunk raw (header + rows), else None."""
+        if self._skip > 0:
+            # Every full chunk has the same size, so Blosc's header for the raw chunk
+            # is the same too: these are the bytes Blosc writes when it gives up, and
+            # writev gathers the rows without joining them first.
+            self._skip -= 1
+            return [self._raw_header, *(np.ascontiguousarray(r).data for r in rows)], self._raw_header
+        block = np.ascontiguousarray(rows[0] if len(rows) == 1 else np.concatenate(rows))
+        data = _encode(self.codec, block)
+        if data[2] & _BLOSC_MEMCPYED:
+            self._raw_header, self._skip = bytes(data[:_BLOSC_HEADER]), self._next_skip
+            self._next_skip = min(2 * self._next_skip, MAX_SKIP_AFTER_INCOMPRESSIBLE)
+            return [data], self._raw_header
+        self._next_skip = SKIP_AFTER_INCOMPRESSIBLE
+        return [data], None
+
+    def _grow(self, rows: int, sync: SyncSet | None) -> None:
+        # zarr rewrites zarr.json atomically; growing geometrically keeps that rare.
+        capacity = max(rows, 2 * self.capacity, MIN_GROWTH_CHUNKS * self.chunk)
+        capacity = -(-capacity // self._grow_unit) * self._grow_unit
+        self.arr.resize((capacity, *self.row_shape))
+        self.capacity = capacity
+        if sync is not None:  # readers check row ranges against the shape in zarr.json
+            sync.add_path(os.path.join(self.dir, "zarr.json"))
+            sync.add_dir(self.dir)
+
+
+class ShardAppender(_Appender):
+    """Appends rows to a sharded zarr array (see the module docstring for the layout).
+
+    Args:
+        arr: the array (axis 0 is time), opened read-write.
+        end: number of committed rows.
+        fsync: make ``flush`` durable.
+    """
+
+    def __init__(self, arr: zarr.Array, end: int, fsync: bool = False):
+        super().__init__(arr, end, fsync)
+        self.per_shard = arr.shards[0] // self.chunk
+        self._grow_unit = arr.shards[0]
+        self.tail = read_rows(arr, "", self.tail_start, end, end)
+        self._shard: ShardFile | None = None
+        index = self.tail_start // self.chunk
+        # Opening the shard file of the partial chunk drops what a crashed writer left
+        # past the committed rows; later shard files hold none of them.
+        self._open_shard(index // self.per_shard, None)
+        for name in os.listdir(self.dir):
+            parts = name.split(".")
+            if parts[0] == "c" and len(parts) == 1 + len(arr.shape) and int(parts[1]) > self._shard.index:
+                os.unlink(os.path.join(self.dir, name))
+        # Offset of the region holding the partial last chunk's rows; None when there
+        # is no partial chunk, or close() sealed it.
+        self.region = self._shard.region(index % self.per_shard, index) if len(self.tail) else None
+
+    def write(self, values: np.ndarray, sync: SyncSet | None = None) -> tuple[int, np.ndarray, int | None]:
+        """Write ``values`` as rows ``end..end+len(values)``.
+
+        Returns the new state, to hand to ``advance`` once the commit record covering
+        these rows is written. Until then nothing in memory changes but the skip
+        state, so after a failure the next ``write`` starts again from the committed
+        end. With ``sync``, every file and directory written is recorded there.
+        """
+        values = values.astype(self.dtype, copy=False)
+        c, k, start, row = self.chunk, len(self.tail), self.tail_start, self.row_nbytes
+        n = k + len(values)
+        n_full = n // c
+        if start + n > self.capacity:
+            self._grow(start + n, sync)
+        index = start // c
+        if n_full == 0:  # every new row goes to the partial chunk's region
+            tail = np.concatenate([self.tail, values])
+            if self.region is None:
+                return start, tail, self._new_region(index, [self.tail, values], None, sync)
+            self._shard_of(index, sync).write([values], self.region + _BLOSC_HEADER + k * row, sync)
+            return start, tail, self.region
+        first, sealed, spare = index, [], self.region
+        parts, raw_header = self._encode_chunk([self.tail, values[: c - k]])
+        if raw_header is not None and self.region is not None:
+            # Stored raw: complete the rows in the region, then turn its header into
+            # Blosc's. The region is now the chunk, with no row copied twice.
+            shard = self._shard_of(index, sync)
+            shard.write([values[: c - k]], self.region + _BLOSC_HEADER + k * row, sync)
+            shard.write([raw_header], self.region, sync)
+            first, spare = index + 1, None
+        else:
+            sealed.append(parts)
+        for j in range(1, n_full):
+            sealed.append(self._encode_chunk([values[j * c - k : (j + 1) * c - k]])[0])
+        if sealed:
+            self._write_chunks(first, sealed, sync)
+        new_start = start + n_full * c
+        if new_start == start + n:
+            return new_start, values[:0], None
+        new_index = new_start // c
+        if spare is not None and new_index // self.per_shard != index // self.per_shard:
+            spare = None  # a region is reused only inside its own shard file
+        # Copied: the caller may overwrite its buffer once the episode is committed.
+        tail = values[new_start - start - k :].copy()
+        return new_start, tail, self._new_region(new_index, [tail], spare, sync)
+
+    def advance(self, state: tuple[int, np.ndarray, int | None]) -> None:
+        """Accept the rows of the last ``write`` as committed."""
+        self.tail_start, self.tail, self.region = state
+
+    def flush(self) -> None:
+        """Seal the partial last chunk (zero padded), so that zarr alone holds every
+        committed row."""
+        if self.region is None:  # no partial chunk, or sealed already
+            return
+        sync = SyncSet() if self.fsync else None
+        try:
+            k, index = len(self.tail), self.tail_start // self.chunk
+            padding = np.zeros((self.chunk - k, *self.row_shape), self.dtype)
+            parts, raw_header = self._encode_chunk([self.tail, padding])
+            if raw_header is not None:  # in place, as in ``write``
+                shard = self._shard_of(index, sync)
+                shard.write([padding], self.region + _BLOSC_HEADER + k * self.row_nbytes, sync)
+                shard.write([raw_header], self.region, sync)
+            else:
+                self._write_chunks(index, [parts], sync)
+            if sync is not None:
+                sync.sync()
+        finally:
+            if sync is not None:
+                sync.close()
+        self.region = None
+
+    def close(self) -> None:
+        if self._shard is not None:
+            self._shard.close()
+            self._shard = None
+
+    def _new_region(self, index: int, rows: list[np.ndarray], spare: int | None, sync: SyncSet | None) -> int:
+        """Give partial chunk ``index`` a region holding ``rows``: ``spare`` (the region
+        of a chunk just sealed elsewhere) or new space; point its index entry there."""
+        shard = self._shard_of(index, sync)
+        header = _region_header(index)
+        if spare is None:
+            offset = shard.allocate(_BLOSC_HEADER + self.chunk * self.row_nbytes)
+            shard.write([header, *rows], offset, sync)
+        else:
+            # The header first: a reader of the chunk sealed away from here sees it
+            # change before any of its rows do, and reads the sealed chunk instead.
+            offset = spare
+            shard.write([header], offset, sync)
+            shard.write(rows, offset + _BLOSC_HEADER, sync)
+        shard.set_entries(index % self.per_shard, [(offset, _BLOSC_HEADER + self.chunk * self.row_nbytes)], sync)
+        return offset
+
+    def _write_chunks(self, first: int, chunks: list[list], sync: SyncSet | None) -> None:
+        """Append full chunks ``first, first + 1, ...`` (encoded buffers) to their shard
+        files and point the index entries at them: one write of each per shard file."""
+        while chunks:
+            slot = first % self.per_shard
+            n = min(len(chunks), self.per_shard - slot)
+            shard = self._shard_of(first, sync)
+            entries = []
+            for parts in chunks[:n]:
+                nbytes = sum(memoryview(p).nbytes for p in parts)
+                entries.append((shard.allocate(nbytes), nbytes))
+            shard.write([p for parts in chunks[:n] for p in parts], entries[0][0], sync)
+            shard.set_entries(slot, entries, sync)
+            first, chunks = first + n, chunks[n:]
+
+    def _shard_of(self, index: int, sync: SyncSet | None) -> "ShardFile":
+        """The open shard file holding chunk ``index``."""
+        if self._shard is None or self._shard.index != index // self.per_shard:
+            self._open_shard(index // self.per_shard, sync)
+        return self._shard
+
+    def _open_shard(self, shard: int, sync: SyncSet | None) -> None:
+        self.close()
+        # Slots up to the one holding the last committed row may be referenced by a
+        # reader; later ones are leftovers of an uncommitted write.
+        committed = -(-self.end // self.chunk) - shard * self.per_shard
+        key = self.arr.metadata.encode_chunk_key((shard,) + (0,) * len(self.row_shape))
+        self._shard = ShardFile(os.path.join(self.dir, key), shard, self.per_shard, committed, sync)
+
+
+class ShardFile:
+    """One shard file of an array, open for appending (zarr ``sharding_indexed`` layout:
+    an index of ``(offset, nbytes)`` per chunk at the start, then chunk bytes).
+
+    Args:
+        path: the file; created with an empty index if missing.
+        index: the shard's index along time.
+        n_chunks: chunks per shard.
+        committed: leading slots that may hold committed rows. Entries past them are
+            leftovers of an uncommitted write and are cleared, and new bytes go after
+            every byte the others refer to.
+        sync: records the new file's directory.
+    """
+
+    def __init__(self, path: str, index: int, n_chunks: int, committed: int, sync: SyncSet | None):
+        self.path, self.index = path, index
+        self._synced_by: SyncSet | None = None  # the commit whose SyncSet has this file
+        committed = min(max(committed, 0), n_chunks)
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            self.fd = os.open(path, os.O_RDWR)
+            self.entries = np.frombuffer(os.pread(self.fd, n_chunks * 16, 0), "<u8").reshape(-1, 2).copy()
+            if len(self.entries) != n_chunks:
+                os.close(self.fd)
+                raise StoreIntegrityError(f"{path}: shard index is truncated") from None
+            if (self.entries[committed:] != _EMPTY).any():
+                self.entries[committed:] = _EMPTY
+                pwrite_all(self.fd, [self.entries[committed:]], committed * 16)
+            held = self.entries[:committed][self.entries[:committed, 0] != _EMPTY]
+            self.end = int((held[:, 0] + held[:, 1]).max(initial=n_chunks * 16))
+        else:
+            self.entries = np.full((n_chunks, 2), _EMPTY, "<u8")
+            pwrite_all(self.fd, [self.entries], 0)
+            self.end = n_chunks * 16
+            if sync is not None:
+                sync.add_dir(os.path.dirname(path))
+
+    def region(self, slot: int, index: int) -> int | None:
+        """Offset of the region that slot ``slot`` (chunk ``index``) points at, or None
+        if it points at a sealed chunk."""
+        offset = int(self.entries[slot, 0])
+        if offset != _EMPTY and os.pread(self.fd, _BLOSC_HEADER, offset) == _region_header(index):
+            return offset
+        return None
+
+    def allocate(self, nbytes: int) -> int:
+        """Reserve ``nbytes`` after every byte in use. Never given back, even if the
+        commit fails: an index entry may refer to them by then."""
+        offset, self.end = self.end, self.end + nbytes
+        return offset
+
+    def write(self, parts: list, offset: int, sync: SyncSet | None) -> None:
+        """Write the buffers ``parts`` one after another at ``offset``."""
+        pwrite_all(self.fd, parts, offset)
+        if sync is not None and self._synced_by is not sync:
+            sync.add_fd(os.dup(self.fd))
+            self._synced_by = sync
+
+    def set_entries(self, slot: int, entries: list[tuple[int, int]], sync: SyncSet | None) -> None:
+        """Point index slots ``slot, slot + 1, ...`` at ``entries`` (offset, nbytes)."""
+        self.entries[slot : slot + len(entries)] = entries
+        self.write([self.entries[slot : slot + len(entries)]], slot * 16, sync)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class ChunkAppender(_Appender):
+    """Appends rows to an unsharded zarr array, one file per chunk, with the partial
+    last chunk in a sidecar file (the layout of stores made before sharding).
 
     Args:
         arr: the array (axis 0 is time), opened read-write.
@@ -225,66 +568,29 @@ class ChunkAppender:
     """
 
     def __init__(self, arr: zarr.Array, pending_dir: str, end: int, fsync: bool = False):
-        self.arr = arr
-        self.fsync = fsync
+        super().__init__(arr, end, fsync)
         self.pending_dir = pending_dir
-        self.dir = os.path.join(str(arr.store.root), arr.path)
-        self.chunk = arr.chunks[0]
-        self.row_shape = arr.shape[1:]
-        self.dtype = arr.dtype.newbyteorder("<")
-        self.row_nbytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
-        self.codec = blosc_encoder(arr)
-        sharding = _chunk_codecs(arr)[1]
-        self.shard_chunks = arr.shards[0] // self.chunk if sharding is not None else None
-        self._shard: ShardFile | None = None  # the shard file last appended to, kept open
-        # Header of the last full chunk that Blosc stored raw, chunks left to skip, and
-        # the skip that the next failed try sets.
-        self._raw_header: bytes | None = None
-        self._skip = 0
-        self._next_skip = SKIP_AFTER_INCOMPRESSIBLE
-        self.capacity = arr.shape[0]
-        self.tail_start = end - end % self.chunk
         self.tail = read_rows(arr, pending_dir, self.tail_start, end, end)
         index = self.tail_start // self.chunk
         self._drop_sidecars(keep=index if len(self.tail) else None)
         # Index of the sidecar holding the committed tail; None while zarr holds it.
         self.sidecar = index if os.path.exists(pending_path(pending_dir, arr, index)) else None
-        if self.shard_chunks is not None:  # drop what a crashed writer left past the committed rows
-            self._open_shard(index // self.shard_chunks, None)
-            for name in os.listdir(self.dir):
-                parts = name.split(".")
-                if parts[0] == "c" and len(parts) == 1 + len(arr.shape) and int(parts[1]) > self._shard.index:
-                    os.unlink(os.path.join(self.dir, name))
-
-    @property
-    def end(self) -> int:
-        """Number of committed rows."""
-        return self.tail_start + len(self.tail)
 
     def write(self, values: np.ndarray, sync: SyncSet | None = None) -> tuple[int, np.ndarray, int | None]:
-        """Write ``values`` as rows ``end..end+len(values)``.
-
-        Returns the new state, to hand to ``advance`` once the commit record covering
-        these rows is written. Until then nothing in memory changes, so after a
-        failure the next ``write`` starts again from the committed end. With
-        ``sync``, every file and directory written is recorded there.
-        """
+        """As ``ShardAppender.write``."""
         values = values.astype(self.dtype, copy=False)
         c, k, start = self.chunk, len(self.tail), self.tail_start
         n = k + len(values)
         n_full = n // c
         if start + n > self.capacity:  # cover the partial chunk too, for zarr reads once it is sealed
             self._grow(start + n, sync)
-        sealed = []
         for j in range(n_full):
             lo, hi = j * c, (j + 1) * c
             if lo >= k:
                 rows = [values[lo - k : hi - k]]  # only new rows: encode them in place
             else:
                 rows = [self.tail[lo:], values[: hi - k]]  # joined only if Blosc is tried
-            sealed.append(self._encode_chunk(rows))
-        if sealed:
-            self._write_chunks(start // c, sealed, sync)
+            self._write_chunk(start // c + j, self._encode_chunk(rows)[0], sync)
         if n_full:
             new_start = start + n_full * c
             # Copied: the caller may overwrite its buffer once the episode is committed.
@@ -297,7 +603,7 @@ class ChunkAppender:
             if self.sidecar == sidecar:  # append after the committed rows, touching none of them
                 fd = os.open(pending_path(self.pending_dir, self.arr, sidecar), os.O_WRONLY)
                 try:
-                    pwrite_all(fd, np.ascontiguousarray(values).data, k * self.row_nbytes)
+                    pwrite_all(fd, [np.ascontiguousarray(values)], k * self.row_nbytes)
                 except BaseException:
                     os.close(fd)
                     raise
@@ -323,7 +629,7 @@ class ChunkAppender:
                 self._grow(self.tail_start + self.chunk, sync)
             block = np.zeros((self.chunk, *self.row_shape), self.dtype)
             block[: len(self.tail)] = self.tail
-            self._write_chunks(self.tail_start // self.chunk, [self._encode_chunk([block])], sync)
+            self._write_chunk(self.tail_start // self.chunk, self._encode_chunk([block])[0], sync)
             if sync is not None:  # the sidecar holds the only durable copy of these rows until then
                 sync.sync()
         finally:
@@ -332,55 +638,11 @@ class ChunkAppender:
         os.unlink(pending_path(self.pending_dir, self.arr, self.sidecar))
         self.sidecar = None
 
-    def close(self) -> None:
-        """Release the open shard file (after ``flush``, if the rows should reach zarr)."""
-        if self._shard is not None:
-            self._shard.close()
-            self._shard = None
-
-    # --- files ---------------------------------------------------------------------
-    def _encode_chunk(self, rows: list[np.ndarray]) -> list:
-        """The bytes of a full chunk holding the concatenation of ``rows``, as buffers."""
-        if self._skip > 0:
-            # Every full chunk has the same size, so Blosc's header for the raw chunk
-            # is the same too: these are the bytes Blosc writes when it gives up, and
-            # writev gathers the rows without joining them first.
-            self._skip -= 1
-            return [self._raw_header, *(np.ascontiguousarray(r).data for r in rows)]
-        block = np.ascontiguousarray(rows[0] if len(rows) == 1 else np.concatenate(rows))
-        data = _encode(self.codec, block)
-        if data[2] & _BLOSC_MEMCPYED:
-            self._raw_header, self._skip = bytes(data[:_BLOSC_HEADER]), self._next_skip
-            self._next_skip = min(2 * self._next_skip, MAX_SKIP_AFTER_INCOMPRESSIBLE)
-        else:
-            self._next_skip = SKIP_AFTER_INCOMPRESSIBLE
-        return [data]
-
-    def _write_chunks(self, first: int, chunks: list[list], sync: SyncSet | None) -> None:
-        """Write full chunks ``first, first + 1, ...`` from their encoded buffers."""
+    def _write_chunk(self, index: int, parts: list, sync: SyncSet | None) -> None:
         # No tmp file needed for a new chunk: its committed rows (if any) are still in
         # the sidecar, which readers prefer and which outlives this write.
-        if self.shard_chunks is None:  # one file per chunk
-            for index, parts in enumerate(chunks, start=first):
-                key = self.arr.metadata.encode_chunk_key((index,) + (0,) * len(self.row_shape))
-                _write_file(os.path.join(self.dir, key), parts, False, sync)
-            return
-        while chunks:
-            shard, slot = divmod(first, self.shard_chunks)
-            n = min(len(chunks), self.shard_chunks - slot)
-            if self._shard is None or self._shard.index != shard:
-                self._open_shard(shard, sync)
-            self._shard.append(slot, chunks[:n], sync)
-            first, chunks = first + n, chunks[n:]
-
-    def _open_shard(self, shard: int, sync: SyncSet | None) -> None:
-        """Make shard file ``shard`` the open one (creating it if missing)."""
-        self.close()
-        # Slots up to the one holding the last committed row may be referenced by a
-        # reader; later ones are leftovers of an uncommitted write.
-        committed = -(-self.end // self.chunk) - shard * self.shard_chunks
-        key = self.arr.metadata.encode_chunk_key((shard,) + (0,) * len(self.row_shape))
-        self._shard = ShardFile(os.path.join(self.dir, key), shard, self.shard_chunks, committed, sync)
+        key = self.arr.metadata.encode_chunk_key((index,) + (0,) * len(self.row_shape))
+        _write_file(os.path.join(self.dir, key), parts, False, sync)
 
     def _write_sidecar(self, index: int, rows: np.ndarray, atomic: bool, sync: SyncSet | None) -> None:
         _write_file(pending_path(self.pending_dir, self.arr, index), [np.ascontiguousarray(rows).data], atomic, sync)
@@ -393,78 +655,6 @@ class ChunkAppender:
         for name in os.listdir(directory):
             if name != str(keep):
                 os.unlink(os.path.join(directory, name))
-
-    def _grow(self, rows: int, sync: SyncSet | None) -> None:
-        # zarr rewrites zarr.json atomically; growing geometrically keeps that rare.
-        capacity = max(rows, 2 * self.capacity, MIN_GROWTH_CHUNKS * self.chunk)
-        unit = self.chunk * (self.shard_chunks or 1)
-        capacity = -(-capacity // unit) * unit
-        self.arr.resize((capacity, *self.row_shape))
-        self.capacity = capacity
-        if sync is not None:  # readers check row ranges against the shape in zarr.json
-            sync.add_path(os.path.join(self.dir, "zarr.json"))
-            sync.add_dir(self.dir)
-
-
-class ShardFile:
-    """One shard file of an array, open for appending chunks (zarr ``sharding_indexed``
-    layout: an index of ``(offset, nbytes)`` per chunk at the start, then chunk bytes).
-
-    Args:
-        path: the file; created with an empty index if missing.
-        index: the shard's index along time.
-        n_chunks: chunks per shard.
-        committed: leading slots that may hold committed rows. Entries past them are
-            leftovers of an uncommitted write and are cleared, and new chunks go after
-            every byte the others refer to.
-        sync: records the new file's directory (the file itself is synced per append).
-    """
-
-    def __init__(self, path: str, index: int, n_chunks: int, committed: int, sync: SyncSet | None):
-        self.path, self.index = path, index
-        committed = min(max(committed, 0), n_chunks)
-        try:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            self.fd = os.open(path, os.O_RDWR)
-            entries = np.frombuffer(os.pread(self.fd, n_chunks * 16, 0), "<u8").reshape(-1, 2)
-            if len(entries) != n_chunks:
-                os.close(self.fd)
-                raise StoreIntegrityError(f"{path}: shard index is truncated") from None
-            if (entries[committed:] != _EMPTY).any():
-                pwrite_all(self.fd, memoryview(np.full(2 * (n_chunks - committed), _EMPTY, "<u8")), committed * 16)
-            held = entries[:committed][entries[:committed, 0] != _EMPTY]
-            self.end = int((held[:, 0] + held[:, 1]).max(initial=n_chunks * 16))
-        else:
-            pwrite_all(self.fd, memoryview(np.full(2 * n_chunks, _EMPTY, "<u8")), 0)
-            self.end = n_chunks * 16
-            if sync is not None:
-                sync.add_dir(os.path.dirname(path))
-
-    def append(self, slot: int, chunks: list[list], sync: SyncSet | None) -> None:
-        """Write ``chunks`` (each a list of buffers) after the last byte in use, then
-        point index slots ``slot, slot + 1, ...`` at them."""
-        views = [memoryview(p).cast("B") for parts in chunks for p in parts]
-        sizes = [sum(len(memoryview(p).cast("B")) for p in parts) for parts in chunks]
-        offsets = self.end + np.cumsum([0, *sizes[:-1]])
-        offset = self.end
-        while views:  # pwritev may write less than asked
-            n = os.pwritev(self.fd, views, offset)
-            offset += n
-            while views and n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            if views:
-                views[0] = views[0][n:]
-        # Never rewound, even if this commit fails: the bytes may be referenced now.
-        self.end = offset
-        entries = np.stack([offsets, sizes], axis=1).astype("<u8")
-        pwrite_all(self.fd, memoryview(entries).cast("B"), slot * 16)
-        if sync is not None:
-            sync.add_fd(os.dup(self.fd))
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 def _encode(codec: Blosc, block: np.ndarray) -> bytes:
@@ -479,12 +669,18 @@ def _encode(codec: Blosc, block: np.ndarray) -> bytes:
         numcodecs.blosc.use_threads = previous
 
 
-def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """``os.pwrite`` all of ``data`` at ``offset``."""
-    view = data.cast("B")
-    while view:  # pwrite may write less than asked
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
+def pwrite_all(fd: int, parts: list, offset: int) -> None:
+    """Write the buffers ``parts`` one after another at ``offset`` (``os.pwritev``,
+    again for whatever a short write left)."""
+    views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
+    while views:
+        n = os.pwritev(fd, views, offset)
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views:
+            views[0] = views[0][n:]
 
 
 def _keep_or_close(fd: int, sync: SyncSet | None) -> None:
@@ -524,14 +720,7 @@ def _write_file(path: str, parts: list, atomic: bool, sync: SyncSet | None = Non
         _makedirs(os.path.dirname(path), sync)
         return _write_file(path, parts, atomic, sync)
     try:
-        views = [memoryview(p).cast("B") for p in parts]
-        while views:  # writev may write less than asked
-            n = os.writev(fd, views)
-            while views and n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            if views:
-                views[0] = views[0][n:]
+        pwrite_all(fd, parts, 0)
         if atomic and sync is not None:
             os.fdatasync(fd)  # the file it replaces may hold the only copy of committed rows
     except BaseException:

@@ -3,9 +3,10 @@
 Layout on disk::
 
     ROOT/store.json                      schema (+ schema_version)
-    ROOT/shards/<client>/data/           zarr v3 group: obs/<key>, action, step
-    ROOT/shards/<client>/pending/        raw rows of each array's partly filled last chunk
-                                         while a writer is open (see chunks.py)
+    ROOT/shards/<client>/data/           zarr v3 group: obs/<key>, action, step (sharded;
+                                         see chunks.py)
+    ROOT/shards/<client>/pending/        only in stores made before sharding: raw rows of
+                                         each array's partly filled last chunk
     ROOT/shards/<client>/episodes.jsonl  one JSON record per episode
     ROOT/shards/<client>/commit.bin      {episodes, steps, meta_bytes}: what is committed
                                          (see commit.py; commit.json in older shards)

@@ -4,7 +4,7 @@ Commit protocol (why a killed writer never exposes a partial episode):
 
 1. validate the whole episode in memory; on any problem raise and touch nothing;
 2. append the step rows past the committed end of each array: full chunks to the
-   array's zarr shard file, the partly filled last chunk raw into a sidecar file
+   array's zarr shard file, the partly filled last chunk raw into its region there
    (``chunks.ChunkAppender``); already-committed rows are never rewritten in place;
 3. append the episode record to ``episodes.jsonl``;
 4. with ``fsync=True`` only: fdatasync every file steps 2-3 wrote or appended to,
@@ -42,7 +42,7 @@ import numpy as np
 import xxhash
 import zarr
 
-from robo_post.store.chunks import ChunkAppender, SyncSet, new_array, pwrite_all
+from robo_post.store.chunks import SyncSet, new_array, open_appender, pwrite_all
 from robo_post.store.commit import CommitRecord
 from robo_post.store.schema import (
     STEP_COLUMNS,
@@ -57,9 +57,9 @@ from robo_post.store.schema import (
 if TYPE_CHECKING:
     from robo_post.store.store import Store
 
-# Target bytes per chunk along time. Rows of a partly filled chunk are written twice
-# (raw to a sidecar, then in the sealed chunk), so chunks stay small next to an
-# episode's bytes; larger ones would only mean fewer files.
+# Target bytes per chunk along time. Rows of a partly filled chunk that compresses are
+# written twice (raw to its region, then in the sealed chunk), so chunks stay small
+# next to an episode's bytes.
 CHUNK_BYTES = 1 << 19
 _COL = {name: i for i, name in enumerate(STEP_COLUMNS)}
 
@@ -145,7 +145,7 @@ class ShardWriter:
         with open(meta_path, "ab") as f:  # creates the file on first open
             f.truncate(self._meta_bytes)
         root = zarr.open_group(os.path.join(self.path, "data"), mode="a")
-        self._columns: dict[str, ChunkAppender] = {}
+        self._columns = {}
         specs = {f"obs/{k}": s for k, s in self.schema.observations.items()}
         specs["action"] = self.schema.action
         specs["step"] = ArraySpec("float64", (len(STEP_COLUMNS),))
@@ -155,7 +155,7 @@ class ShardWriter:
             else:
                 arr = new_array(root, name, spec.dtype, spec.shape, time_chunk(spec))
             end = self.n_steps + self.n_episodes if name.startswith("obs/") else self.n_steps
-            self._columns[name] = ChunkAppender(arr, os.path.join(self.path, "pending"), end, self.fsync)
+            self._columns[name] = open_appender(arr, os.path.join(self.path, "pending"), end, self.fsync)
         self._commit = CommitRecord(self.path, commit, self.fsync)
         if self.fsync:
             self._sync_layout(root)
@@ -312,7 +312,7 @@ class ShardWriter:
         sync = SyncSet() if self.fsync else None
         try:
             tails = {name: self._columns[name].write(values, sync) for name, values in arrays.items()}
-            pwrite_all(self._meta_fd, memoryview(line), self._meta_bytes)
+            pwrite_all(self._meta_fd, [line], self._meta_bytes)
             if sync is not None:  # the data first: the record must never point at lost bytes
                 os.fdatasync(self._meta_fd)
                 sync.sync()
@@ -406,7 +406,7 @@ class ShardWriter:
 
     def close(self) -> None:
         """Move each array's partial last chunk into zarr, then release the shard lock
-        (the OS also releases it if the process dies; readers then use the sidecars)."""
+        (the OS also releases it if the process dies; readers then use the raw regions)."""
         if self._lock_fd is not None:
             for column in self._columns.values():
                 column.flush()
