@@ -34,9 +34,9 @@ What is measured:
    pairs, on the same episodes and process counts, so that each ceiling writes
    the same bytes to the same disk with the same durability as the store:
 
-   * page cache: our writer with its default ``fsync=False`` (atomic, survives
-     a killed writer, syncs nothing) against plain ``numpy.save`` (no sync);
-   * durable: our writer with ``fsync=True`` (every file a commit wrote and
+   * page cache: our writer with ``fsync=False`` (atomic, survives a killed
+     writer, syncs nothing) against plain ``numpy.save`` (no sync);
+   * durable: our writer with its default ``fsync=True`` (every file a commit wrote and
      every directory that gained a file synced, then the commit record) against
      ``numpy.save`` followed by ``f.flush(); os.fdatasync(f.fileno())`` per
      episode file and an fsync of its directory after creating the file.
@@ -52,7 +52,7 @@ What is measured:
 Each timing is repeated (``--repeats``; the cheap unsynced numpy.save ceiling
 three times as often) with the methods interleaved, and the fastest repeat counts
 (``--verbose`` prints every repeat). The recording test and the sampler's store
-use the writer's default, ``fsync=False``, as Minari syncs nothing either.
+use ``fsync=False``, as Minari syncs nothing either.
 
 ``--profile`` instead splits the add/commit path into phases by wall time and
 prints a cProfile of it.
@@ -214,7 +214,7 @@ def time_ours(episodes, with_image, root) -> float:
 
     store = Store.create(root, make_schema(with_image))
     env = make_replay_env(episodes, with_image)
-    writer = store.writer("recorder")
+    writer = store.writer("recorder", fsync=False)  # Minari syncs nothing either
     start = time.perf_counter()
     rollout(env, episodes, writer=writer, with_image=with_image)
     writer.close()
@@ -441,7 +441,7 @@ def profile_commit(n_episodes: int, workdir: str) -> None:
 
     The phases are timed by wrapping, in this process only, the helpers that
     ``ShardWriter.commit`` calls, each array's chunk writer (encode + write files)
-    and the commit record's sync (a no-op with the default ``fsync=False``).
+    and the commit record's sync (a no-op with ``fsync=False``, used here).
     """
     from robo_post.store import Store
     from robo_post.store import writer as writer_module
@@ -450,7 +450,7 @@ def profile_commit(n_episodes: int, workdir: str) -> None:
     for variant, with_image in VARIANTS.items():
         episodes = [make_episode(2000 + i, with_image) for i in range(n_episodes)]
         root = os.path.join(workdir, f"profile-{variant}")
-        writer = Store.create(root, make_schema(with_image)).writer("profiled")
+        writer = Store.create(root, make_schema(with_image)).writer("profiled", fsync=False)
         rollout(make_replay_env(episodes[:1], with_image), episodes[:1], writer=writer, with_image=with_image)  # warm
 
         phases: dict[str, float] = {}

@@ -191,7 +191,7 @@ def _read_region(arr: zarr.Array, index: int, n_rows: int) -> np.ndarray | None:
             if head[: len(_REGION_MAGIC)] != _REGION_MAGIC:
                 return None  # sealed
             if head != header:
-                continue  # reused by a later chunk, so this one is sealed: read its entry again
+                continue  # reused by a later chunk, so this one was sealed: read its entry again
             if os.preadv(fd, [rows], offset + _BLOSC_HEADER) != rows.nbytes:
                 raise StoreIntegrityError(f"{path}: chunk {index} holds fewer rows than committed")
             if os.pread(fd, _BLOSC_HEADER, offset) == header:

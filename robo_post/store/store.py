@@ -112,13 +112,14 @@ class Store:
             return cls(root, StoreSchema.from_json(json.load(f)))
 
     # --- writing -----------------------------------------------------------------
-    def writer(self, client_id: str, fsync: bool = False) -> ShardWriter:
+    def writer(self, client_id: str, fsync: bool = True) -> ShardWriter:
         """Open the shard ``client_id`` for writing (creating it if new).
 
         Commits are atomic and survive the writer process being killed. With
-        ``fsync=False`` (default) the most recent episodes may be lost in an OS crash
-        or power loss; ``fsync=True`` makes each commit durable before it returns, at
-        the cost of syncing every file it wrote (see ``ShardWriter``).
+        ``fsync=True`` (default) each commit is durable (survives power loss) before
+        it returns, at the cost of syncing every file it wrote; with ``fsync=False``
+        the most recent episodes may be lost in an OS crash or power loss (see
+        ``ShardWriter``).
         """
         return ShardWriter(self, client_id, fsync=fsync)
 
