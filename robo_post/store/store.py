@@ -35,7 +35,7 @@ from robo_post.store.schema import (
 )
 from robo_post.store.chunks import read_rows
 from robo_post.store.commit import read_commit
-from robo_post.store.writer import CHECKSUM_KINDS, ShardWriter, write_json_atomic
+from robo_post.store.writer import ShardWriter, write_json_atomic
 
 @dataclass(frozen=True)
 class EpisodeInfo:
@@ -56,7 +56,7 @@ class EpisodeInfo:
     end_time: float
     attrs: dict
     checksum: int  # over every stored array of the episode, see ``writer.episode_checksum``
-    checksum_kind: str  # "xxh3_64", or "crc32c" / "crc32" in records of older stores
+    checksum_kind: str  # "crc32c", or "crc32" in records of older stores
     ret: float
 
     @property
@@ -66,7 +66,7 @@ class EpisodeInfo:
 
     @classmethod
     def from_record(cls, r: dict[str, Any]) -> "EpisodeInfo":
-        kind = next(k for k in CHECKSUM_KINDS if k in r)
+        kind = "crc32c" if "crc32c" in r else "crc32"
         return cls(
             r["client_id"], r["episode"], r["task_id"], r["instruction"], r["seed"], r["success"], r["length"],
             r["step_start"], r["obs_start"], r["policy_version"], r["terminated"], r["start_time"], r["end_time"],
