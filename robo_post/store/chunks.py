@@ -80,7 +80,7 @@ _REGION_MAGIC = b"RPTAIL\0\0"  # a partial chunk's region, then the chunk index 
 
 
 def new_array(group: zarr.Group, name: str, dtype: str, row_shape: tuple[int, ...], chunk_rows: int) -> zarr.Array:
-    """Create the sharded, Blosc-compressed array ``name`` that ``ChunkAppender`` appends to."""
+    """Create the sharded, Blosc-compressed array ``name`` that ``ShardAppender`` appends to."""
     blosc = BloscCodec(
         # Byte-shuffle only helps multi-byte types; bit-shuffling images costs more
         # CPU than it saves bytes.
@@ -387,11 +387,7 @@ class ShardAppender(_Appender):
         first, sealed, spare = index, [], self.region
         parts, raw_header = self._encode_chunk([self.tail, values[: c - k]])
         if raw_header is not None and self.region is not None:
-            # Stored raw: complete the rows in the region, then turn its header into
-            # Blosc's. The region is now the chunk, with no row copied twice.
-            shard = self._shard_of(index, sync)
-            shard.write([values[: c - k]], self.region + _BLOSC_HEADER + k * row, sync)
-            shard.write([raw_header], self.region, sync)
+            self._seal_in_place(index, values[: c - k], raw_header, sync)
             first, spare = index + 1, None
         else:
             sealed.append(parts)
@@ -423,10 +419,8 @@ class ShardAppender(_Appender):
             k, index = len(self.tail), self.tail_start // self.chunk
             padding = np.zeros((self.chunk - k, *self.row_shape), self.dtype)
             parts, raw_header = self._encode_chunk([self.tail, padding])
-            if raw_header is not None:  # in place, as in ``write``
-                shard = self._shard_of(index, sync)
-                shard.write([padding], self.region + _BLOSC_HEADER + k * self.row_nbytes, sync)
-                shard.write([raw_header], self.region, sync)
+            if raw_header is not None:
+                self._seal_in_place(index, padding, raw_header, sync)
             else:
                 self._write_chunks(index, [parts], sync)
             if sync is not None:
@@ -440,6 +434,14 @@ class ShardAppender(_Appender):
         if self._shard is not None:
             self._shard.close()
             self._shard = None
+
+    def _seal_in_place(self, index: int, rest: np.ndarray, raw_header: bytes, sync: SyncSet | None) -> None:
+        """Seal partial chunk ``index``, which Blosc stores raw: write its ``rest`` rows
+        into the region, then Blosc's header over the region's. The region is now the
+        chunk, with no row written twice."""
+        shard = self._shard_of(index, sync)
+        shard.write([rest], self.region + _BLOSC_HEADER + len(self.tail) * self.row_nbytes, sync)
+        shard.write([raw_header], self.region, sync)
 
     def _new_region(self, index: int, rows: list[np.ndarray], spare: int | None, sync: SyncSet | None) -> int:
         """Give partial chunk ``index`` a region holding ``rows``: ``spare`` (the region

@@ -5,7 +5,7 @@ Commit protocol (why a killed writer never exposes a partial episode):
 1. validate the whole episode in memory; on any problem raise and touch nothing;
 2. append the step rows past the committed end of each array: full chunks to the
    array's zarr shard file, the partly filled last chunk raw into its region there
-   (``chunks.ChunkAppender``); already-committed rows are never rewritten in place;
+   (``chunks.ShardAppender``); already-committed rows are never rewritten in place;
 3. append the episode record to ``episodes.jsonl``;
 4. with ``fsync=True`` only: fdatasync every file steps 2-3 wrote or appended to,
    and fsync every directory in which they created a file;
