@@ -222,6 +222,30 @@ def test_bad_episode_raises_and_writes_nothing(store, case):
     assert len(store.snapshot()) == 1  # nothing became visible either
 
 
+BAD_COLUMNS = {  # write_episode keyword -> (T=4 values, field named, step named)
+    "terminated_not_0_or_1": ("terminated", [0, 0, 2, 0], "terminated", 2),
+    "truncated_before_end": ("truncated", [0, 1, 0, 0], "terminated", 1),
+    "negative_policy_version": ("policy_versions", [0, 0, 0, -1], "policy_version", 3),
+    "fractional_policy_version": ("policy_versions", [0, 1.5, 0, 0], "policy_version", 1),
+    "logprob_missing_on_some_steps": ("behavior_logprobs", [-1.0, np.nan, -1.0, -1.0], "behavior_logprob", 1),
+    "logprob_inf": ("behavior_logprobs", [-1.0, -1.0, -np.inf, -1.0], "behavior_logprob", 2),
+    "timestamp_nan": ("timestamps", [1.0, 2.0, np.nan, 4.0], "timestamp", 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_COLUMNS))
+def test_bad_step_column_raises_and_writes_nothing(store, case):
+    rng = np.random.default_rng(4)
+    w = store.writer("a")
+    w.write_episode(_good(rng), rng.uniform(-1, 1, (4, 2)), behavior_logprobs=[-1.0] * 4)
+    before = tree_hash(store.root)
+    keyword, values, field, step = BAD_COLUMNS[case]
+    with pytest.raises(EpisodeValidationError) as err:
+        w.write_episode(_good(rng), rng.uniform(-1, 1, (4, 2)), **{keyword: np.asarray(values, np.float64)})
+    assert (err.value.field, err.value.step) == (field, step), str(err.value)
+    assert tree_hash(store.root) == before
+
+
 def test_bad_steps_through_add_commit(store):
     w = store.writer("a")
     before = tree_hash(store.root)

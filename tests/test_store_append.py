@@ -348,6 +348,23 @@ def test_incompressible_chunks_skip_blosc_yet_keep_its_bytes(tmp_path, small_chu
     np.testing.assert_array_equal(arr[: len(frames)], frames)  # plain zarr, after close()
 
 
+def test_chunks_blosc_barely_shrinks_are_stored_raw(tmp_path, small_chunks, monkeypatch):
+    frames = noise(np.random.default_rng(2), 497)
+    frames[:, 0, :21] = 0  # 63 of each frame's 3072 bytes: Blosc saves ~2%, under 1/MIN_SAVING
+    image, tried = write_frames(str(tmp_path / "s"), frames, monkeypatch)
+    arr = zarr.open_array(image, mode="r")
+    compressed = chunks_module.blosc_encoder(arr).encode(frames[:16])
+    assert not compressed[2] & 0x02 and len(compressed) < RAW_CHUNK  # Blosc alone would compress it
+    # Handled as incompressible, so skipped after each try; a try encodes twice, the
+    # second time in Blosc's raw layout.
+    assert tried == [0, 0, 9, 9, 26, 26]
+    for index in range(31):
+        data = shard_chunk(image, index)
+        assert data[2] & 0x02 and len(data) == RAW_CHUNK, index
+        assert data[16:] == frames[16 * index : 16 * (index + 1)].tobytes(), index
+    np.testing.assert_array_equal(arr[: len(frames)], frames)
+
+
 @pytest.mark.parametrize("frames", [np.zeros((497, 32, 32, 3), np.uint8), gradient(497)], ids=["zeros", "gradient"])
 def test_compressible_chunks_are_compressed(tmp_path, small_chunks, monkeypatch, frames):
     image, tried = write_frames(str(tmp_path / "s"), frames, monkeypatch)

@@ -28,7 +28,7 @@ import json
 import os
 import struct
 
-import google_crc32c
+import crc32c
 
 from robo_post.store.schema import StoreIntegrityError
 
@@ -40,12 +40,12 @@ _SLOT = 512  # one disk sector per slot, so a torn write cannot reach the other 
 
 def _pack(seq: int, counts: dict[str, int]) -> bytes:
     body = _RECORD.pack(_MAGIC, seq, counts["episodes"], counts["steps"], counts["meta_bytes"])
-    return body + struct.pack("<I", google_crc32c.value(body))
+    return body + struct.pack("<I", crc32c.crc32c(body))
 
 
 def _unpack(slot: bytes) -> tuple[int, dict[str, int]] | None:
     body, crc = slot[: _RECORD.size], slot[_RECORD.size : _RECORD.size + 4]
-    if len(crc) < 4 or struct.unpack("<I", crc)[0] != google_crc32c.value(body):
+    if len(crc) < 4 or struct.unpack("<I", crc)[0] != crc32c.crc32c(body):
         return None
     magic, seq, episodes, steps, meta_bytes = _RECORD.unpack(body)
     if magic != _MAGIC:

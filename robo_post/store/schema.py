@@ -190,23 +190,19 @@ class StoreSchema:
 
 
 def _first_bad_step(mask_per_step: np.ndarray) -> int:
-    return int(np.flatnonzero(mask_per_step)[0])
+    return int(np.flatnonzero(mask_per_step.reshape(len(mask_per_step), -1).any(axis=1))[0])
 
 
 def _check_bounds(name: str, arr: np.ndarray, spec: ArraySpec) -> None:
-    flat = arr.reshape(len(arr), -1)
-    if spec.low is not None:
-        low = np.broadcast_to(np.asarray(spec.low, dtype=np.float64).reshape(-1), flat.shape[1:])
-        below = (flat < low).any(axis=1)
-        if below.any():
-            i = _first_bad_step(below)
-            raise EpisodeValidationError(name, f"value below lower bound {spec.low}: {arr[i].tolist()}", i)
-    if spec.high is not None:
-        high = np.broadcast_to(np.asarray(spec.high, dtype=np.float64).reshape(-1), flat.shape[1:])
-        above = (flat > high).any(axis=1)
-        if above.any():
-            i = _first_bad_step(above)
-            raise EpisodeValidationError(name, f"value above upper bound {spec.high}: {arr[i].tolist()}", i)
+    # One whole-array test per bound; the per-step search runs only on a failure.
+    for bound, where, out_of_range in ((spec.low, "below lower", np.less), (spec.high, "above upper", np.greater)):
+        if bound is None:
+            continue
+        limit = np.asarray(bound, dtype=np.float64).reshape(spec.shape if np.size(bound) > 1 else ())
+        bad = out_of_range(arr, limit)
+        if bad.any():
+            i = _first_bad_step(bad)
+            raise EpisodeValidationError(name, f"value {where} bound {bound}: {arr[i].tolist()}", i)
 
 
 def validate_array(name: str, arr: np.ndarray, spec: ArraySpec, length: int) -> None:
@@ -220,9 +216,9 @@ def validate_array(name: str, arr: np.ndarray, spec: ArraySpec, length: int) -> 
         if not (arr.dtype.kind == "f" and np.dtype(spec.dtype).kind == "f"):
             raise EpisodeValidationError(name, f"dtype {arr.dtype}, schema says {spec.dtype}")
     if arr.dtype.kind == "f":
-        bad = ~np.isfinite(arr.reshape(len(arr), -1)).all(axis=1)
-        if bad.any():
-            raise EpisodeValidationError(name, "contains NaN or inf", _first_bad_step(bad))
+        finite = np.isfinite(arr)
+        if not finite.all():
+            raise EpisodeValidationError(name, "contains NaN or inf", _first_bad_step(~finite))
     _check_bounds(name, arr, spec)
 
 
