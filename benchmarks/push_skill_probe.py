@@ -3,9 +3,10 @@
 For each split (train / held-out phrasings) it rolls the policy out on the same
 ``--episodes`` layouts of one block task and prints, per episode, success, the
 block's peak height and the episode length. A block that stays near table height
-(~0.02 m) was pushed; one raised to ~0.1 m was carried. Used to diagnose why BC
-pushes poorly with the trained phrasings of ``push`` yet succeeds with the held-out
-ones (it carries the block there, which also counts as a push).
+(~0.02 m) was pushed; one raised to ~0.1 m was carried. Used to find why BC did
+better on ``push`` with the held-out phrasings than with the trained ones: it
+carried the block there, which counted as a push until the env failed push
+episodes whose block rises above ``PUSH_MAX_HEIGHT``.
 
     .venv/bin/python benchmarks/push_skill_probe.py --store runs/demo/store --version 1
 """

@@ -6,7 +6,8 @@ Every episode samples a layout and the objects named by the instruction from the
 reset seed. Tasks:
 
 - ``reach``: move the gripper onto a zone.
-- ``push``: push a block into a zone.
+- ``push``: push a block into a zone without lifting it: a block whose centre ever
+  rises above ``PUSH_MAX_HEIGHT`` was carried, and the episode cannot succeed.
 - ``pick``: grasp a block and lift it above ``LIFT_HEIGHT``.
 - ``place``: put a block down inside a zone and let go of it.
 - ``sort``: long-horizon; place block A in zone X, then block B in zone Y.
@@ -46,6 +47,7 @@ REACH_RADIUS = 0.03  # horizontal tolerance of the reach task
 REACH_HEIGHT = 0.06  # the gripper must be below this height over the zone
 LIFT_HEIGHT = 0.10  # block centre height that counts as picked
 RESTING_HEIGHT = BLOCK_HALF + 0.01  # a block below this is on the table, not held
+PUSH_MAX_HEIGHT = BLOCK_HALF + 0.03  # pushed blocks bump up <= 1.6 cm; carried ones rise > 4 cm
 RELEASED_GAP = 2 * BLOCK_HALF + 0.015  # finger gap above which a block is not squeezed
 FINGER_OPEN = 0.045  # travel of each finger from the centre line (m)
 
@@ -255,6 +257,7 @@ class TabletopEnv(gym.Env[dict[str, Any], np.ndarray]):
         self._target = np.zeros(3)
         self._steps = 0
         self._stage = 0
+        self._carried = False
         self.stages: tuple[Stage, ...] = ()
         self.instruction = ""
 
@@ -320,6 +323,7 @@ class TabletopEnv(gym.Env[dict[str, Any], np.ndarray]):
         self.instruction = self._fill(templates[int(rng.integers(len(templates)))])
         self._steps = 0
         self._stage = 0
+        self._carried = False  # push only: the block was lifted at some step (PUSH_MAX_HEIGHT)
         if self.render_images:
             self._image = self._render_obs()
         return self._get_obs(), self._info(success=False)
@@ -333,6 +337,8 @@ class TabletopEnv(gym.Env[dict[str, Any], np.ndarray]):
         self.data.ctrl[3:5] = FINGER_OPEN * (1.0 - a[3]) / 2.0
         mujoco.mj_step(self.model, self.data, nstep=N_SUBSTEPS)
         self._steps += 1
+        if self.task == "push":
+            self._carried |= bool(self.block_position(self.stages[0].block)[2] > PUSH_MAX_HEIGHT)
 
         while self._stage < len(self.stages) and self._stage_done(self._stage):
             self._stage += 1
@@ -416,7 +422,7 @@ class TabletopEnv(gym.Env[dict[str, Any], np.ndarray]):
         if not self.block_in_zone(stage.block, stage.zone):
             return False
         if self.task == "push":
-            return True
+            return not self._carried
         # place / sort: the block must be let go, and earlier stages must still hold.
         released = self.gripper_gap > RELEASED_GAP
         return released and all(self.block_in_zone(s.block, s.zone) for s in self.stages[:k])

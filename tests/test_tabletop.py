@@ -138,3 +138,15 @@ def test_image_observation_tracks_gripper() -> None:
     assert np.abs(frames[3].astype(int) - frames[0].astype(int)).sum() > 0
     assert env.render().shape == (256, 256, 3)
     env.close()
+
+
+def test_push_fails_when_the_block_is_carried() -> None:
+    """Carrying the block into the zone and setting it down is a place, not a push."""
+    env = TabletopEnv("push", render_images=False)
+    pushed = [rollout(env, make_expert("push", seed=0), seed)[0]["success"] for seed in range(N_SEEDS)]
+    carried = [rollout(env, make_expert("place", seed=0), seed)[0]["success"] for seed in range(N_SEEDS)]
+    assert np.mean(pushed) >= 0.9
+    assert not any(carried)
+    # The same carry succeeds at the place task, so the push rule is what fails it.
+    place = TabletopEnv("place", render_images=False)
+    assert np.mean([rollout(place, make_expert("place", seed=0), seed)[0]["success"] for seed in range(N_SEEDS)]) >= 0.9
