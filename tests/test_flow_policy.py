@@ -160,6 +160,14 @@ def test_train_cli_smoke_publishes_a_version(tiny_store, tmp_path):
     assert config["algorithm"] == "bc_flow" and config["snapshot"] == summary["snapshot"]
 
 
+def test_train_on_the_shards_of_named_clients_only(tiny_store, tmp_path):
+    cfg = OmegaConf.merge(_train_cfg(tiny_store, str(tmp_path / "run"), 2), {"data": {"clients": ["client"]}})
+    assert train(cfg)["episodes"] == 6  # shard client-0 of the fleet
+    cfg = OmegaConf.merge(_train_cfg(tiny_store, str(tmp_path / "none"), 2), {"data": {"clients": ["demo", "clien"]}})
+    with pytest.raises(ValueError, match="match the data filter"):
+        train(cfg)  # a prefix names whole client ids' stems: "clien" is not "client"
+
+
 def test_resume_matches_uninterrupted_run(tiny_store, tmp_path):
     train(_train_cfg(tiny_store, str(tmp_path / "full"), 30))
     train(_train_cfg(tiny_store, str(tmp_path / "split"), 20))  # "killed" after its update-20 checkpoint

@@ -3,8 +3,9 @@
 Stages (each is skipped when its output already exists, so a killed run resumes):
 
 1. ``demos``: the fleet records scripted expert demonstrations (with action noise)
-   and near-miss "play" episodes (plausible failures) into ``RUN/store``.
-2. ``bc``: flow BC on the successful episodes -> policy v1 in the registry.
+   and "play" episodes (``play.mode``: the expert under heavy noise, or near misses)
+   into ``RUN/store``.
+2. ``bc``: flow BC on the successful demonstrations -> policy v1 in the registry.
 3. ``lwd``: offline DIVL+QAM on all episodes (successes, failures, play) -> v2; then
    online, concurrently: the fleet runs the newest version while the learner mixes
    its episodes with the offline data and publishes a version every K updates.
@@ -61,7 +62,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         f.write(OmegaConf.to_yaml(cfg, resolve=True))
 
     collect_stage(cfg, store_root, "demo", cfg.demos.episodes, {"kind": "expert", "noise": cfg.demos.noise})
-    collect_stage(cfg, store_root, "play", cfg.play.episodes, {"kind": "expert", "noise": cfg.play.noise, "mode": "near_miss"})
+    collect_stage(cfg, store_root, "play", cfg.play.episodes, {"kind": "expert", "noise": cfg.play.noise, "mode": cfg.play.mode})
 
     registry = PolicyRegistry(store_root)
     bc_dir = os.path.join(cfg.run_dir, "bc")

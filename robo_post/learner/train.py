@@ -148,6 +148,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     store = Store.open(cfg.store)
     snap = store.snapshot(cfg.data.snapshot) if cfg.data.snapshot else store.snapshot()
     episodes = snap.episodes(task=list(cfg.data.tasks) if cfg.data.tasks else None, success=cfg.data.success)
+    if cfg.data.clients:
+        episodes = [e for e in episodes if any(e.client_id.startswith(f"{p}-") for p in cfg.data.clients)]
     if not episodes:
         raise ValueError(f"no episodes in snapshot {snap.id} match the data filter {OmegaConf.to_container(cfg.data)}")
     if cfg.algo.name != "bc_flow" and cfg.algo.name not in ALGORITHMS:

@@ -1,0 +1,82 @@
+"""Does a critic rank a flow policy's chunks? Plain sampling vs best-of-N vs worst-of-N.
+
+The same flow (by default the BC policy, v1) acts on the same tabletop layouts three
+ways: plain samples, the best of N chunks under a published version's critic (what
+``lwd.best_of_n`` publishes), and the worst of N under that critic. A critic that ranks
+puts best above plain above worst; one that does not leaves all three within noise.
+
+    .venv/bin/python benchmarks/critic_ranking.py --store runs/demo/store --critic-version 2
+
+Prints success per task for each way of acting (train instruction phrasings).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+from torch import nn
+
+from robo_post.envs.tabletop import TabletopEnv
+from robo_post.models.flow import FlowPolicy, FlowPolicyRunner
+from robo_post.models.ranked import RankedFlowPolicy
+from robo_post.store import PolicyRegistry
+
+
+class _Negated(nn.Module):
+    """A critic with its Q values negated, so best-of-N picks the worst chunk."""
+
+    def __init__(self, critic: nn.Module):
+        super().__init__()
+        self.critic = critic
+
+    def encode(self, obs):
+        return self.critic.encode(obs)
+
+    def q(self, z, chunk):
+        return -self.critic.q(z, chunk)
+
+
+def success_rate(model: nn.Module, task: str, seeds: range) -> float:
+    wins = []
+    for seed in seeds:
+        env = TabletopEnv(task=task, instruction_split="train")
+        runner = FlowPolicyRunner(model)  # seeded per layout, so every way of acting sees the same noise stream
+        obs, _ = env.reset(seed=seed)
+        runner.reset(env, seed)
+        done, info = False, {}
+        while not done:
+            obs, _, terminated, truncated, info = env.step(runner.act(obs, env))
+            done = terminated or truncated
+        wins.append(bool(info["success"]))
+    return float(np.mean(wins))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--store", required=True, help="store holding the policy registry")
+    parser.add_argument("--flow-version", type=int, default=1, help="version whose flow proposes the chunks (1 = BC)")
+    parser.add_argument("--critic-version", type=int, required=True, help="a published flow_ranked version (its critic)")
+    parser.add_argument("--n", type=int, default=16, help="chunks proposed per decision")
+    parser.add_argument("--tasks", nargs="+", default=["reach", "push", "pick", "place"])
+    parser.add_argument("--episodes", type=int, default=50, help="layouts per task")
+    parser.add_argument("--seed", type=int, default=7000, help="layout seeds seed .. seed + episodes - 1")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    registry = PolicyRegistry(args.store)
+    weights, config = registry.load(args.flow_version)
+    flow = FlowPolicy.from_artifact(weights, config) if config["kind"] == "flow" else RankedFlowPolicy.from_artifact(weights, config).policy
+    critic = RankedFlowPolicy.from_artifact(*registry.load(args.critic_version)).critic
+    ways = {"plain": flow, f"best of {args.n}": RankedFlowPolicy(flow, critic, args.n),
+            f"worst of {args.n}": RankedFlowPolicy(flow, _Negated(critic), args.n)}
+    seeds = range(args.seed, args.seed + args.episodes)
+    print(f"flow v{args.flow_version}, critic of v{args.critic_version}, {args.episodes} layouts per task")
+    print(f"{'acting':<12} " + " ".join(f"{t:>7}" for t in args.tasks) + f" {'mean':>7}")
+    for name, model in ways.items():
+        rates = [success_rate(model, task, seeds) for task in args.tasks]
+        print(f"{name:<12} " + " ".join(f"{100 * r:6.1f}%" for r in rates) + f" {100 * np.mean(rates):6.1f}%", flush=True)
+
+
+if __name__ == "__main__":
+    main()
