@@ -7,7 +7,8 @@ puts best above plain above worst; one that does not leaves all three within noi
 
     .venv/bin/python benchmarks/critic_ranking.py --store runs/demo/store --critic-version 2
 
-Prints success per task for each way of acting (train instruction phrasings).
+Prints success per task for each way of acting (train instruction phrasings), and the
+binomial standard error of each mean (a difference of two means has ~1.4x that).
 """
 
 from __future__ import annotations
@@ -72,10 +73,12 @@ def main() -> None:
             f"worst of {args.n}": RankedFlowPolicy(flow, _Negated(critic), args.n)}
     seeds = range(args.seed, args.seed + args.episodes)
     print(f"flow v{args.flow_version}, critic of v{args.critic_version}, {args.episodes} layouts per task")
-    print(f"{'acting':<12} " + " ".join(f"{t:>7}" for t in args.tasks) + f" {'mean':>7}")
+    print(f"{'acting':<12} " + " ".join(f"{t:>7}" for t in args.tasks) + f" {'mean':>7}  standard error")
     for name, model in ways.items():
         rates = [success_rate(model, task, seeds) for task in args.tasks]
-        print(f"{name:<12} " + " ".join(f"{100 * r:6.1f}%" for r in rates) + f" {100 * np.mean(rates):6.1f}%", flush=True)
+        mean = float(np.mean(rates))
+        se = np.sqrt(mean * (1 - mean) / (len(rates) * args.episodes))  # binomial, over every episode
+        print(f"{name:<12} " + " ".join(f"{100 * r:6.1f}%" for r in rates) + f" {100 * mean:6.1f}%  {100 * se:.1f}", flush=True)
 
 
 if __name__ == "__main__":
