@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from robo_post.envs.tabletop import TabletopEnv
-from robo_post.models.flow import FlowPolicy, FlowPolicyRunner
+from robo_post.eval.rollout import in_process_success
+from robo_post.models.flow import FlowPolicy
 from robo_post.models.ranked import RankedFlowPolicy
 from robo_post.store import PolicyRegistry
 
@@ -39,21 +39,6 @@ class _Negated(nn.Module):
         return -self.critic.q(z, chunk)
 
 
-def success_rate(model: nn.Module, task: str, seeds: range) -> float:
-    wins = []
-    for seed in seeds:
-        env = TabletopEnv(task=task, instruction_split="train")
-        runner = FlowPolicyRunner(model)  # seeded per layout, so every way of acting sees the same noise stream
-        obs, _ = env.reset(seed=seed)
-        runner.reset(env, seed)
-        done, info = False, {}
-        while not done:
-            obs, _, terminated, truncated, info = env.step(runner.act(obs, env))
-            done = terminated or truncated
-        wins.append(bool(info["success"]))
-    return float(np.mean(wins))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", required=True, help="store holding the policy registry")
@@ -62,7 +47,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=16, help="chunks proposed per decision")
     parser.add_argument("--tasks", nargs="+", default=["reach", "push", "pick", "place"])
     parser.add_argument("--episodes", type=int, default=50, help="layouts per task")
-    parser.add_argument("--seed", type=int, default=7000, help="layout seeds seed .. seed + episodes - 1")
+    parser.add_argument("--seed", type=int, default=7000, help="layout seed (as in-training evaluation derives them)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     registry = PolicyRegistry(args.store)
@@ -71,11 +56,12 @@ def main() -> None:
     critic = RankedFlowPolicy.from_artifact(*registry.load(args.critic_version)).critic
     ways = {"plain": flow, f"best of {args.n}": RankedFlowPolicy(flow, critic, args.n),
             f"worst of {args.n}": RankedFlowPolicy(flow, _Negated(critic), args.n)}
-    seeds = range(args.seed, args.seed + args.episodes)
     print(f"flow v{args.flow_version}, critic of v{args.critic_version}, {args.episodes} layouts per task")
     print(f"{'acting':<12} " + " ".join(f"{t:>7}" for t in args.tasks) + f" {'mean':>7}  standard error")
     for name, model in ways.items():
-        rates = [success_rate(model, task, seeds) for task in args.tasks]
+        # Same layouts and the same per-layout sampling seeds for every way of acting.
+        success = in_process_success(model, args.tasks, args.episodes, seed=args.seed)
+        rates = [success[f"success/{task}"] for task in args.tasks]
         mean = float(np.mean(rates))
         se = np.sqrt(mean * (1 - mean) / (len(rates) * args.episodes))  # binomial, over every episode
         print(f"{name:<12} " + " ".join(f"{100 * r:6.1f}%" for r in rates) + f" {100 * mean:6.1f}%  {100 * se:.1f}", flush=True)

@@ -38,6 +38,10 @@ class RankedFlowPolicy(nn.Module):
         self.policy, self.critic, self.best_of_n, self.q_agg = policy, critic, best_of_n, q_agg
 
     @property
+    def device(self) -> torch.device:
+        return self.policy.device
+
+    @property
     def config(self) -> FlowPolicyConfig:
         """The flow's config (horizon, execute_steps, modalities), as ``FlowPolicyRunner`` reads it."""
         return self.policy.config

@@ -349,7 +349,7 @@ class ShardWriter:
         # Every rule as one (T, column) mask, so a valid episode costs a few whole-table ops.
         bad = ~np.isfinite(table)
         logprob = _COL["behavior_logprob"]
-        if bad[:, logprob].all() and np.isnan(table[:, logprob]).all():
+        if np.isnan(table[:, logprob]).all():
             bad[:, logprob] = False  # NaN on every step: not recorded (NaN on only some steps is bad)
         flags = table[:, _FLAG_COLS]
         bad[:, _FLAG_COLS] |= (flags != 0) & (flags != 1)
