@@ -3,7 +3,7 @@
 Stages (each is skipped when its output already exists, so a killed run resumes):
 
 1. ``demos``: the fleet records scripted expert demonstrations (with action noise)
-   and "play" episodes (``play.mode``: the expert under heavy noise, or near misses)
+   and "play" episodes (``play.mode``: near misses, or the expert under heavy noise)
    into ``RUN/store``.
 2. ``bc``: flow BC on the successful demonstrations -> policy v1 in the registry.
 3. ``lwd``: offline DIVL+QAM on all episodes (successes, failures, play) -> v2; then
