@@ -16,7 +16,8 @@ config). Stages:
    on the same eval layouts (seen and held-out instruction phrasings).
 
 Prints success per task for every version of every algorithm, the learner speed
-(updates/s, data-wait fraction from ``metrics.jsonl``), and the issue's targets
+(updates/s, data-wait fraction from ``metrics.jsonl``), a 95% Wilson interval on each
+mean success (over all its episodes: about +-10 points at 20 per task), and the issue's targets
 (+15 points mean success over BC after the online phase, DIVL+QAM beating FQL,
 data-wait < 10%) with PASS/MISS. Results go to ``benchmarks/results/tabletop_loop.json``.
 Each stage is skipped when its output exists, so a killed benchmark resumes.
@@ -32,6 +33,7 @@ import shutil
 import numpy as np
 
 from robo_post.cli import compose
+from robo_post.eval import wilson_interval
 from robo_post.learner.run import run
 from robo_post.store import PolicyRegistry
 
@@ -80,11 +82,14 @@ def main() -> None:
     episodes_per_task = compose("run", overrides).eval.episodes_per_task
     for split in ("train", "heldout"):
         print(f"\nSuccess rate, {split} instruction phrasings (eval episodes per task: {episodes_per_task})")
-        print(f"{'algo':<10} {'phase':<10} {'ver':>3} " + " ".join(f"{t:>7}" for t in tasks) + f" {'mean':>7}")
+        print(f"{'algo':<10} {'phase':<10} {'ver':>3} " + " ".join(f"{t:>7}" for t in tasks) + f" {'mean':>7}  95% interval")
         for r in rows:
             if r["split"] == split:
+                n = len(tasks) * episodes_per_task
+                low, high = wilson_interval(round(r["mean_success"] * n), n)
                 print(f"{r['algo']:<10} {r['phase']:<10} {r['version']:>3} "
-                      + " ".join(f"{100 * r['per_task'][t]:6.1f}%" for t in tasks) + f" {100 * r['mean_success']:6.1f}%")
+                      + " ".join(f"{100 * r['per_task'][t]:6.1f}%" for t in tasks)
+                      + f" {100 * r['mean_success']:6.1f}%  {100 * low:.0f}-{100 * high:.0f}%")
     print(f"\nLearner speed (metrics.jsonl window means): " + "; ".join(
         f"{a}: {s['updates_per_s']:.2f} updates/s, data-wait {100 * s['data_wait']:.1f}%" for a, s in speeds.items()))
 

@@ -49,6 +49,9 @@ class ClientConfig:
         policy_store: store whose registry policies come from (default: ``store``).
         policy_version: pin this registry version: loaded once, never hot-swapped
             (evaluation of one exact policy).
+        layout_repeats: episodes per layout: each layout (and task) is run this many times
+            in a row with different policy sampling seeds, so a critic sees several actions
+            from the very same start state (GRPO-style groups; simulation only).
     """
 
     store: str
@@ -63,6 +66,7 @@ class ClientConfig:
     seed_key: str | None = None
     policy_store: str | None = None
     policy_version: int | None = None
+    layout_repeats: int = 1
 
 
 def make_env(env_cfg: dict[str, Any], task: str):
@@ -152,11 +156,12 @@ def run_client(cfg: ClientConfig) -> dict[str, Any]:
                 if latest is not None and latest != version:  # hot-swap only between episodes
                     policy, version = build_policy(*registry.load(latest)), latest
             index = writer.n_episodes
-            task = cfg.tasks[index % len(cfg.tasks)]
+            group = index // cfg.layout_repeats  # episodes of one group share the task and the layout
+            task = cfg.tasks[group % len(cfg.tasks)]
             env = envs.get(task) or envs.setdefault(task, make_env(cfg.env, task))
-            seed = episode_seed(cfg.seed, cfg.seed_key or cfg.client_id, index)
+            seed = episode_seed(cfg.seed, cfg.seed_key or cfg.client_id, group)
             obs, info = env.reset(seed=seed)
-            policy.reset(env, seed)
+            policy.reset(env, episode_seed(cfg.seed, cfg.seed_key or cfg.client_id, index))  # = seed when not grouped
             if overseer:
                 overseer.reset(env, seed)
             low, high = env.action_space.low, env.action_space.high

@@ -15,6 +15,8 @@ from robo_post.store import Store
 def client_configs(cfg: DictConfig, store: Store) -> list[ClientConfig]:
     """Split ``cfg.episodes`` new episodes over ``cfg.fleet.n_clients`` clients."""
     fleet = cfg.fleet
+    if fleet.layout_repeats < 1:
+        raise ValueError(f"fleet.layout_repeats must be >= 1, got {fleet.layout_repeats}")
     env = {"name": cfg.env.name, **OmegaConf.to_container(cfg.env.kwargs, resolve=True)}
     per_client = math.ceil(cfg.episodes / fleet.n_clients)
     configs = []
@@ -30,6 +32,7 @@ def client_configs(cfg: DictConfig, store: Store) -> list[ClientConfig]:
                 tasks=list(cfg.env.tasks),
                 policy=OmegaConf.to_container(cfg.policy, resolve=True),
                 follow_registry=fleet.follow_registry,
+                layout_repeats=fleet.layout_repeats,
                 overseer=OmegaConf.to_container(fleet.overseer, resolve=True),
                 seed=cfg.seed,
             )

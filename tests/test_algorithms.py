@@ -18,7 +18,7 @@ from robo_post.learner import lwd
 from robo_post.learner.algorithms import ALGORITHMS, ActorCritic
 from robo_post.learner.train import train
 from robo_post.models.critic import CriticConfig
-from robo_post.models.flow import FlowPolicy
+from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
 from robo_post.store import FreshPERConfig, MixedSampler, PolicyRegistry, PrioritizedSampler, Store, WindowSampler
 
 
@@ -228,11 +228,36 @@ def test_best_of_n_executes_the_candidate_the_critic_rates_highest(bc_store, alg
                          for i in range(6)], 1)
     assert (q.argmax(1) != 0).any()  # so the check below is not passed by always taking the first candidate
     torch.testing.assert_close(chosen, candidates[torch.arange(4), q.argmax(1)])
+    ranked = agent.acting_policy  # its parts, as benchmarks/critic_sensitivity.py uses them
+    proposals = ranked.propose(obs, noise=noise)
+    torch.testing.assert_close(policy.unnormalize_actions(proposals), candidates)
+    torch.testing.assert_close(ranked.rate(obs, proposals), q)
 
     weights, config = agent.artifact(phase="offline")
     assert (config["kind"], config["best_of_n"], config["algorithm"], config["phase"]) == ("flow_ranked", 6, algo, "offline")
     runner = build_policy(weights, config)  # what fleet clients and the evaluator load
     torch.testing.assert_close(runner.model.sample(obs, noise=noise), chosen)
+
+
+def test_critic_overrides_shape_the_critic_and_travel_with_the_artifact():
+    """``critic={"image_size": None}``: a camera-free critic beside a camera policy, loadable by the fleet."""
+    torch.manual_seed(0)
+    reference = FlowPolicy(FlowPolicyConfig(proprio_dim=5, action_dim=2, horizon=4, image_size=32, use_text=False,
+                                            embed_dim=8, hidden_dim=16, flow_steps=2))
+    agent = ActorCritic("divl_qam", reference, critic={"image_size": None, "hidden_dim": 24}, best_of_n=4)
+    assert agent.value.net.encoder.image is None and agent.policy.encoder.image is not None
+    assert agent.value.net.q_heads[0][0].in_features == 24 + 4 * 2
+    with torch.no_grad():
+        for p in agent.value.target.q_heads.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    obs = {"proprio": torch.randn(3, 5), "image": torch.randint(0, 256, (3, 32, 32, 3), dtype=torch.uint8)}
+    noise = torch.randn(3, 4, 4, 2)
+    weights, config = agent.artifact()
+    assert config["critic"]["image_size"] is None and config["model"]["image_size"] == 32
+    torch.testing.assert_close(build_policy(weights, config).model.sample(obs, noise=noise),
+                               agent.acting_policy.sample(obs, noise=noise))
+    with pytest.raises(TypeError, match="camera"):
+        ActorCritic("divl_qam", reference, critic={"camera": False})
 
 
 def test_best_of_one_publishes_the_plain_flow_and_bad_n_is_an_error(bc_store):

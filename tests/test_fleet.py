@@ -19,10 +19,13 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+import pytest
 import ray
+from omegaconf import OmegaConf
 
 from robo_post.envs.tabletop import TabletopEnv
 from robo_post.fleet import policies
+from robo_post.fleet.collect import client_configs
 from robo_post.fleet.client import ClientConfig, make_env, read_status, run_client, store_schema
 from robo_post.fleet.launcher import LocalLauncher, RayLauncher
 from robo_post.fleet.policies import ExpertPolicy, register_policy_kind
@@ -240,3 +243,20 @@ def test_same_config_and_seed_give_identical_episodes(tmp_path):
             np.testing.assert_array_equal(a[key], b[key], err_msg=key)
         for key in a["obs"]:
             np.testing.assert_array_equal(a["obs"][key], b["obs"][key], err_msg=f"obs/{key}")
+
+
+def test_layout_repeats_rerun_each_layout_with_new_policy_seeds(tmp_path):
+    store = make_store(str(tmp_path / "groups"))
+    run_client(ClientConfig(store=store.root, client_id="grp", episodes=4, env=ENV, tasks=["reach", "push"],
+                            policy={"kind": "expert", "noise": 0.3}, seed=7, layout_repeats=2))
+    snap = store.snapshot()
+    episodes = [(ep, snap.load(ep)) for ep in snap]
+    assert [ep.task_id for ep, _ in episodes] == ["reach", "reach", "push", "push"]
+    for (a, da), (b, db) in (episodes[:2], episodes[2:]):
+        assert a.seed == b.seed  # one layout per group: the same first observation...
+        np.testing.assert_array_equal(da["obs"]["proprio"][0], db["obs"]["proprio"][0])
+        assert not np.array_equal(da["action"][0], db["action"][0])  # ...acted on with different policy noise
+    assert episodes[0][0].seed != episodes[2][0].seed
+    with pytest.raises(ValueError, match="layout_repeats"):
+        client_configs(OmegaConf.create({"env": {"name": "tabletop", "kwargs": {}}, "episodes": 2, "fleet": {
+            "n_clients": 1, "layout_repeats": 0}}), store)

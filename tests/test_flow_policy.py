@@ -178,3 +178,16 @@ def test_resume_matches_uninterrupted_run(tiny_store, tmp_path):
     assert [r["update"] for r in split] == [5, 10, 15, 20, 25, 30]
     for a, b in zip(full, split):
         assert a["bc_loss"] == pytest.approx(b["bc_loss"], rel=1e-6, abs=1e-9)
+
+
+def test_in_process_success_reports_each_episode_outcome_in_order():
+    from robo_post.eval.rollout import in_process_success
+    from robo_post.envs.tabletop import PROPRIO_DIM
+
+    torch.manual_seed(0)
+    model = FlowPolicy(FlowPolicyConfig(proprio_dim=PROPRIO_DIM, action_dim=4, horizon=4, use_text=False,
+                                        embed_dim=8, hidden_dim=16, flow_steps=2, execute_steps=4))
+    outcomes: list[bool] = []
+    rates = in_process_success(model, ["reach", "pick"], 2, seed=3, outcomes=outcomes)
+    assert len(outcomes) == 4 and all(isinstance(o, bool) for o in outcomes)
+    assert [rates["success/reach"], rates["success/pick"]] == [np.mean(outcomes[:2]), np.mean(outcomes[2:])]

@@ -12,7 +12,7 @@ def test_run_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     overrides = [
         f"run_dir={run_dir}", "show=false", "env.tasks=[reach]", "env.kwargs.render_images=false", "fleet.n_clients=1",
-        "preset.demo_episodes=6", "preset.play_episodes=3", "preset.bc_updates=30", "bc.eval.every=0",
+        "preset.demo_episodes=6", "preset.play_episodes=3", "preset.deploy_episodes=2", "preset.bc_updates=30", "bc.eval.every=0",
         "+bc.model.use_text=false", "+bc.model.hidden_dim=32", "+bc.model.embed_dim=16", "bc.batch_size=16",
         "preset.critic_warmup=5", "preset.offline_updates=15", "preset.online_publish_every=10",
         "preset.online_episodes=2", "preset.online_updates=10", "preset.eval_episodes=2", "lwd.batch_size=16",
@@ -29,7 +29,12 @@ def test_run_end_to_end(tmp_path):
     assert online["versions"] == [3] and 1 <= online["online_episodes"] <= 2  # the learner ran beside the fleet
     _, config = PolicyRegistry(str(run_dir / "store")).load(3)
     assert (config["parent_version"], config["phase"], config["snapshot"]) == (2, "online-25", online["snapshot"])
-    assert sum(e.client_id.startswith("online") for e in Store.open(str(run_dir / "store")).snapshot()) == 2
+    episodes = Store.open(str(run_dir / "store")).snapshot()
+    assert sum(e.client_id.startswith("online") for e in episodes) == 2
+    # BC's own rollouts (the deploy stage) are recorded before extraction and are part of its data.
+    assert [e.policy_version for e in episodes if e.client_id.startswith("deploy")] == [1, 1]
+    offline = json.loads((run_dir / "lwd" / "summary.json").read_text())
+    assert offline["episodes"] == 6 + 3 + 2
     rows = [json.loads(line) for line in (run_dir / "lwd" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["update"] == 25 and "loss_am" in rows[-1] and "tau_mean" in rows[-1]
     report = (run_dir / "report" / "report.md").read_text()

@@ -172,11 +172,13 @@ def evaluate(
     return result
 
 
-def in_process_success(model: Any, tasks: Iterable[str], episodes_per_task: int, seed: int = EVAL_SEED) -> dict[str, float]:
+def in_process_success(model: Any, tasks: Iterable[str], episodes_per_task: int, seed: int = EVAL_SEED,
+                       outcomes: list[bool] | None = None) -> dict[str, float]:
     """Success rate per task of a flow policy rolled out in this process (no store).
 
     Cheap periodic evaluation during training; the fleet-based ``evaluate`` is the
-    reported number. Episodes use ``episode_seed(seed, task, i)`` layouts.
+    reported number. Episodes use ``episode_seed(seed, task, i)`` layouts. If given,
+    ``outcomes`` gets each episode's success appended, task by task, as it ends.
     """
     from robo_post.envs.tabletop import TabletopEnv
     from robo_post.fleet.client import episode_seed
@@ -198,6 +200,8 @@ def in_process_success(model: Any, tasks: Iterable[str], episodes_per_task: int,
                 obs, _, terminated, truncated, info = env.step(runner.act(obs, env))
                 done = terminated or truncated
             wins += bool(info["success"])
+            if outcomes is not None:
+                outcomes.append(bool(info["success"]))
         env.close()
         out[f"success/{task}"] = wins / episodes_per_task
     out["success/mean"] = float(np.mean(list(out.values())))

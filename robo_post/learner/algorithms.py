@@ -47,6 +47,8 @@ class ActorCritic:
         reference: the BC flow policy (frozen reference; the actor starts as a copy).
         value: overrides of the value learner's config dataclass.
         actor: overrides of the actor's config dataclass.
+        critic: overrides of the critic architecture (``CriticConfig``; by default it sees
+            what the policy sees), e.g. ``{"image_size": None}`` for a critic without the camera.
         critic_warmup: updates that train only the critic before the actor moves.
         best_of_n: chunks the published policy proposes per decision, executing the one
             the target critic rates highest (``q_agg`` of the actor config; 1 = plain sampling).
@@ -55,12 +57,12 @@ class ActorCritic:
 
     def __init__(self, name: str, reference: FlowPolicy, value: dict[str, Any] | None = None,
                  actor: dict[str, Any] | None = None, critic_warmup: int = 0, best_of_n: int = 1,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", critic: dict[str, Any] | None = None):
         if name not in ALGORITHMS:
             raise ValueError(f"unknown algo {name!r}; choose one of {sorted(ALGORITHMS)}")
         value_cls, value_cfg, actor_cls, actor_cfg = ALGORITHMS[name]
         self.name = name
-        self.value = value_cls(CriticConfig.like(reference.config), value_cfg(**(value or {})), device)
+        self.value = value_cls(CriticConfig.like(reference.config, **(critic or {})), value_cfg(**(value or {})), device)
         for net in (self.value.net, self.value.target):  # the critic sees proprio standardised like the policy
             net.set_proprio_stats(reference.encoder.proprio_mean.cpu(), reference.encoder.proprio_std.cpu())
         self.actor = actor_cls(reference, actor_cfg(**(actor or {})), device)

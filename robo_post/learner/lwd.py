@@ -40,7 +40,8 @@ def build(store: Store, cfg: DictConfig, device) -> tuple[ActorCritic, int]:
     reference_version = cfg.reference_version or registry.versions()[0]
     reference = FlowPolicy.from_artifact(*registry.load(reference_version), device=str(device))
     algo = ActorCritic(cfg.algo, reference, OmegaConf.to_container(cfg.value, resolve=True),
-                       OmegaConf.to_container(cfg.actor, resolve=True), cfg.critic_warmup, cfg.best_of_n, device)
+                       OmegaConf.to_container(cfg.actor, resolve=True), cfg.critic_warmup, cfg.best_of_n, device,
+                       OmegaConf.to_container(cfg.critic, resolve=True))
     return algo, reference_version
 
 

@@ -6,11 +6,13 @@ Stages (each is skipped when its output already exists, so a killed run resumes)
    and "play" episodes (``play.mode``: near misses, or the expert under heavy noise)
    into ``RUN/store``.
 2. ``bc``: flow BC on the successful demonstrations -> policy v1 in the registry.
-3. ``lwd``: offline DIVL+QAM on all episodes (successes, failures, play) -> v2; then
+3. ``deploy``: the fleet runs v1 and records its own successes and failures (LWD's
+   "rollout" data), so the critic sees the actions of the policy it will improve.
+4. ``lwd``: offline DIVL+QAM on all episodes (demos, play, rollouts) -> v2; then
    online, concurrently: the fleet runs the newest version while the learner mixes
    its episodes with the offline data and publishes a version every K updates.
-4. ``eval``: every published version on seen and held-out instruction phrasings.
-5. ``report``: Markdown/HTML report with success tables, curves and rollout frames.
+5. ``eval``: every published version on seen and held-out instruction phrasings.
+6. ``report``: Markdown/HTML report with success tables, curves and rollout frames.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ def _compose(name: str, values: dict[str, Any]) -> DictConfig:
 
 
 def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, policy: dict[str, Any],
-                  follow_registry: bool = False, show: bool | None = None) -> None:
+                  follow_registry: bool = False, show: bool | None = None, layout_repeats: int = 1) -> None:
     """Record episodes under client ids ``prefix-*`` until they hold ``episodes``; clients run
-    ``policy``, or the newest registry version when ``follow_registry``."""
+    ``policy``, or the newest registry version when ``follow_registry``, each layout
+    ``layout_repeats`` times."""
     from robo_post.fleet.collect import collect
 
     store = Store.open(store_root) if os.path.exists(os.path.join(store_root, "store.json")) else None
@@ -46,7 +49,8 @@ def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, 
         "store": store_root, "episodes": episodes - done, "seed": cfg.seed, "show": cfg.show if show is None else show,
         "env": {"tasks": list(cfg.env.tasks), "kwargs": OmegaConf.to_container(cfg.env.kwargs)},
         "policy": policy,
-        "fleet": {"n_clients": cfg.fleet.n_clients, "client_prefix": prefix, "follow_registry": follow_registry},
+        "fleet": {"n_clients": cfg.fleet.n_clients, "client_prefix": prefix, "follow_registry": follow_registry,
+                  "layout_repeats": layout_repeats},
     }))
 
 
@@ -71,6 +75,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "store": store_root, "run_dir": bc_dir, "device": cfg.device, "seed": cfg.seed, "show": cfg.show,
             **OmegaConf.to_container(cfg.bc, resolve=True),
         }))
+
+    collect_stage(cfg, store_root, "deploy", cfg.deploy.episodes, {"kind": "expert"}, follow_registry=True,
+                  layout_repeats=cfg.deploy.layout_repeats)
 
     run_dirs = [bc_dir]
     if cfg.lwd.enabled:

@@ -125,7 +125,7 @@ def lwd_config(cfg: DictConfig) -> DictConfig:
     """The learner config (``robo_post.learner.lwd``) of a `robo-post train` job with a critic-based algo."""
     a = cfg.algo
     return OmegaConf.create({
-        "algo": a.name, "value": a.value, "actor": a.actor, "critic_warmup": a.critic_warmup, "best_of_n": a.best_of_n,
+        "algo": a.name, "critic": a.critic, "value": a.value, "actor": a.actor, "critic_warmup": a.critic_warmup, "best_of_n": a.best_of_n,
         "reference_version": a.reference_version, "device": cfg.device, "torch_threads": cfg.torch_threads,
         "seed": cfg.seed, "show": cfg.show,
         "gamma": cfg.gamma, "batch_size": cfg.batch_size, "log_every": cfg.log_every,

@@ -47,16 +47,27 @@ class RankedFlowPolicy(nn.Module):
         return self.policy.config
 
     @torch.no_grad()
-    def sample(self, obs: dict[str, Any], noise: torch.Tensor | None = None, seed: int | None = None) -> torch.Tensor:
-        """Best chunks (B, H, A) in env units. ``noise`` is (B, N, H, A); or pass a ``seed``."""
-        z, zc = self.policy.encode(obs), self.critic.encode(obs)
-        b, n, c = z.shape[0], self.best_of_n, self.policy.config
+    def propose(self, obs: dict[str, Any], noise: torch.Tensor | None = None, seed: int | None = None) -> torch.Tensor:
+        """``best_of_n`` normalised chunks (B, N, H, A) from the flow. ``noise`` is (B, N, H, A); or pass a ``seed``."""
+        z, c = self.policy.encode(obs), self.policy.config
+        b, n = z.shape[0], self.best_of_n
         if noise is None:
             gen = torch.Generator(device=self.policy.device).manual_seed(seed) if seed is not None else None
             noise = torch.randn((b, n, c.horizon, c.action_dim), generator=gen, device=self.policy.device)
         x = self.policy.integrate(z.repeat_interleave(n, 0), noise.reshape(b * n, c.horizon, c.action_dim))
-        q = aggregate_heads(self.critic.q(zc.repeat_interleave(n, 0), x), self.q_agg).view(b, n)
-        best = x.view(b, n, c.horizon, c.action_dim)[torch.arange(b, device=x.device), q.argmax(1)]
+        return x.view(b, n, c.horizon, c.action_dim)
+
+    @torch.no_grad()
+    def rate(self, obs: dict[str, Any], chunks: torch.Tensor) -> torch.Tensor:
+        """The critic's Q (B, N) of normalised chunks (B, N, H, A), heads aggregated by ``q_agg``."""
+        b, n = chunks.shape[:2]
+        zc = self.critic.encode(obs).repeat_interleave(n, 0)
+        return aggregate_heads(self.critic.q(zc, chunks.flatten(0, 1)), self.q_agg).view(b, n)
+
+    def sample(self, obs: dict[str, Any], noise: torch.Tensor | None = None, seed: int | None = None) -> torch.Tensor:
+        """Best chunks (B, H, A) in env units. ``noise`` is (B, N, H, A); or pass a ``seed``."""
+        x = self.propose(obs, noise, seed)
+        best = x[torch.arange(x.shape[0], device=x.device), self.rate(obs, x).argmax(1)]
         return self.policy.unnormalize_actions(best)
 
     def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
