@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from robo_post.eval.rollout import in_process_success
-from robo_post.models.flow import FlowPolicy
-from robo_post.models.ranked import RankedFlowPolicy
+from robo_post.models.ranked import RankedFlowPolicy, flow_of
 from robo_post.store import PolicyRegistry
 
 
@@ -51,8 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     registry = PolicyRegistry(args.store)
-    weights, config = registry.load(args.flow_version)
-    flow = FlowPolicy.from_artifact(weights, config) if config["kind"] == "flow" else RankedFlowPolicy.from_artifact(weights, config).policy
+    flow = flow_of(*registry.load(args.flow_version))
     critic = RankedFlowPolicy.from_artifact(*registry.load(args.critic_version)).critic
     ways = {"plain": flow, f"best of {args.n}": RankedFlowPolicy(flow, critic, args.n),
             f"worst of {args.n}": RankedFlowPolicy(flow, _Negated(critic), args.n)}

@@ -31,8 +31,7 @@ import torch
 from torch import nn
 
 from robo_post.eval.rollout import in_process_success
-from robo_post.models.flow import FlowPolicy
-from robo_post.models.ranked import RankedFlowPolicy
+from robo_post.models.ranked import RankedFlowPolicy, flow_of
 from robo_post.store import PolicyRegistry
 
 
@@ -77,11 +76,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     registry = PolicyRegistry(args.store)
-    weights, config = registry.load(args.flow_version)
-    flow = FlowPolicy.from_artifact(weights, config) if config["kind"] == "flow" else RankedFlowPolicy.from_artifact(weights, config).policy
+    flow = flow_of(*registry.load(args.flow_version))
     critics = {v: RankedFlowPolicy.from_artifact(*registry.load(v)).critic for v in args.critic_versions}
 
     outcomes: list[bool] = []
+    # Proposals come from the flow alone; any of the critics makes the proposer, none is consulted.
     recorder = _Recorder(RankedFlowPolicy(flow, next(iter(critics.values())), args.n), outcomes)
     in_process_success(recorder, args.tasks, args.episodes, seed=args.seed, outcomes=outcomes)
     episode = np.array([e for e, _, _ in recorder.decisions])

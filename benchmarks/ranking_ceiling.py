@@ -24,8 +24,8 @@ import torch
 
 from robo_post.envs.tabletop import TabletopEnv
 from robo_post.fleet.client import episode_seed
-from robo_post.models.flow import FlowPolicy, FlowPolicyRunner
-from robo_post.models.ranked import RankedFlowPolicy
+from robo_post.models.flow import FlowPolicyRunner
+from robo_post.models.ranked import flow_of
 from robo_post.store import PolicyRegistry
 
 
@@ -42,8 +42,7 @@ def main() -> None:
     if args.k < 2 or args.k % 2:
         parser.error("--k must be an even number >= 2")
     torch.set_num_threads(1)
-    weights, config = PolicyRegistry(args.store).load(args.version)
-    flow = FlowPolicy.from_artifact(weights, config) if config["kind"] == "flow" else RankedFlowPolicy.from_artifact(weights, config).policy
+    flow = flow_of(*PolicyRegistry(args.store).load(args.version))
     runner, execute = FlowPolicyRunner(flow), flow.config.execute_steps or flow.config.horizon
     env = TabletopEnv(task=args.task, render_images=flow.config.image_size is not None,
                       image_size=flow.config.image_size or 64)

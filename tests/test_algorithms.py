@@ -19,6 +19,7 @@ from robo_post.learner.algorithms import ALGORITHMS, ActorCritic
 from robo_post.learner.train import train
 from robo_post.models.critic import CriticConfig
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
+from robo_post.models.ranked import flow_of
 from robo_post.store import FreshPERConfig, MixedSampler, PolicyRegistry, PrioritizedSampler, Store, WindowSampler
 
 
@@ -237,6 +238,8 @@ def test_best_of_n_executes_the_candidate_the_critic_rates_highest(bc_store, alg
     assert (config["kind"], config["best_of_n"], config["algorithm"], config["phase"]) == ("flow_ranked", 6, algo, "offline")
     runner = build_policy(weights, config)  # what fleet clients and the evaluator load
     torch.testing.assert_close(runner.model.sample(obs, noise=noise), chosen)
+    torch.testing.assert_close(flow_of(weights, config).sample(obs, noise=noise[:, 0]), candidates[:, 0])
+    assert type(flow_of(*reference.artifact())) is FlowPolicy
 
 
 def test_critic_overrides_shape_the_critic_and_travel_with_the_artifact():

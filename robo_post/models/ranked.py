@@ -90,3 +90,10 @@ class RankedFlowPolicy(nn.Module):
         critic = CriticNet(CriticConfig(**config["critic"]), config["value_outputs"])
         critic.load_state_dict(part("critic."))
         return cls(policy, critic, config["best_of_n"], config["q_agg"]).to(device).eval()
+
+
+def flow_of(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> FlowPolicy:
+    """The flow of a registry artifact: a ``flow`` itself, or the proposer of a ``flow_ranked``."""
+    if config["kind"] == "flow_ranked":
+        return RankedFlowPolicy.from_artifact(weights, config).policy
+    return FlowPolicy.from_artifact(weights, config)
