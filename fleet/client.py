@@ -42,7 +42,8 @@ class ClientConfig:
         tasks: tasks (tabletop) or scenarios (driving) cycled episode by episode.
         policy: artifact config used until the registry has a version (version 0).
         follow_registry: load the newest registry version at every episode boundary.
-        overseer: ``{"enabled", "stall_steps", "stall_tol", "takeover_steps"}``.
+        overseer: ``{"enabled", "stall_steps", "stall_tol", "takeover_steps", "deadline"}``
+            (``Overseer``).
         seed: base seed; episode seeds derive from (seed, seed_key or client_id, episode index).
         seed_key: clients sharing a seed_key see the same layouts (common random numbers
             when comparing policy versions).
@@ -101,22 +102,38 @@ class Overseer:
     """Scripted stand-in for a human supervisor (HG-DAgger style).
 
     When the policy stalls (proprio moved less than ``stall_tol`` over the last
-    ``stall_steps`` steps) the expert takes over for ``takeover_steps`` steps and
-    those steps are recorded with ``intervention=True``.
+    ``stall_steps`` steps) the expert takes over for ``takeover_steps`` steps. With
+    ``deadline`` set, an episode still running after that fraction of its step limit
+    is rescued: the expert takes over until it ends (a supervisor who stops waiting
+    for a slow attempt). Taken-over steps are recorded with ``intervention=True``.
     """
 
-    def __init__(self, stall_steps: int = 10, stall_tol: float = 1e-3, takeover_steps: int = 10, **_: Any):
+    def __init__(self, stall_steps: int = 10, stall_tol: float = 1e-3, takeover_steps: int = 10,
+                 deadline: float | None = None, **_: Any):
+        if deadline is not None and not 0.0 < deadline <= 1.0:
+            raise ValueError(f"overseer.deadline must be a fraction of the step limit in (0, 1], got {deadline}")
         self.stall_steps, self.stall_tol, self.takeover_steps = stall_steps, stall_tol, takeover_steps
+        self.deadline = deadline
         self.expert = ExpertPolicy()
         self.history: list[np.ndarray] = []
         self.remaining = 0
+        self.steps, self.deadline_step = 0, None
 
     def reset(self, env: Any, seed: int) -> None:
         self.expert.reset(env, seed)
-        self.history, self.remaining = [], 0
+        self.history, self.remaining, self.steps = [], 0, 0
+        self.deadline_step = None
+        if self.deadline is not None:
+            limit = getattr(env.unwrapped, "max_steps", None)
+            if limit is None:
+                raise ValueError(f"overseer.deadline needs an env with a step limit (max_steps); {env.unwrapped!r} has none")
+            self.deadline_step = int(self.deadline * limit)
 
     def filter(self, obs: dict[str, Any], action: np.ndarray, env: Any) -> tuple[np.ndarray, bool]:
         """Return the action to execute and whether the overseer intervened."""
+        self.steps += 1
+        if self.deadline_step is not None and self.steps > self.deadline_step:
+            return self.expert.act(obs, env), True
         state = np.asarray(obs["proprio"] if "proprio" in obs else obs["state"], dtype=np.float64)
         self.history = (self.history + [state])[-(self.stall_steps + 1) :]
         if self.remaining == 0 and len(self.history) > self.stall_steps:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
+from safetensors import safe_open
 
 from robo_post.algos.fql import FQLCritic
 from robo_post.cli import compose
@@ -151,6 +152,31 @@ def test_online_phase_with_fresh_prioritized_replay(bc_store, tmp_path):
     play = {e.key: e for e in store.snapshot().episodes()}
     assert traces and all(len(t["mode"]) == play[t["episode"]].length + 1 and not t["success"] for t in traces)
     assert (tmp_path / "lwd" / "value_distributions-online.png").stat().st_size > 0
+
+
+def test_imitation_feeds_a_cotrained_base_and_needs_one(bc_store, tmp_path):
+    """``lwd.imitation``: a co-trained base learns from the demos (and interventions) beside the
+    batch, offline and online, and resumes with the rest; without a co-trained base it is a
+    configuration error, raised before any training."""
+    cfg = compose("run", []).lwd
+    OmegaConf.set_struct(cfg, False)
+    cfg = OmegaConf.merge(cfg, {
+        "algo": "fql", "device": "cpu", "show": False, "batch_size": 8, "log_every": 2, "checkpoint_every": 4,
+        "critic_warmup": 0, "offline": {"updates": 4}, "actor": {"base": "ema_cotrained"},
+        "imitation": {"enabled": True}, "online": {"updates": 2, "publish_every": 2, "client_prefix": "play"},
+    })
+    store = Store.open(bc_store)
+    demos = min((store.snapshot(f[:-5]) for f in os.listdir(os.path.join(bc_store, "snapshots"))), key=len)
+    lwd.offline(bc_store, str(tmp_path / "on"), cfg, snapshot=demos.id)
+    lwd.online(bc_store, str(tmp_path / "on"), cfg, demos.id, fleet_running=lambda: False)
+    rows = [json.loads(x) for x in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update"] for r in rows] == [2, 4, 6] and all(np.isfinite(r["bc_loss_base"]) for r in rows)
+    checkpoint = str(tmp_path / "on" / "checkpoint" / "tensors.safetensors")
+    assert any(k.startswith("module.base_bc.") for k in safe_open(checkpoint, "pt").keys())
+    cfg.actor.base = "frozen"
+    with pytest.raises(ValueError, match="lwd.actor.base=ema_cotrained"):
+        lwd.offline(bc_store, str(tmp_path / "off"), cfg, snapshot=demos.id)
+    assert not (tmp_path / "off" / "metrics.jsonl").exists()
 
 
 def test_prioritized_sampler_weights_and_ages(bc_store):

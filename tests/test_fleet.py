@@ -211,6 +211,39 @@ def test_overseer_takes_over_a_stalled_policy_with_expert_actions(tmp_path, monk
     env.close()
 
 
+class WanderPolicy:
+    """Moves every step without getting anywhere: no stall, so only a deadline rescues it."""
+
+    def reset(self, env: Any, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def act(self, obs: dict[str, Any], env: Any) -> np.ndarray:
+        return self.rng.uniform(-1, 1, env.action_space.shape).astype(np.float32)
+
+
+def test_overseer_deadline_rescues_the_rest_of_a_slow_episode(tmp_path, monkeypatch):
+    monkeypatch.setattr(policies, "POLICY_KINDS", dict(policies.POLICY_KINDS))
+    register_policy_kind("wander", lambda weights, config: WanderPolicy())
+    store = make_store(str(tmp_path / "store"))
+    overseer = {"enabled": True, "stall_steps": 5, "stall_tol": 0.0, "takeover_steps": 5, "deadline": 0.5}
+    run_client(ClientConfig(store=store.root, client_id="c", episodes=2, env=ENV, policy={"kind": "wander"},
+                            follow_registry=False, overseer=overseer))
+    snap = store.snapshot()
+    env = make_env(ENV, "reach")
+    deadline = env.unwrapped.max_steps // 2
+    for ep in snap.episodes():
+        flags = snap.load(ep)["intervention"]
+        assert not flags[:deadline].any() and flags[deadline:].all()  # rescued from the deadline to the end
+        assert ep.success and ep.length > deadline
+        for recorded, expert in replay_with_expert(snap, ep, env):
+            np.testing.assert_allclose(recorded, expert, atol=1e-6)
+    with pytest.raises(ValueError, match="overseer.deadline"):
+        run_client(ClientConfig(store=store.root, client_id="bad", episodes=1, env=ENV, policy={"kind": "wander"},
+                                follow_registry=False, overseer={**overseer, "deadline": 1.5}))
+    assert len(store.snapshot().episodes()) == 2  # nothing lost, nothing half-written
+    env.close()
+
+
 def test_collect_cli_end_to_end(tmp_path):
     root = str(tmp_path / "store")
     cli = os.path.join(os.path.dirname(sys.executable), "robo-post")

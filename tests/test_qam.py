@@ -273,6 +273,32 @@ def test_fql_baseline_moves_along_c_and_stays_near_the_reference(base_policy):
     assert metrics["distill_loss"] < 0.05
 
 
+# --- co-trained base: imitates the learner's imitation windows, not the batch --------------------
+@pytest.mark.parametrize("actor", ["qam", "fql"])
+def test_cotrained_base_imitates_the_imitation_windows(base_policy, actor):
+    """The batch's actions sit at +0.6 (every source, failures too), the imitation windows'
+    (demonstrations, interventions) at -0.6: the co-trained base, and with it the
+    reference, follows the imitation windows, or the batch when there are none."""
+    flat = lambda obs, a: torch.zeros(1, a.shape[0])  # noqa: E731  (no critic pull)
+    means = {}
+    for imitate in (True, False):
+        torch.manual_seed(0)
+        if actor == "qam":
+            learner = QAM(base_policy, QAMConfig(base="ema_cotrained", ema_rate=0.2, lr=3e-3))
+        else:
+            learner = FQL(base_policy, FQLConfig(base="ema_cotrained", ema_rate=0.2, lr=3e-3))
+        for _ in range(150):
+            batch = _batch(128, torch.full((128,), 0.6))
+            if imitate:
+                batch["imitation"] = _batch(128, torch.full((128,), -0.6))
+            metrics = learner.update(batch, flat)
+        assert metrics["bc_loss_base"] < 0.5
+        means[imitate] = sample_moments(learner.reference)[0]
+    assert means[True] == pytest.approx(-0.6, abs=0.1) and means[False] == pytest.approx(0.6, abs=0.1)
+    with pytest.raises(ValueError, match="base"):
+        FQL(base_policy, FQLConfig(base="cotrained"))
+
+
 # --- 19-20. no critic gradient from the actor; frozen base ------------------------------------
 def test_actor_update_touches_neither_critic_nor_reference():
     torch.manual_seed(0)

@@ -16,6 +16,9 @@ def test_run_end_to_end(tmp_path):
         "+bc.model.use_text=false", "+bc.model.hidden_dim=32", "+bc.model.embed_dim=16", "bc.batch_size=16",
         "preset.critic_warmup=5", "preset.offline_updates=15", "preset.online_publish_every=10",
         "preset.online_episodes=2", "preset.online_updates=10", "preset.eval_episodes=2", "lwd.batch_size=16",
+        # The overseer rescues the fleet's own episodes from step 2 on; a co-trained base imitates that.
+        "fleet.overseer.enabled=true", "fleet.overseer.deadline=0.05", "+lwd.actor.base=ema_cotrained",
+        "lwd.imitation.enabled=true",
     ]
     r = subprocess.run([sys.executable, "-m", "robo_post.cli", "run", *overrides], capture_output=True, text=True,
                        timeout=900)
@@ -33,9 +36,14 @@ def test_run_end_to_end(tmp_path):
     assert sum(e.client_id.startswith("online") for e in episodes) == 2
     # BC's own rollouts (the deploy stage) are recorded before extraction and are part of its data.
     assert [e.policy_version for e in episodes if e.client_id.startswith("deploy")] == [1, 1]
+    # Only the policy's episodes (deploy, online) are overseen; scripted demos and play are not.
+    for e in episodes:
+        assert (e.attrs["interventions"] > 0) == e.client_id.startswith(("deploy", "online")), e.client_id
+    evaluated = Store.open(str(run_dir / "eval-store")).snapshot()
+    assert len(evaluated) and all(e.attrs["interventions"] == 0 for e in evaluated)  # success is the policy's own
     offline = json.loads((run_dir / "lwd" / "summary.json").read_text())
     assert offline["episodes"] == 6 + 3 + 2
     rows = [json.loads(line) for line in (run_dir / "lwd" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["update"] == 25 and "loss_am" in rows[-1] and "tau_mean" in rows[-1]
+    assert rows[-1]["update"] == 25 and "loss_am" in rows[-1] and "tau_mean" in rows[-1] and "bc_loss_base" in rows[-1]
     report = (run_dir / "report" / "report.md").read_text()
     assert "v3" in report and os.path.getsize(run_dir / "report" / "success_rates.png") > 0

@@ -14,6 +14,7 @@ import zarr
 from robo_post.store import (
     ArraySpec,
     EpisodeValidationError,
+    ImitationSampler,
     InvalidNameError,
     MixedSampler,
     PolicyRegistry,
@@ -151,6 +152,11 @@ def test_sampler_chunk_targets_by_hand(tmp_path):
     # interior: bootstrap at t+2 with g^2; terminated overrun: 0; truncated overrun: final obs with g^(T-t)
     assert b["discounts"].tolist() == pytest.approx([g**2, 0, 0, g**2, g**2, g**1])
     assert b["next_obs"]["x"].tolist() == [20, 50, 50, 20, 60, 60]
+    # Time-outs as failures: the truncated overrun stops bootstrapping; nothing else changes.
+    s0 = WindowSampler.from_snapshot(snap, horizon=2, n_step=1, gamma=g, bootstrap_truncated=False)
+    b0 = s0.sample(0, starts=np.array([0, 3, 4, 5, 9, 10]))
+    assert b0["discounts"].tolist() == pytest.approx([g**2, 0, 0, g**2, 0, 0])  # windows reaching T
+    assert torch.equal(b0["rewards"], b["rewards"]) and torch.equal(b0["next_obs"]["x"], b["next_obs"]["x"])
     # n-step: K = n*H = 4 steps
     s4 = WindowSampler.from_snapshot(snap, horizon=2, n_step=2, gamma=g)
     b4 = s4.sample(0, starts=np.array([0, 5, 7]))
@@ -160,6 +166,43 @@ def test_sampler_chunk_targets_by_hand(tmp_path):
     # n=1 targets equal the generic formula bit-exactly
     s1 = WindowSampler.from_snapshot(snap, horizon=4, n_step=1, gamma=g)
     assert torch.equal(s1.sample(0, starts=np.array([0, 5]))["rewards"], b4["rewards"][:2])
+
+
+def test_imitation_sampler_draws_demonstrations_and_interventions_only(tmp_path):
+    schema = StoreSchema({"x": ArraySpec("float32", ())}, ArraySpec("float32", (1,), low=-100.0, high=100.0))
+    store = Store.create(str(tmp_path / "s"), schema)
+    x = iter(range(1000))  # every step gets its own observation value
+
+    def episode(writer, T, success, interventions=()):
+        flags = np.isin(np.arange(T), interventions)
+        writer.write_episode({"x": np.array([next(x) for _ in range(T + 1)], np.float32)}, np.zeros((T, 1), np.float32),
+                             rewards=np.arange(T) == T - 1 if success else np.zeros(T),
+                             terminated=np.arange(T) == T - 1 if success else np.zeros(T),
+                             truncated=np.zeros(T) if success else np.arange(T) == T - 1,
+                             interventions=flags, success=success)
+
+    with store.writer("demo-0") as w:
+        episode(w, 3, True)      # x 0..2 imitated
+        episode(w, 2, False)     # x 4, 5: a failed demo is not imitated
+    with store.writer("deploy-0") as w:
+        episode(w, 5, True, interventions=(3, 4))  # x 7..11: the overseer's steps 3, 4 -> x 10, 11
+    snap = store.snapshot()
+    sampler = WindowSampler.from_snapshot(snap, horizon=2)
+    imitation = ImitationSampler([sampler], lambda e: e.success and e.client_id.startswith("demo-"), seed=0)
+    assert sorted(sampler.sample(0, starts=imitation.starts[0])["obs"]["x"].tolist()) == [0, 1, 2, 10, 11]
+    assert set(imitation.sample(200)["obs"]["x"].tolist()) == {0, 1, 2, 10, 11}
+    # Episodes reaching a second sampler later (online) are indexed on refresh().
+    online = WindowSampler(horizon=2)
+    imitation = ImitationSampler([sampler, online], imitation.is_demo, seed=0)
+    with store.writer("deploy-1") as w:
+        episode(w, 3, False, interventions=(0,))  # x 13..15: step 0 -> x 13
+    new = store.snapshot()
+    online.add_episodes(new, new.episodes(client="deploy-1"))
+    assert len(imitation) == 5
+    imitation.refresh()
+    assert len(imitation) == 6 and 13 in imitation.sample(200)["obs"]["x"].tolist()
+    with pytest.raises(ValueError, match="imitate"):
+        ImitationSampler([WindowSampler(horizon=2)], imitation.is_demo).sample(4)
 
 
 def test_sampler_batch_shapes_and_staleness(store):

@@ -28,6 +28,14 @@ class BCFlowConfig:
     grad_clip: float = 1.0
 
 
+def base_bc_loss(base: FlowPolicy, batch: dict) -> torch.Tensor:
+    """Flow-matching loss of a co-trained base (QAM's and FQL's ``base = ema_cotrained``) on
+    ``batch["imitation"]`` when the learner supplies it (``robo_post.store.ImitationSampler``:
+    demonstrations and interventions), else on the batch itself."""
+    data = batch.get("imitation", batch)
+    return base.bc_loss(data["obs"], data["actions"], data.get("action_mask"))
+
+
 class BCFlow:
     """Owns a ``FlowPolicy`` and its optimiser; ``update(batch)`` is one gradient step."""
 

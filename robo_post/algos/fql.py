@@ -6,8 +6,8 @@ critic:
 
     L(mu) = alpha * E ||mu(s, eps) - clip(ODE_beta(s, eps))||^2 - E[Q(s, clip(mu(s, eps)))]
 
-Unlike the FQL paper, which co-trains the BC flow, the reference here is the frozen
-BC flow, as for QAM in LWD (§4.2). The actor reads its critic through the same
+By default the reference is the frozen BC flow, as for QAM in LWD (§4.2); ``base =
+ema_cotrained`` co-trains a BC flow and distills from its EMA, as the FQL paper does. The actor reads its critic through the same
 ``critic_fn(obs, normalised_chunk) -> (E, B)`` hand-off as QAM, so it can sit on
 any critic; ``FQLCritic`` is FQL's own: plain TD whose bootstrap action is the
 one-step policy's chunk at the next state, y = r + gamma^H * agg_j Q'_j(s', mu(s', eps)).
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from robo_post.algos.bc_flow import base_bc_loss
 from robo_post.algos.divl import CriticFn, aggregate_heads, td_target, twin_critic_fn, weighted_mean
 from robo_post.models.critic import CriticConfig, CriticNet, ema_update
 from robo_post.models.flow import FlowPolicy
@@ -42,6 +43,9 @@ class FQLConfig:
         lr: Adam learning rate (FQL: 3e-4).
         grad_clip: global gradient-norm clip; 0 disables it (FQL has none).
         q_net: critic the actor climbs: ``online`` (FQL code) or ``target``.
+        base: ``frozen`` reference, or ``ema_cotrained``: a BC flow trained on the batch
+            (or its ``imitation`` part, ``lwd.imitation``) whose EMA is the reference.
+        ema_rate: EMA rate of the reference when ``base = ema_cotrained``.
     """
 
     alpha: float = 10.0
@@ -50,6 +54,8 @@ class FQLConfig:
     lr: float = 3e-4
     grad_clip: float = 0.0
     q_net: str = "online"
+    base: str = "frozen"
+    ema_rate: float = 0.005
 
 
 class FQL:
@@ -65,12 +71,19 @@ class FQL:
         self.config = config or FQLConfig()
         if self.config.q_agg not in ("mean", "min"):
             raise ValueError(f"q_agg must be 'mean' or 'min', got {self.config.q_agg!r}")
+        if self.config.base not in ("frozen", "ema_cotrained"):
+            raise ValueError(f"base must be 'frozen' or 'ema_cotrained', got {self.config.base!r}")
         self.device = torch.device(device)
         self.reference = copy.deepcopy(reference).to(self.device).requires_grad_(False)
         self.one_step = copy.deepcopy(reference).to(self.device).requires_grad_(True)
         # A FlowPolicy with one Euler step samples exactly mu(s, eps) = eps + v(s, eps, 0), clipped.
         self.one_step.config = dataclasses.replace(reference.config, flow_steps=1)
-        self.opt = torch.optim.Adam(self.one_step.parameters(), lr=self.config.lr)
+        self.params = list(self.one_step.parameters())
+        self.bc = None
+        if self.config.base == "ema_cotrained":
+            self.bc = copy.deepcopy(reference).to(self.device).requires_grad_(True)
+            self.params += list(self.bc.parameters())
+        self.opt = torch.optim.Adam(self.params, lr=self.config.lr)
         self.steps = 0
 
     def one_step_actions(self, obs: dict[str, Any], noise: torch.Tensor) -> torch.Tensor:
@@ -92,13 +105,20 @@ class FQL:
         if cfg.normalize_q_loss:
             q_loss = q_loss / q.abs().mean().detach().clamp_min(1e-6)
         loss = cfg.alpha * distill + q_loss
+        metrics = {"distill_loss": distill.item(), "q_loss": q_loss.item(), "q_mean": q.mean().item()}
+        if self.bc is not None:
+            bc_base = base_bc_loss(self.bc, batch)
+            loss = loss + bc_base
+            metrics["bc_loss_base"] = bc_base.item()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.one_step.parameters(), cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
         self.opt.step()
+        if self.bc is not None:
+            ema_update(self.reference, self.bc, cfg.ema_rate)
         self.steps += 1
-        return {"distill_loss": distill.item(), "q_loss": q_loss.item(), "q_mean": q.mean().item()}
+        return metrics
 
     @torch.no_grad()
     def next_chunks(self, obs: dict[str, Any]) -> torch.Tensor:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from robo_post.algos.bc_flow import base_bc_loss
 from robo_post.algos.divl import CriticFn, aggregate_heads
 from robo_post.models.critic import ema_update
 from robo_post.models.flow import FlowPolicy
@@ -174,7 +175,8 @@ class QAMConfig:
             builds ``critic_fn = value_learner.critic_fn(q_net)`` (§3.8 #2).
         q_agg: ``mean`` or ``min`` over critic heads for grad_a Q (§3.8 #2).
         base: ``frozen`` keeps pi_beta fixed (LWD); ``ema_cotrained`` trains a BC flow on
-            the batch and uses its EMA as pi_beta (QAM code) (§3.8 #3).
+            the batch, or on its ``imitation`` part when the learner adds one
+            (``lwd.imitation``), and uses its EMA as pi_beta (QAM code) (§3.8 #3).
         init: ``base`` starts pi_theta as a copy of pi_beta (LWD); ``random`` re-initialises
             it (QAM code) (§3.8 #4).
         time_grid: ``shifted`` (QAM h-offset) or ``eps`` (grid on [eps, 1]) (§3.8 #5).
@@ -281,7 +283,7 @@ class QAM:
             loss = loss + cfg.bc_weight * bc_fine
             metrics["bc_loss_fine"] = bc_fine.item()
         if self.bc is not None:
-            bc_base = self.bc.bc_loss(obs, batch["actions"], batch.get("action_mask"))
+            bc_base = base_bc_loss(self.bc, batch)
             loss = loss + bc_base
             metrics["bc_loss_base"] = bc_base.item()
 

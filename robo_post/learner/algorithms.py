@@ -86,8 +86,11 @@ class ActorCritic:
 
     @property
     def modules(self) -> dict[str, torch.nn.Module]:
-        return {"critic": self.value.net, "critic_target": self.value.target, "actor": self.policy,
-                "reference": self.actor.reference}
+        modules = {"critic": self.value.net, "critic_target": self.value.target, "actor": self.policy,
+                   "reference": self.actor.reference}
+        if self.actor.bc is not None:  # a co-trained base resumes with the rest
+            modules["base_bc"] = self.actor.bc
+        return modules
 
     @property
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:

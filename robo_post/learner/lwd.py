@@ -27,8 +27,8 @@ from robo_post.learner.algorithms import ActorCritic
 from robo_post.learner.train import resolve_device, train_loop
 from robo_post.learner.value_report import write_value_report
 from robo_post.models.flow import FlowPolicy
-from robo_post.store import (EpisodeInfo, FreshPERConfig, MixedSampler, PolicyRegistry, PrioritizedSampler, Snapshot,
-                             Store, WindowSampler)
+from robo_post.store import (EpisodeInfo, FreshPERConfig, ImitationSampler, MixedSampler, PolicyRegistry,
+                             PrioritizedSampler, Snapshot, Store, WindowSampler)
 
 
 def build(store: Store, cfg: DictConfig, device) -> tuple[ActorCritic, int]:
@@ -48,7 +48,25 @@ def build(store: Store, cfg: DictConfig, device) -> tuple[ActorCritic, int]:
 def _sampler(algo: ActorCritic, snap: Snapshot, episodes, cfg: DictConfig, n_step: int, device,
              seed: int) -> WindowSampler:
     return WindowSampler.from_snapshot(snap, episodes, horizon=algo.policy.config.horizon, n_step=n_step,
-                                       gamma=cfg.gamma, device=device, seed=seed)
+                                       gamma=cfg.gamma, device=device, seed=seed,
+                                       bootstrap_truncated=cfg.bootstrap_truncated)
+
+
+def _imitation(algo: ActorCritic, samplers: list[WindowSampler], cfg: DictConfig) -> ImitationSampler | None:
+    """What a co-trained base imitates (``lwd.imitation``): the successful episodes of the
+    demonstration clients and every intervention step, among the samplers' windows."""
+    if not cfg.imitation.enabled:
+        return None
+    if algo.actor.bc is None:
+        raise ValueError("lwd.imitation.enabled needs a co-trained base to imitate with: set lwd.actor.base=ema_cotrained")
+    prefixes = tuple(f"{p}-" for p in cfg.imitation.demo_clients)
+    return ImitationSampler(samplers, lambda e: e.success and e.client_id.startswith(prefixes), seed=cfg.seed + 3)
+
+
+def _with_imitation(sample: Callable[[], dict], imitation: ImitationSampler | None, batch_size: int):
+    if imitation is None:
+        return sample
+    return lambda: {**sample(), "imitation": imitation.sample(batch_size)}
 
 
 def _publish(store: Store, algo: ActorCritic, parent: int, snap_id: str, phase: str, cfg: DictConfig) -> int:
@@ -69,9 +87,11 @@ def offline(store_root: str, run_dir: str, cfg: DictConfig, snapshot: str | None
     snap = store.snapshot(snapshot)
     algo, parent = build(store, cfg, device)
     sampler = _sampler(algo, snap, episodes, cfg, cfg.offline.n_step, device, cfg.seed)
+    imitation = _imitation(algo, [sampler], cfg)
+    rngs = {"sampler": sampler.rng} | ({"imitation": imitation.rng} if imitation else {})
     t0 = time.perf_counter()
-    logged = train_loop(algo, lambda: sampler.sample(cfg.batch_size), run_dir, cfg.offline.updates,
-                        {"sampler": sampler.rng}, log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every,
+    logged = train_loop(algo, _with_imitation(lambda: sampler.sample(cfg.batch_size), imitation, cfg.batch_size),
+                        run_dir, cfg.offline.updates, rngs, log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every,
                         eval_every=eval_every, evaluate=evaluate and (lambda update: evaluate(algo.policy)),
                         show=cfg.show)
     version = _publish(store, algo, parent, snap.id, "offline", cfg)
@@ -116,6 +136,7 @@ def online(store_root: str, run_dir: str, cfg: DictConfig, offline_snapshot: str
         replay_cfg = FreshPERConfig(**{k: v for k, v in on.replay.items() if k != "enabled"})
         replay = PrioritizedSampler(online_sampler, replay_cfg, seed=cfg.seed + 2)
     mixed = MixedSampler(offline_sampler, online_sampler if replay is None else replay, on.online_fraction)
+    imitation = _imitation(algo, [offline_sampler, online_sampler], cfg)
     state: dict[str, Any] = {"seen": base, "polled": 0.0, "drained": False, "batch": None}
 
     def ingest() -> None:
@@ -127,6 +148,8 @@ def online(store_root: str, run_dir: str, cfg: DictConfig, offline_snapshot: str
         if not new:
             return
         online_sampler.add_episodes(snap, new)
+        if imitation is not None:
+            imitation.refresh()
         if replay is not None:  # the new windows, in the order the sampler appended them
             replay.add_windows(_stored_at(run_dir, online_sampler.episodes[-len(new):], algo.updates))
 
@@ -145,7 +168,7 @@ def online(store_root: str, run_dir: str, cfg: DictConfig, offline_snapshot: str
         if replay is not None:
             replay.step = algo.updates
         state["batch"] = mixed.sample(cfg.batch_size)
-        return state["batch"]
+        return state["batch"] if imitation is None else {**state["batch"], "imitation": imitation.sample(cfg.batch_size)}
 
     published: list[int] = []
 
@@ -155,7 +178,8 @@ def online(store_root: str, run_dir: str, cfg: DictConfig, offline_snapshot: str
             published.append(_publish(store, algo, parent, state["seen"].id, f"online-{update}", cfg))
 
     t0 = time.perf_counter()
-    logged = train_loop(algo, sample, run_dir, total, {"offline": offline_sampler.rng, "online": online_sampler.rng},
+    rngs = {"offline": offline_sampler.rng, "online": online_sampler.rng} | ({"imitation": imitation.rng} if imitation else {})
+    logged = train_loop(algo, sample, run_dir, total, rngs,
                         log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every, show=cfg.show,
                         after_update=after_update)
     if isinstance(algo.value, DIVL):  # on the fleet's episodes: the policy's own successes and failures

@@ -35,10 +35,11 @@ def _compose(name: str, values: dict[str, Any]) -> DictConfig:
 
 
 def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, policy: dict[str, Any],
-                  follow_registry: bool = False, show: bool | None = None, layout_repeats: int = 1) -> None:
+                  follow_registry: bool = False, show: bool | None = None, layout_repeats: int = 1,
+                  overseer: dict[str, Any] | None = None) -> None:
     """Record episodes under client ids ``prefix-*`` until they hold ``episodes``; clients run
     ``policy``, or the newest registry version when ``follow_registry``, each layout
-    ``layout_repeats`` times."""
+    ``layout_repeats`` times, watched by ``overseer`` (``fleet.overseer`` keys) if given."""
     from robo_post.fleet.collect import collect
 
     store = Store.open(store_root) if os.path.exists(os.path.join(store_root, "store.json")) else None
@@ -50,7 +51,7 @@ def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, 
         "env": {"tasks": list(cfg.env.tasks), "kwargs": OmegaConf.to_container(cfg.env.kwargs)},
         "policy": policy,
         "fleet": {"n_clients": cfg.fleet.n_clients, "client_prefix": prefix, "follow_registry": follow_registry,
-                  "layout_repeats": layout_repeats},
+                  "layout_repeats": layout_repeats, **({"overseer": overseer} if overseer else {})},
     }))
 
 
@@ -76,8 +77,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             **OmegaConf.to_container(cfg.bc, resolve=True),
         }))
 
+    # The fleet's own policies run under the overseer (interventions), the scripted demos and play do not.
+    overseer = OmegaConf.to_container(cfg.fleet.overseer, resolve=True)
     collect_stage(cfg, store_root, "deploy", cfg.deploy.episodes, {"kind": "expert"}, follow_registry=True,
-                  layout_repeats=cfg.deploy.layout_repeats)
+                  layout_repeats=cfg.deploy.layout_repeats, overseer=overseer)
 
     run_dirs = [bc_dir]
     if cfg.lwd.enabled:
@@ -95,7 +98,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             def fleet() -> None:
                 try:
                     collect_stage(cfg, store_root, cfg.lwd.online.client_prefix, cfg.lwd.online.episodes,
-                                  {"kind": "expert"}, follow_registry=True, show=False)
+                                  {"kind": "expert"}, follow_registry=True, show=False, overseer=overseer)
                 except BaseException as e:  # re-raised below, after the learner stops
                     fleet_error.append(e)
 

@@ -126,9 +126,10 @@ def lwd_config(cfg: DictConfig) -> DictConfig:
     a = cfg.algo
     return OmegaConf.create({
         "algo": a.name, "critic": a.critic, "value": a.value, "actor": a.actor, "critic_warmup": a.critic_warmup, "best_of_n": a.best_of_n,
+        "imitation": a.imitation,
         "reference_version": a.reference_version, "device": cfg.device, "torch_threads": cfg.torch_threads,
         "seed": cfg.seed, "show": cfg.show,
-        "gamma": cfg.gamma, "batch_size": cfg.batch_size, "log_every": cfg.log_every,
+        "gamma": cfg.gamma, "bootstrap_truncated": a.bootstrap_truncated, "batch_size": cfg.batch_size, "log_every": cfg.log_every,
         "checkpoint_every": cfg.checkpoint_every, "offline": {"updates": cfg.updates, "n_step": a.n_step},
     })
 

@@ -3,7 +3,7 @@ consistent snapshots, chunked-window sampling and a policy registry."""
 
 from robo_post.store.registry import PolicyNotFoundError, PolicyRegistry, PolicyVersionExistsError
 from robo_post.store.replay import FreshPER, FreshPERConfig
-from robo_post.store.sampler import MixedSampler, PrioritizedSampler, WindowSampler
+from robo_post.store.sampler import ImitationSampler, MixedSampler, PrioritizedSampler, WindowSampler
 from robo_post.store.schema import (
     SCHEMA_VERSION,
     ArraySpec,
@@ -26,6 +26,7 @@ __all__ = [
     "EpisodeValidationError",
     "FreshPER",
     "FreshPERConfig",
+    "ImitationSampler",
     "InvalidNameError",
     "MixedSampler",
     "PolicyNotFoundError",

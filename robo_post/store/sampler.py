@@ -17,7 +17,9 @@ key                shape             meaning
                                      runs past the end: the final observation
 ``discounts``      (B,) float32      gamma^K inside the episode; gamma^(T-t) when
                                      a truncated episode ends inside the window;
-                                     0 when a terminated one does (no bootstrap)
+                                     0 when a terminated one does (no bootstrap),
+                                     or a truncated one with
+                                     ``bootstrap_truncated=False``
 ``policy_version`` (B,) int64        version that produced a_t
 ``indices``        (B,) int64        global step index (for priorities)
 =================  ================  ===========================================
@@ -28,12 +30,13 @@ target is ``rewards + discounts * V(next_obs)``.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
 
 from robo_post.store.replay import FreshPER, FreshPERConfig
+from robo_post.store.schema import STEP_COLUMNS
 from robo_post.store.store import EpisodeInfo, Snapshot
 
 
@@ -68,6 +71,12 @@ class WindowSampler:
         obs_keys: observation keys to keep (default: all in the schema).
         device: torch device for returned tensors.
         seed: RNG seed for window selection.
+        bootstrap_truncated: bootstrap from the final observation of an episode cut by a
+            time limit (gym semantics). False makes every episode end terminal: a time-out
+            is a failure worth its rewards so far, the episode-level success label of
+            LWD's sparse-reward setting. Without a clock in the state, bootstrapping a
+            time-out gives a failed attempt the value of the same state on a successful
+            one, so the critic cannot tell failures from successes.
     """
 
     def __init__(
@@ -78,10 +87,12 @@ class WindowSampler:
         obs_keys: Iterable[str] | None = None,
         device: str | torch.device = "cpu",
         seed: int = 0,
+        bootstrap_truncated: bool = True,
     ):
         if horizon < 1 or n_step < 1:
             raise ValueError("horizon and n_step must be >= 1")
         self.horizon, self.n_step, self.gamma = horizon, n_step, gamma
+        self.bootstrap_truncated = bootstrap_truncated
         self.obs_keys = None if obs_keys is None else list(obs_keys)
         self.device = torch.device(device)
         self.rng = np.random.default_rng(seed)
@@ -93,6 +104,7 @@ class WindowSampler:
         # Everything a window needs that depends only on its start step is computed
         # once per step when episodes are added; sample() is then a few gathers.
         self._version = _Grow(np.int64, ())
+        self._intervention = _Grow(bool, ())  # a_t was the overseer's, not the policy's
         self._ordinal = _Grow(np.int64, ())  # episode ordinal (for the instruction)
         self._obs_row = _Grow(np.int64, ())  # observation row of s_t
         self._next_row = _Grow(np.int64, ())  # observation row of the bootstrap s_{t+K}
@@ -154,10 +166,11 @@ class WindowSampler:
         # Rewards r_t .. r_{t+K-1}, zero past the episode end.
         r = table[:, 0].astype(np.float32)[np.minimum(t[:, None] + np.arange(K), T - 1)] * (t[:, None] + np.arange(K) < T)
         taken = np.minimum(K, T - t)  # env steps until bootstrap (or episode end)
-        no_bootstrap = (t + K >= T) & ep.terminated
+        no_bootstrap = (t + K >= T) & (ep.terminated or not self.bootstrap_truncated)
         self._return.extend((r @ self._pow[:K]).astype(np.float32))
         self._discount.extend((self._pow[taken] * ~no_bootstrap).astype(np.float32))
         self._version.extend(table[:, 3])
+        self._intervention.extend(table[:, STEP_COLUMNS.index("intervention")] > 0)
         self._ordinal.extend(np.full(T, len(self.episodes)))
         self._obs_row.extend(obs_start + t)
         self._next_row.extend(obs_start + t + taken)  # == final-observation row when the window overruns
@@ -200,6 +213,41 @@ class WindowSampler:
             "policy_version": to(self._version.view[t]),
             "indices": to(t),
         }
+
+
+class ImitationSampler:
+    """Windows whose first action a demonstrator chose: every step of the demonstration
+    episodes (``is_demo``) and the intervention steps of all others (HG-DAgger's data),
+    drawn uniformly from the windows already held by ``samplers`` (no second copy).
+
+    What a co-trained BC base imitates (``lwd.imitation``): the learner's batches mix
+    every source, and a base that imitated them all would imitate failures too.
+    """
+
+    def __init__(self, samplers: list[WindowSampler], is_demo: Callable[[EpisodeInfo], bool], seed: int = 0):
+        self.samplers, self.is_demo = list(samplers), is_demo
+        self.starts = [np.zeros(0, dtype=np.int64) for _ in self.samplers]
+        self._indexed = [0] * len(self.samplers)
+        self.rng = np.random.default_rng(seed)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Index the windows added to the samplers since the last call."""
+        for i, s in enumerate(self.samplers):
+            rows = np.arange(self._indexed[i], len(s))
+            demo = np.array([self.is_demo(e) for e in s.episodes], dtype=bool)[s._ordinal.view[rows]]
+            self.starts[i] = np.concatenate([self.starts[i], rows[demo | s._intervention.view[rows]]])
+            self._indexed[i] = len(s)
+
+    def __len__(self) -> int:
+        return sum(len(st) for st in self.starts)
+
+    def sample(self, batch_size: int) -> dict:
+        if not len(self):
+            raise ValueError("no demonstration or intervention steps to imitate")
+        counts = self.rng.multinomial(batch_size, [len(st) / len(self) for st in self.starts])
+        return _concat([s.sample(0, starts=st[self.rng.integers(0, len(st), n)])
+                        for s, st, n in zip(self.samplers, self.starts, counts) if n])
 
 
 class PrioritizedSampler:
