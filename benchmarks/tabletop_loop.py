@@ -4,6 +4,9 @@ DIVL+QAM and FQL side by side from the same demos and the same BC policy.
     .venv/bin/python benchmarks/tabletop_loop.py                     # run.yaml defaults (~30 min on 2 cores)
     .venv/bin/python benchmarks/tabletop_loop.py preset=long         # longer, stronger run
     .venv/bin/python benchmarks/tabletop_loop.py preset.online_publish_every=150 --algos divl_qam iql_qam fql
+    .venv/bin/python benchmarks/tabletop_loop.py --out runs/interventions preset.deploy_episodes=800 \
+        fleet.overseer.enabled=true fleet.overseer.deadline=0.5 +lwd.actor.base=ema_cotrained \
+        lwd.imitation.enabled=true --results benchmarks/results/tabletop_loop_interventions.json
 
 Any other argument is a hydra override of ``configs/run.yaml`` (the `robo-post run`
 config). Stages:
