@@ -75,8 +75,7 @@ class WindowSampler:
             time limit (gym semantics). False makes every episode end terminal: a time-out
             is a failure worth its rewards so far, the episode-level success label of
             LWD's sparse-reward setting. Without a clock in the state, bootstrapping a
-            time-out gives a failed attempt the value of the same state on a successful
-            one, so the critic cannot tell failures from successes.
+            time-out gives a failed attempt the value of the same state on a successful one.
     """
 
     def __init__(
