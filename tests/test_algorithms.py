@@ -76,6 +76,24 @@ def test_resume_matches_uninterrupted_run(bc_store, tmp_path, algo):
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.parametrize("algo", ["divl_qam", "fql"])
+def test_resume_with_an_imitating_base_matches_uninterrupted_run(bc_store, tmp_path, algo):
+    """The co-trained base and the imitation sampler's RNG travel with the checkpoint."""
+    imitate = {"algo": {"actor": {"base": "ema_cotrained"}, "imitation": {"enabled": True}}}
+    for run_dir, updates in (("full", 8), ("split", 4), ("split", 8)):
+        cfg = _cfg(bc_store, str(tmp_path / run_dir), algo, updates)
+        OmegaConf.set_struct(cfg, False)  # actor overrides are open keys, as `+algo.actor.base=...` on the CLI
+        train(OmegaConf.merge(cfg, imitate))
+    read = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+    full, split = read("full"), read("split")
+    assert [r["update"] for r in split] == [2, 4, 6, 8]
+    assert all("bc_loss_base" in r for r in split[1:])  # the actor (and its base) moves after the warm-up
+    for a, b in zip(full, split):
+        assert a.keys() == b.keys()
+        for k in {"loss_q", "bc_loss_base"} & a.keys():
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7)
+
+
 def test_fql_published_policy_acts_like_the_one_step_policy(bc_store):
     registry = PolicyRegistry(bc_store)
     reference = FlowPolicy.from_artifact(*registry.load(1))
