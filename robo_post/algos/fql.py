@@ -7,9 +7,9 @@ critic:
     L(mu) = alpha * E ||mu(s, eps) - clip(ODE_beta(s, eps))||^2 - E[Q(s, clip(mu(s, eps)))]
 
 By default the reference is the frozen BC flow, as for QAM in LWD (§4.2); ``base =
-ema_cotrained`` co-trains a BC flow and distills from its EMA, as the FQL paper does. The actor reads its critic through the same
-``critic_fn(obs, normalised_chunk) -> (E, B)`` hand-off as QAM, so it can sit on
-any critic; ``FQLCritic`` is FQL's own: plain TD whose bootstrap action is the
+ema_cotrained`` co-trains a BC flow and distills from its EMA, as the FQL paper does.
+The actor reads its critic through the same ``critic_fn(obs, normalised_chunk) ->
+(E, B)`` hand-off as QAM, so it can sit on any critic; ``FQLCritic`` is FQL's own: plain TD whose bootstrap action is the
 one-step policy's chunk at the next state, y = r + gamma^H * agg_j Q'_j(s', mu(s', eps)).
 
 The one-step policy reuses the ``FlowPolicy`` architecture: mu(s, eps) = eps +

@@ -63,10 +63,8 @@ def _imitation(algo: ActorCritic, samplers: list[WindowSampler], cfg: DictConfig
     return ImitationSampler(samplers, lambda e: e.success and e.client_id.startswith(prefixes), seed=cfg.seed + 3)
 
 
-def _with_imitation(sample: Callable[[], dict], imitation: ImitationSampler | None, batch_size: int):
-    if imitation is None:
-        return sample
-    return lambda: {**sample(), "imitation": imitation.sample(batch_size)}
+def _add_imitation(batch: dict, imitation: ImitationSampler | None, batch_size: int) -> dict:
+    return batch if imitation is None else {**batch, "imitation": imitation.sample(batch_size)}
 
 
 def _publish(store: Store, algo: ActorCritic, parent: int, snap_id: str, phase: str, cfg: DictConfig) -> int:
@@ -90,7 +88,7 @@ def offline(store_root: str, run_dir: str, cfg: DictConfig, snapshot: str | None
     imitation = _imitation(algo, [sampler], cfg)
     rngs = {"sampler": sampler.rng} | ({"imitation": imitation.rng} if imitation else {})
     t0 = time.perf_counter()
-    logged = train_loop(algo, _with_imitation(lambda: sampler.sample(cfg.batch_size), imitation, cfg.batch_size),
+    logged = train_loop(algo, lambda: _add_imitation(sampler.sample(cfg.batch_size), imitation, cfg.batch_size),
                         run_dir, cfg.offline.updates, rngs, log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every,
                         eval_every=eval_every, evaluate=evaluate and (lambda update: evaluate(algo.policy)),
                         show=cfg.show)
@@ -168,7 +166,7 @@ def online(store_root: str, run_dir: str, cfg: DictConfig, offline_snapshot: str
         if replay is not None:
             replay.step = algo.updates
         state["batch"] = mixed.sample(cfg.batch_size)
-        return state["batch"] if imitation is None else {**state["batch"], "imitation": imitation.sample(cfg.batch_size)}
+        return _add_imitation(state["batch"], imitation, cfg.batch_size)
 
     published: list[int] = []
 
