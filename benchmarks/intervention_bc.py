@@ -9,7 +9,7 @@ successful demonstrations and every intervention step, uniformly: HG-DAgger's up
 then rolls the BC policy and the fine-tuned one out in-process on the same fresh layouts
 and prints success per task for both.
 
-    .venv/bin/python benchmarks/tabletop_loop.py --out runs/ov --algos divl_qam \\
+    .venv/bin/python benchmarks/tabletop_loop.py --out runs/ov --algos divl_qam recipe=none \\
         preset.deploy_episodes=160 fleet.overseer.enabled=true fleet.overseer.deadline=0.5
     .venv/bin/python benchmarks/intervention_bc.py --store runs/ov/shared/store
 

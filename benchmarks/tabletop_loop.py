@@ -1,18 +1,19 @@
 """Closed loop on the tabletop tasks: BC, then offline and online critic-based extraction,
 DIVL+QAM and FQL side by side from the same demos and the same BC policy.
 
-    .venv/bin/python benchmarks/tabletop_loop.py                     # run.yaml defaults (~30 min on 2 cores)
+    .venv/bin/python benchmarks/tabletop_loop.py                     # run.yaml defaults (~40 min on 2 cores)
+    .venv/bin/python benchmarks/tabletop_loop.py --out runs/s1 seed=1 preset.eval_episodes=50 \
+        --results benchmarks/results/tabletop_loop_interventions_seed1.json
+    .venv/bin/python benchmarks/tabletop_loop.py recipe=none         # the plain loop: no overseer, frozen base
     .venv/bin/python benchmarks/tabletop_loop.py preset=long         # longer, stronger run
     .venv/bin/python benchmarks/tabletop_loop.py preset.online_publish_every=150 --algos divl_qam iql_qam fql
-    .venv/bin/python benchmarks/tabletop_loop.py --out runs/interventions preset.deploy_episodes=800 \
-        fleet.overseer.enabled=true fleet.overseer.deadline=0.5 +lwd.actor.base=ema_cotrained \
-        lwd.imitation.enabled=true --results benchmarks/results/tabletop_loop_interventions.json
 
 Any other argument is a hydra override of ``configs/run.yaml`` (the `robo-post run`
 config). Stages:
 
 1. ``shared``: `robo-post run` with the learner off: scripted demos + near-miss play
-   recorded by the fleet, flow BC -> v1, BC evaluated.
+   recorded by the fleet, flow BC -> v1, BC evaluated, then BC's deploy episodes (800
+   under the overseer in the default recipe, ``configs/recipe/``).
 2. one directory per algorithm: a copy of the shared store (same data, same v1),
    then `robo-post run lwd.algo=ALGO`: offline extraction -> v2, then online with the
    fleet running the newest version -> v3, v4, ...; every new version evaluated

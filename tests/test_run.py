@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+from robo_post.cli import compose
 from robo_post.store import PolicyRegistry, Store
 
 
@@ -16,9 +17,9 @@ def test_run_end_to_end(tmp_path):
         "+bc.model.use_text=false", "+bc.model.hidden_dim=32", "+bc.model.embed_dim=16", "bc.batch_size=16",
         "preset.critic_warmup=5", "preset.offline_updates=15", "preset.online_publish_every=10",
         "preset.online_episodes=2", "preset.online_updates=10", "preset.eval_episodes=2", "lwd.batch_size=16",
-        # The overseer rescues the fleet's own episodes from step 2 on; a co-trained base imitates that.
-        "fleet.overseer.enabled=true", "fleet.overseer.deadline=0.05", "+lwd.actor.base=ema_cotrained",
-        "lwd.imitation.enabled=true",
+        # The interventions recipe, with the overseer rescuing the fleet's own episodes from step 2 on; a
+        # co-trained base imitates that.
+        "recipe=interventions", "fleet.overseer.deadline=0.05",
     ]
     r = subprocess.run([sys.executable, "-m", "robo_post.cli", "run", *overrides], capture_output=True, text=True,
                        timeout=900)
@@ -47,3 +48,15 @@ def test_run_end_to_end(tmp_path):
     assert rows[-1]["update"] == 25 and "loss_am" in rows[-1] and "tau_mean" in rows[-1] and "bc_loss_base" in rows[-1]
     report = (run_dir / "report" / "report.md").read_text()
     assert "v3" in report and os.path.getsize(run_dir / "report" / "success_rates.png") > 0
+
+
+def test_run_recipes():
+    """`robo-post run` runs the interventions recipe unless told ``recipe=none``; overrides still win."""
+    cfg = compose("run", [])
+    assert cfg.preset.deploy_episodes == 800 and cfg.fleet.overseer.enabled and cfg.fleet.overseer.deadline == 0.5
+    assert cfg.lwd.actor.base == "ema_cotrained" and cfg.lwd.imitation.enabled
+    plain = compose("run", ["recipe=none"])
+    assert plain.preset.deploy_episodes == 0 and not plain.fleet.overseer.enabled and plain.fleet.overseer.deadline is None
+    assert "base" not in plain.lwd.actor and not plain.lwd.imitation.enabled
+    tuned = compose("run", ["preset.deploy_episodes=40", "fleet.overseer.deadline=0.3"])
+    assert (tuned.preset.deploy_episodes, tuned.fleet.overseer.deadline) == (40, 0.3)

@@ -7,10 +7,14 @@ Stages (each is skipped when its output already exists, so a killed run resumes)
    into ``RUN/store``.
 2. ``bc``: flow BC on the successful demonstrations -> policy v1 in the registry.
 3. ``deploy``: the fleet runs v1 and records its own successes and failures (LWD's
-   "rollout" data), so the critic sees the actions of the policy it will improve.
+   "rollout" data), so the critic sees the actions of the policy it will improve. In
+   the default recipe (``configs/recipe/interventions.yaml``) a scripted overseer
+   takes over the episodes still running at half their step limit (interventions).
 4. ``lwd``: offline DIVL+QAM on all episodes (demos, play, rollouts) -> v2; then
-   online, concurrently: the fleet runs the newest version while the learner mixes
-   its episodes with the offline data and publishes a version every K updates.
+   online, concurrently: the fleet runs the newest version (overseen likewise) while
+   the learner mixes its episodes with the offline data and publishes a version every
+   K updates. In the default recipe QAM's base is co-trained on the successful demos
+   and the interventions (``lwd.imitation``).
 5. ``eval``: every published version on seen and held-out instruction phrasings.
 6. ``report``: Markdown/HTML report with success tables, curves and rollout frames.
 """
