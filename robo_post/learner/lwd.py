@@ -86,7 +86,7 @@ def offline(store_root: str, run_dir: str, cfg: DictConfig, snapshot: str | None
     algo, parent = build(store, cfg, device)
     sampler = _sampler(algo, snap, episodes, cfg, cfg.offline.n_step, device, cfg.seed)
     imitation = _imitation(algo, [sampler], cfg)
-    rngs = {"sampler": sampler.rng} | ({"imitation": imitation.rng} if imitation else {})
+    rngs = {"sampler": sampler.rng} | ({"imitation": imitation.rng} if imitation is not None else {})
     t0 = time.perf_counter()
     logged = train_loop(algo, lambda: _add_imitation(sampler.sample(cfg.batch_size), imitation, cfg.batch_size),
                         run_dir, cfg.offline.updates, rngs, log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every,
@@ -176,7 +176,9 @@ def online(store_root: str, run_dir: str, cfg: DictConfig, offline_snapshot: str
             published.append(_publish(store, algo, parent, state["seen"].id, f"online-{update}", cfg))
 
     t0 = time.perf_counter()
-    rngs = {"offline": offline_sampler.rng, "online": online_sampler.rng} | ({"imitation": imitation.rng} if imitation else {})
+    rngs = {"offline": offline_sampler.rng, "online": online_sampler.rng}
+    if imitation is not None:
+        rngs["imitation"] = imitation.rng
     logged = train_loop(algo, sample, run_dir, total, rngs,
                         log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every, show=cfg.show,
                         after_update=after_update)

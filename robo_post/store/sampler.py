@@ -226,6 +226,7 @@ class ImitationSampler:
     def __init__(self, samplers: list[WindowSampler], is_demo: Callable[[EpisodeInfo], bool], seed: int = 0):
         self.samplers, self.is_demo = list(samplers), is_demo
         self.starts = [np.zeros(0, dtype=np.int64) for _ in self.samplers]
+        self._demo: list[list[bool]] = [[] for _ in self.samplers]  # is_demo per episode ordinal
         self._indexed = [0] * len(self.samplers)
         self.rng = np.random.default_rng(seed)
         self.refresh()
@@ -234,7 +235,8 @@ class ImitationSampler:
         """Index the windows added to the samplers since the last call."""
         for i, s in enumerate(self.samplers):
             rows = np.arange(self._indexed[i], len(s))
-            demo = np.array([self.is_demo(e) for e in s.episodes], dtype=bool)[s._ordinal.view[rows]]
+            self._demo[i] += [self.is_demo(e) for e in s.episodes[len(self._demo[i]):]]
+            demo = np.array(self._demo[i], dtype=bool)[s._ordinal.view[rows]]
             self.starts[i] = np.concatenate([self.starts[i], rows[demo | s._intervention.view[rows]]])
             self._indexed[i] = len(s)
 
