@@ -86,7 +86,9 @@ def offline(store_root: str, run_dir: str, cfg: DictConfig, snapshot: str | None
     algo, parent = build(store, cfg, device)
     sampler = _sampler(algo, snap, episodes, cfg, cfg.offline.n_step, device, cfg.seed)
     imitation = _imitation(algo, [sampler], cfg)
-    rngs = {"sampler": sampler.rng} | ({"imitation": imitation.rng} if imitation is not None else {})
+    rngs = {"sampler": sampler.rng}
+    if imitation is not None:
+        rngs["imitation"] = imitation.rng
     t0 = time.perf_counter()
     logged = train_loop(algo, lambda: _add_imitation(sampler.sample(cfg.batch_size), imitation, cfg.batch_size),
                         run_dir, cfg.offline.updates, rngs, log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every,
