@@ -41,12 +41,13 @@ import torch
 
 from robo_post.algos.divl import DIVL, DIVLConfig, asymmetric_loss, cat_quantile
 from robo_post.algos.iql import IQL, IQLConfig
+from robo_post.models.features import state_features
 from robo_post.models.critic import CriticConfig
 from robo_post.models.encoders import mlp
 from robo_post.store import ArraySpec, Store, StoreSchema, WindowSampler
 
 N_STATES, GOAL, H, GAMMA, T_MAX = 30, 29, 3, 0.99, 60
-CRITIC = CriticConfig(proprio_dim=N_STATES, action_dim=1, horizon=H, use_text=False, embed_dim=64, hidden_dim=64)
+CRITIC = CriticConfig(features=state_features(N_STATES, "proprio"), action_dim=1, horizon=H, use_text=False, embed_dim=64, hidden_dim=64)
 EMA = 0.02
 STATE: dict = {}  # store path and settings, set before the workers fork
 

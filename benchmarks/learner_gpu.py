@@ -18,6 +18,7 @@ import time
 import torch
 
 from robo_post.learner.algorithms import ActorCritic
+from robo_post.models.features import Feature, state_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
 
 SIZES = {"default": dict(embed_dim=128, hidden_dim=256), "10x": dict(embed_dim=384, hidden_dim=896)}
@@ -33,7 +34,7 @@ def batch(device: torch.device, b: int = 64) -> dict:
 
 def updates_per_s(size: str, device: torch.device, n: int) -> tuple[float, int]:
     torch.manual_seed(0)
-    policy = FlowPolicy(FlowPolicyConfig(proprio_dim=31, action_dim=4, horizon=8, image_size=64, use_text=False,
+    policy = FlowPolicy(FlowPolicyConfig(features=state_features(31, "proprio") | {"image": Feature("image", (64, 64, 3))}, action_dim=4, horizon=8, use_text=False,
                                          **SIZES[size])).to(device)
     algo = ActorCritic("divl_qam", policy, device=device)
     data = batch(device)

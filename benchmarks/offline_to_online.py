@@ -90,6 +90,7 @@ import robo_post.envs  # noqa: F401  (registers robo_post/SparseReacher-v0)
 from robo_post.algos.bc_flow import BCFlow, BCFlowConfig
 from robo_post.envs.reacher import ACTION_DIM, OBS_DIM, Episode, make_controller, make_env, rollout
 from robo_post.learner.algorithms import ActorCritic
+from robo_post.models.features import state_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
 from robo_post.store import ArraySpec, MixedSampler, Store, StoreSchema, WindowSampler
 
@@ -189,11 +190,11 @@ def prepare_seed(job: dict) -> dict:
     sampler = WindowSampler.from_snapshot(snap, demos, horizon=H, n_step=1, gamma=GAMMA, seed=seed)
     data_s = time.perf_counter() - t0
 
-    cfg = FlowPolicyConfig(proprio_dim=OBS_DIM, action_dim=ACTION_DIM, horizon=H, image_size=None, use_text=False,
+    cfg = FlowPolicyConfig(features=state_features(OBS_DIM, "proprio"), action_dim=ACTION_DIM, horizon=H, use_text=False,
                            embed_dim=64, hidden_dim=args["hidden"], flow_steps=10,
                            action_low=[-1.0] * ACTION_DIM, action_high=[1.0] * ACTION_DIM)
     bc = BCFlow(BCFlowConfig(), cfg)
-    bc.policy.set_proprio_stats(*offline.obs_stats("proprio"))  # the critics reuse these: stats of all the data
+    bc.policy.set_state_stats(*offline.obs_stats("proprio"))  # the critics reuse these: stats of all the data
     envs = [make_env() for _ in range(args["eval_episodes"])]
     t1 = time.perf_counter()
     for _ in range(args["bc_updates"]):

@@ -21,6 +21,7 @@ import time
 import torch
 from torch import nn
 
+from robo_post.models.features import Feature, state_features
 from robo_post.models.encoders import ImageEncoder, mlp
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
 
@@ -93,8 +94,8 @@ def main() -> None:
     print(f"{'variant':<8} {'policy':<13} {'params':>9} {'upd/s':>8} {'ms/chunk b1':>12} {'ms/chunk b64':>13} {'10 Hz':>6}")
     for image in (True, False):
         name = "image" if image else "state"
-        flow = FlowPolicy(FlowPolicyConfig(proprio_dim=P, action_dim=A, horizon=H, image_size=S if image else None,
-                                           use_text=False))
+        features = state_features(P, "proprio") | ({"image": Feature("image", (S, S, 3))} if image else {})
+        flow = FlowPolicy(FlowPolicyConfig(features=features, action_dim=A, horizon=H, use_text=False))
         rows = {"flow (N=10)": measure(flow, lambda o, a: flow.bc_loss(o, a), lambda o: flow.sample(o), image, n)}
         hidden = 256
         while sum(p.numel() for p in GaussianMLPPolicy(image, hidden).parameters()) < rows["flow (N=10)"]["params"]:

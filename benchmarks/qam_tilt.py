@@ -42,6 +42,7 @@ from torch import nn
 
 from robo_post.algos.fql import FQL, FQLConfig
 from robo_post.algos.qam import QAM, QAMConfig, control_cost, policy_velocity, sample_path
+from robo_post.models.features import state_features
 from robo_post.models.encoders import mlp
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
 
@@ -75,7 +76,7 @@ def as_critic_fn(q, scale: float = 1.0):
 
 def train_base(steps: int) -> FlowPolicy:
     torch.manual_seed(0)
-    policy = FlowPolicy(FlowPolicyConfig(proprio_dim=1, action_dim=2, horizon=1, use_text=False, embed_dim=16,
+    policy = FlowPolicy(FlowPolicyConfig(features=state_features(1, "proprio"), action_dim=2, horizon=1, use_text=False, embed_dim=16,
                                          hidden_dim=128))
     opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)

@@ -44,15 +44,15 @@ def main() -> None:
     torch.set_num_threads(1)
     flow = flow_of(*PolicyRegistry(args.store).load(args.version))
     runner, execute = FlowPolicyRunner(flow), flow.config.execute_steps or flow.config.horizon
-    env = TabletopEnv(task=args.task, render_images=flow.config.image_size is not None,
-                      image_size=flow.config.image_size or 64)
+    image = flow.config.features.get("image")
+    env = TabletopEnv(task=args.task, render_images=image is not None, image_size=image.shape[0] if image else 64)
     plain, chosen = [], []
     for layout in range(args.layouts):
         seed = episode_seed(args.seed, args.task, layout)
         obs, _ = env.reset(seed=seed)
         batch = {"proprio": torch.as_tensor(obs["proprio"])[None].repeat(args.n, 1),
                  "instruction": [env.unwrapped.instruction] * args.n}  # n copies of the state: n proposals
-        if flow.config.image_size:
+        if image:
             batch["image"] = torch.as_tensor(obs["image"])[None].repeat(args.n, 1, 1, 1)
         chunks = flow.sample(batch, seed=seed).numpy()
         wins = np.zeros((args.n, args.k))

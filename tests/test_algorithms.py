@@ -13,13 +13,14 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from robo_post.algos.fql import FQLCritic
-from robo_post.cli import compose
+from robo_post.algos.actor_critic import PAIRS, ActorCritic
+from robo_post.config import compose
 from robo_post.fleet.policies import build_policy
-from robo_post.learner import lwd
-from robo_post.learner.algorithms import ALGORITHMS, ActorCritic
 from robo_post.learner.train import train
 from robo_post.models.critic import CriticConfig
+from robo_post.models.features import Feature
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
+from robo_post.pipelines import lwd
 from robo_post.models.ranked import flow_of
 from robo_post.store import FreshPERConfig, MixedSampler, PolicyRegistry, PrioritizedSampler, Store, WindowSampler
 
@@ -40,15 +41,22 @@ def bc_store(tmp_path_factory):
     return store
 
 
+def _obs(config, n):
+    """Random observations (n, ...) for every feature a policy reads."""
+    return {k: torch.randn(n, *f.shape) if f.role == "state" else torch.randint(0, 256, (n, *f.shape), dtype=torch.uint8)
+            for k, f in config.features.items()}
+
+
 def _cfg(store, run_dir, algo, updates, warmup=2):
     return OmegaConf.merge(compose("train", [f"algo={algo}"]), {
         "store": store, "run_dir": run_dir, "updates": updates, "batch_size": 8, "log_every": 2,
         "checkpoint_every": 4, "show": False, "device": "cpu",
-        "model": {"use_images": False, "use_text": False, "hidden_dim": 32, "embed_dim": 16, "flow_steps": 4},
+        "model": {"use_images": False, "use_text": False, "hidden_dim": 32, "embed_dim": 16, "flow_steps": 4,
+                  "horizon": 8, "execute_steps": 4},
     }, {"algo": {"critic_warmup": warmup}} if algo != "bc_flow" else {})
 
 
-@pytest.mark.parametrize("algo", sorted(ALGORITHMS))
+@pytest.mark.parametrize("algo", sorted(PAIRS))
 def test_train_publishes_the_extracted_policy_with_provenance(bc_store, tmp_path, algo):
     summary = train(_cfg(bc_store, str(tmp_path / algo), algo, 6))
     weights, config = PolicyRegistry(bc_store).load(summary["version"])
@@ -63,7 +71,7 @@ def test_train_publishes_the_extracted_policy_with_provenance(bc_store, tmp_path
     assert ("tau_mean" in rows[-1]) == (algo == "divl_qam")
 
 
-@pytest.mark.parametrize("algo", sorted(ALGORITHMS))
+@pytest.mark.parametrize("algo", sorted(PAIRS))
 def test_resume_matches_uninterrupted_run(bc_store, tmp_path, algo):
     train(_cfg(bc_store, str(tmp_path / "full"), algo, 8))
     train(_cfg(bc_store, str(tmp_path / "split"), algo, 4))  # "killed" at update 4
@@ -102,7 +110,7 @@ def test_fql_published_policy_acts_like_the_one_step_policy(bc_store):
         for p in algo.actor.one_step.velocity_net.parameters():
             p.add_(0.1 * torch.randn_like(p))
     published = FlowPolicy.from_artifact(*algo.artifact())
-    obs = {"proprio": torch.randn(5, reference.config.proprio_dim)}
+    obs = _obs(reference.config, 5)
     noise = torch.randn(5, reference.config.horizon, reference.config.action_dim)
     torch.testing.assert_close(published.sample(obs, noise=noise), algo.actor.act(obs, noise=noise))
     torch.testing.assert_close(algo.policy.sample(obs, noise=noise), algo.actor.act(obs, noise=noise))
@@ -192,7 +200,7 @@ def test_imitation_feeds_a_cotrained_base_and_needs_one(bc_store, tmp_path):
     checkpoint = str(tmp_path / "on" / "checkpoint" / "tensors.safetensors")
     assert any(k.startswith("module.base_bc.") for k in safe_open(checkpoint, "pt").keys())
     cfg.actor.base = "frozen"
-    with pytest.raises(ValueError, match="lwd.actor.base=ema_cotrained"):
+    with pytest.raises(ValueError, match="base=ema_cotrained"):
         lwd.offline(bc_store, str(tmp_path / "off"), cfg, snapshot=demos.id)
     assert not (tmp_path / "off" / "metrics.jsonl").exists()
 
@@ -262,7 +270,7 @@ def test_best_of_n_executes_the_candidate_the_critic_rates_highest(bc_store, alg
         for p in agent.value.target.q_heads.parameters():
             p.add_(0.3 * torch.randn_like(p))
     c = reference.config
-    obs = {"proprio": torch.randn(4, c.proprio_dim)}
+    obs = _obs(c, 4)
     noise = torch.randn(4, 6, c.horizon, c.action_dim)
     chosen = agent.acting_policy.sample(obs, noise=noise)
 
@@ -287,12 +295,13 @@ def test_best_of_n_executes_the_candidate_the_critic_rates_highest(bc_store, alg
 
 
 def test_critic_overrides_shape_the_critic_and_travel_with_the_artifact():
-    """``critic={"image_size": None}``: a camera-free critic beside a camera policy, loadable by the fleet."""
+    """``critic={"use_images": False}``: a camera-free critic beside a camera policy, loadable by the fleet."""
     torch.manual_seed(0)
-    reference = FlowPolicy(FlowPolicyConfig(proprio_dim=5, action_dim=2, horizon=4, image_size=32, use_text=False,
+    features = {"proprio": Feature("state", (5,)), "image": Feature("image", (32, 32, 3))}
+    reference = FlowPolicy(FlowPolicyConfig(features=features, action_dim=2, horizon=4, use_text=False,
                                             embed_dim=8, hidden_dim=16, flow_steps=2))
-    agent = ActorCritic("divl_qam", reference, critic={"image_size": None, "hidden_dim": 24}, best_of_n=4)
-    assert agent.value.net.encoder.image is None and agent.policy.encoder.image is not None
+    agent = ActorCritic("divl_qam", reference, critic={"use_images": False, "hidden_dim": 24}, best_of_n=4)
+    assert len(agent.value.net.encoder.images) == 0 and "image" in agent.policy.encoder.images
     assert agent.value.net.q_heads[0][0].in_features == 24 + 4 * 2
     with torch.no_grad():
         for p in agent.value.target.q_heads.parameters():
@@ -300,7 +309,7 @@ def test_critic_overrides_shape_the_critic_and_travel_with_the_artifact():
     obs = {"proprio": torch.randn(3, 5), "image": torch.randint(0, 256, (3, 32, 32, 3), dtype=torch.uint8)}
     noise = torch.randn(3, 4, 4, 2)
     weights, config = agent.artifact()
-    assert config["critic"]["image_size"] is None and config["model"]["image_size"] == 32
+    assert "image" not in config["critic"]["features"] and config["model"]["features"]["image"]["shape"] == [32, 32, 3]
     torch.testing.assert_close(build_policy(weights, config).model.sample(obs, noise=noise),
                                agent.acting_policy.sample(obs, noise=noise))
     with pytest.raises(TypeError, match="camera"):

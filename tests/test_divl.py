@@ -18,6 +18,7 @@ from robo_post.algos.divl import (
     td_target,
 )
 from robo_post.algos.iql import IQL, IQLConfig
+from robo_post.models.features import state_features
 from robo_post.models.critic import CriticConfig
 from robo_post.store import ArraySpec, Store, StoreSchema, WindowSampler
 
@@ -112,7 +113,7 @@ def test_entropy_and_adaptive_tau():
     assert adaptive_tau(onehot, 0.6, 0.3, 0.5, 0.95).tolist() == pytest.approx([0.6, 0.6])
     assert not tau_u.requires_grad
     # Zero-initialised value logits: tau = max(tau_min, tau_base - alpha) at the start.
-    critic = CriticConfig(proprio_dim=3, action_dim=1, horizon=2, use_text=False, embed_dim=8, hidden_dim=16)
+    critic = CriticConfig(features=state_features(3, "proprio"), action_dim=1, horizon=2, use_text=False, embed_dim=8, hidden_dim=16)
     for cfg, expected in ((DIVLConfig(), 0.5), (DIVLConfig(tau_min=0.1), 0.3)):
         learner = DIVL(critic, cfg)
         obs = {"proprio": torch.randn(5, 3)}
@@ -186,7 +187,7 @@ def _bandit_batch(n: int = 128) -> dict:
             "action_mask": torch.ones(n, 2, dtype=torch.bool), "rewards": (a > 0).float(), "discounts": torch.zeros(n)}
 
 
-CRITIC = CriticConfig(proprio_dim=2, action_dim=1, horizon=2, use_text=False, embed_dim=16, hidden_dim=32)
+CRITIC = CriticConfig(features=state_features(2, "proprio"), action_dim=1, horizon=2, use_text=False, embed_dim=16, hidden_dim=32)
 
 
 @pytest.mark.parametrize("mode", ["sequential", "joint"])

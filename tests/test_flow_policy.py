@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from robo_post.cli import compose
 from robo_post.learner.train import train
+from robo_post.models.features import Feature, state_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig, FlowPolicyRunner
 from robo_post.store import ArraySpec, PolicyRegistry, Store, StoreSchema
 
@@ -38,7 +39,7 @@ def test_flow_matching_recovers_gaussian_velocity():
     torch.manual_seed(0)
     # Bounds of +-3 map actions to a/3, so the data is N(0.1, (1/6)^2) in normalised
     # units and (almost) never clipped.
-    cfg = FlowPolicyConfig(proprio_dim=1, action_dim=1, horizon=1, use_text=False, embed_dim=8, hidden_dim=64,
+    cfg = FlowPolicyConfig(features=state_features(1, "proprio"), action_dim=1, horizon=1, use_text=False, embed_dim=8, hidden_dim=64,
                            action_low=[-3.0], action_high=[3.0])
     model = FlowPolicy(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -65,7 +66,7 @@ def test_flow_matching_recovers_gaussian_velocity():
 
 
 def _image_model():
-    cfg = FlowPolicyConfig(proprio_dim=5, action_dim=3, horizon=4, image_size=32, use_text=False, embed_dim=16,
+    cfg = FlowPolicyConfig(features=state_features(5, "proprio") | {"image": Feature("image", (32, 32, 3))}, action_dim=3, horizon=4, use_text=False, embed_dim=16,
                            hidden_dim=32, action_low=[-2.0, 0.0, -1.0], action_high=[2.0, 1.0, 1.0])
     torch.manual_seed(0)
     return FlowPolicy(cfg)
@@ -94,14 +95,14 @@ def test_shapes_bounds_and_deterministic_sampling():
 
 def test_registry_round_trip_gives_bit_identical_actions(tmp_path):
     model = _image_model()
-    model.set_proprio_stats(np.arange(5.0), np.full(5, 2.0))
+    model.set_state_stats(np.arange(5.0), np.full(5, 2.0))
     store = Store.create(str(tmp_path / "s"), StoreSchema({"x": ArraySpec("float32", (1,))}, ArraySpec("float32", (1,))))
     registry = PolicyRegistry(store.root)
     version = registry.publish(*model.artifact(algorithm="test"))
     loaded = FlowPolicy.from_artifact(*registry.load(version))
     obs = _obs(3)
     assert torch.equal(model.eval().sample(obs, seed=11), loaded.sample(obs, seed=11))
-    assert torch.equal(loaded.encoder.proprio_mean, torch.arange(5.0))
+    assert torch.equal(loaded.encoder.state_mean, torch.arange(5.0))
     assert registry.load(version)[1]["algorithm"] == "test"
 
 
@@ -185,7 +186,7 @@ def test_in_process_success_reports_each_episode_outcome_in_order():
     from robo_post.envs.tabletop import PROPRIO_DIM
 
     torch.manual_seed(0)
-    model = FlowPolicy(FlowPolicyConfig(proprio_dim=PROPRIO_DIM, action_dim=4, horizon=4, use_text=False,
+    model = FlowPolicy(FlowPolicyConfig(features=state_features(PROPRIO_DIM, "proprio"), action_dim=4, horizon=4, use_text=False,
                                         embed_dim=8, hidden_dim=16, flow_steps=2, execute_steps=4))
     outcomes: list[bool] = []
     rates = in_process_success(model, ["reach", "pick"], 2, seed=3, outcomes=outcomes)

@@ -28,6 +28,7 @@ from robo_post.algos.qam import (
     terminal_adjoint,
     time_grid,
 )
+from robo_post.models.features import state_features
 from robo_post.models.critic import CriticConfig
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
 
@@ -75,7 +76,7 @@ def base_policy() -> FlowPolicy:
 def train_base() -> FlowPolicy:
     """A 1-D flow policy trained by flow-matching BC on N(MU, S^2)."""
     torch.manual_seed(0)
-    policy = FlowPolicy(FlowPolicyConfig(proprio_dim=1, action_dim=1, horizon=1, use_text=False, embed_dim=16,
+    policy = FlowPolicy(FlowPolicyConfig(features=state_features(1, "proprio"), action_dim=1, horizon=1, use_text=False, embed_dim=16,
                                          hidden_dim=128))
     opt = torch.optim.Adam(policy.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 800)
@@ -172,7 +173,7 @@ def test_am_target_is_the_tilted_gaussian_velocity():
 @pytest.mark.parametrize("case", ["kappa0", "flat_critic"])
 def test_zero_q_gradient_leaves_the_fine_policy_unchanged(case):
     torch.manual_seed(0)
-    policy = FlowPolicy(FlowPolicyConfig(proprio_dim=1, action_dim=2, horizon=2, use_text=False, embed_dim=8,
+    policy = FlowPolicy(FlowPolicyConfig(features=state_features(1, "proprio"), action_dim=2, horizon=2, use_text=False, embed_dim=8,
                                          hidden_dim=16))
     qam = QAM(policy, QAMConfig(inv_temp=0.0 if case == "kappa0" else 2.0))
     before = copy.deepcopy(qam.fine.state_dict())
@@ -302,7 +303,7 @@ def test_cotrained_base_imitates_the_imitation_windows(base_policy, actor):
 # --- 19-20. no critic gradient from the actor; frozen base ------------------------------------
 def test_actor_update_touches_neither_critic_nor_reference():
     torch.manual_seed(0)
-    pc = FlowPolicyConfig(proprio_dim=3, action_dim=2, horizon=2, use_text=False, embed_dim=8, hidden_dim=16)
+    pc = FlowPolicyConfig(features=state_features(3, "proprio"), action_dim=2, horizon=2, use_text=False, embed_dim=8, hidden_dim=16)
     policy = FlowPolicy(pc)
     divl = DIVL(CriticConfig.like(pc))
     batch = {"obs": {"proprio": torch.randn(16, 3)}, "next_obs": {"proprio": torch.randn(16, 3)},

@@ -6,7 +6,8 @@ baseline every other method is compared with.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,11 +22,13 @@ class BCFlowConfig:
         lr: Adam learning rate.
         weight_decay: AdamW weight decay.
         grad_clip: max global gradient norm.
+        model: ``FlowPolicyConfig`` architecture settings (``embed_dim``, ``hidden_dim``, ``flow_steps``).
     """
 
     lr: float = 3e-4
     weight_decay: float = 1e-4
     grad_clip: float = 1.0
+    model: dict[str, Any] = field(default_factory=dict)
 
 
 def base_bc_loss(base: FlowPolicy, batch: dict) -> torch.Tensor:
@@ -53,6 +56,9 @@ class BCFlow:
     @property
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
         return {"policy": self.optimizer}
+
+    def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return self.policy.artifact(algorithm="bc_flow", **provenance)
 
     def update(self, batch: dict) -> dict[str, float]:
         """One step on a sampler batch (``obs``, ``actions`` (B, H, A), ``action_mask`` (B, H))."""

@@ -95,15 +95,6 @@ def asymmetric_loss(u: torch.Tensor, tau: float | torch.Tensor, power: int) -> t
     return (tau - (u < 0).to(u.dtype)).abs() * u.abs().pow(power)
 
 
-def aggregate_heads(qs: torch.Tensor, how: str) -> torch.Tensor:
-    """Reduce twin Q values (E, B) over the heads: ``mean`` or ``min`` -> (B,)."""
-    if how == "mean":
-        return qs.mean(0)
-    if how == "min":
-        return qs.min(0).values
-    raise ValueError(f"q_agg must be 'mean' or 'min', got {how!r}")
-
-
 def twin_critic_fn(online: CriticNet, target: CriticNet, net: str) -> CriticFn:
     """``critic_fn(obs, normalised_chunk) -> (2, B)`` from the ``online`` or ``target`` critic (§4.2)."""
     if net not in ("target", "online"):
@@ -183,7 +174,10 @@ class ValueLearner:
     def bootstrap(self, v_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
 
-    def update(self, batch: dict[str, Any]) -> dict[str, float]:
+    def set_stage(self, stage: str) -> None:
+        """``offline`` or ``online``; only DIVL has per-stage settings."""
+
+    def update(self, batch: dict[str, Any], next_chunks: Any = None) -> dict[str, float]:
         """One learner step (§2.3 / §4.3 steps 1-4) on a sampler batch; returns metrics."""
         cfg, net = self.config, self.net
         chunk = net.normalize_actions(batch["actions"])
@@ -262,7 +256,8 @@ class DIVLConfig(ValueLearnerConfig):
     Attributes:
         num_atoms: K atoms of the categorical value (51; LWD 201).
         v_min / v_max: support of the atoms; [-0.1, 1.1] for binary success so the
-            two-atom projection is well defined at 0 and 1 (§2.2.3, §2.8 #6).
+            two-atom projection is well defined at 0 and 1 (§2.2.3, §2.8 #6). The
+            learner sets them from the data's range of returns unless given.
         tau_base_offline: tau_base in the offline stage (0.6).
         tau_base_online: tau_base after ``set_stage("online")`` (0.9).
         alpha: entropy slope of the adaptive tau (0.3).
@@ -302,7 +297,9 @@ class DIVL(ValueLearner):
         """Cross-entropy to the C51-projected labels (Eq. 12/21)."""
         m = c51_project(q_label, self.atoms)
         loss = -(m * F.log_softmax(logits, -1)).sum(-1).mean()
-        return loss, {"value_entropy": norm_entropy(logits.detach().softmax(-1)).mean().item()}
+        p = logits.detach().softmax(-1)
+        # Mass on the two end atoms: high when the support is too narrow for the returns.
+        return loss, {"value_entropy": norm_entropy(p).mean().item(), "edge_mass": (p[:, 0] + p[:, -1]).mean().item()}
 
     def tau(self, p: torch.Tensor) -> torch.Tensor:
         """Per-state tau (B,) at the bootstrap state (§2.2.8)."""

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from robo_post.algos.bc_flow import base_bc_loss
-from robo_post.algos.divl import CriticFn, aggregate_heads, td_target, twin_critic_fn, weighted_mean
-from robo_post.models.critic import CriticConfig, CriticNet, ema_update
+from robo_post.algos.divl import CriticFn, td_target, twin_critic_fn, weighted_mean
+from robo_post.models.critic import CriticConfig, CriticNet, aggregate_heads, ema_update
 from robo_post.models.flow import FlowPolicy
 
 
@@ -85,6 +85,11 @@ class FQL:
             self.params += list(self.bc.parameters())
         self.opt = torch.optim.Adam(self.params, lr=self.config.lr)
         self.steps = 0
+
+    @property
+    def policy(self) -> FlowPolicy:
+        """The policy being trained: the one-step flow."""
+        return self.one_step
 
     def one_step_actions(self, obs: dict[str, Any], noise: torch.Tensor) -> torch.Tensor:
         """mu(s, eps): normalised, unclipped chunks (B, H, A) from noise (B, H, A)."""
@@ -175,6 +180,9 @@ class FQLCritic:
     @property
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
         return {"critic": self.opt}
+
+    def set_stage(self, stage: str) -> None:
+        """FQL's critic has no per-stage settings."""
 
     def update(self, batch: dict[str, Any], next_chunks: Any) -> dict[str, float]:
         """One TD step; ``next_chunks(obs) -> (B, H, A)`` normalised chunks from the actor."""

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from robo_post.algos.bc_flow import base_bc_loss
-from robo_post.algos.divl import CriticFn, aggregate_heads
+from robo_post.algos.divl import CriticFn
+from robo_post.models.critic import aggregate_heads
 from robo_post.models.critic import ema_update
 from robo_post.models.flow import FlowPolicy
 
@@ -245,6 +246,18 @@ class QAM:
             self.opt, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, steps) / steps)))
         self.grid = time_grid(self.fine.config.flow_steps, cfg.time_grid, cfg.eps)
         self.steps = 0
+
+    @property
+    def policy(self) -> FlowPolicy:
+        """The policy being trained: the fine-tuned flow."""
+        return self.fine
+
+    @torch.no_grad()
+    def next_chunks(self, obs: dict[str, Any]) -> torch.Tensor:
+        """Normalised chunks (B, H, A) of the fine policy at ``obs`` (an actor-bootstrapped critic's next action)."""
+        z = self.fine.encode(obs)
+        c = self.fine.config
+        return self.fine.integrate(z, torch.randn(z.shape[0], c.horizon, c.action_dim, device=self.device))
 
     def update(self, batch: dict[str, Any], critic_fn: CriticFn) -> dict[str, float]:
         """One actor update (§3.3.2) on a sampler batch; returns metrics.

@@ -7,14 +7,14 @@ One module, ``CriticNet``, holds what docs/specs/lwd_divl_qam.md §1.3 calls the
   with LayerNorm (clipped double-Q), and
 - a value head on ``z`` (K categorical logits for DIVL, 1 scalar for IQL).
 
-The encoder mirrors ``FlowPolicy.encode`` (proprio MLP, optional image CNN and
+The encoder mirrors ``FlowPolicy.encode`` (the same feature spec and optional
 instruction text) but has its own weights: the critic never shares parameters
 with the policy (§1.3 "Policy, critic and value are separate modules").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from robo_post.models.encoders import ObservationEncoder, mlp
+from robo_post.models.features import Feature, features_from_json, features_to_json
 from robo_post.models.flow import FlowPolicyConfig
 
 
@@ -30,20 +31,18 @@ class CriticConfig:
     """Architecture of ``CriticNet``.
 
     Attributes:
-        proprio_dim: size of ``obs["proprio"]``.
+        features: observation key -> ``Feature`` the critic reads.
         action_dim: A, size of one action.
         horizon: H, actions per chunk (the critic sees the flattened H*A chunk).
-        image_size: side of ``obs["image"]``; ``None`` for the state-only variant.
         use_text: encode ``obs["instruction"]`` with the frozen MiniLM encoder.
         embed_dim: width of each modality embedding.
         hidden_dim: width of the encoder and head MLPs.
         action_low / action_high: env action bounds, mapped to [-1, 1] (§1.4).
     """
 
-    proprio_dim: int
+    features: dict[str, Feature]
     action_dim: int
     horizon: int = 8
-    image_size: int | None = None
     use_text: bool = True
     embed_dim: int = 128
     hidden_dim: int = 256
@@ -51,11 +50,23 @@ class CriticConfig:
     action_high: list[float] = field(default_factory=list)
 
     @classmethod
-    def like(cls, policy: FlowPolicyConfig, **overrides: Any) -> "CriticConfig":
-        """Same observation modalities, chunk shape and action bounds as a policy."""
-        shared = {k: getattr(policy, k) for k in ("proprio_dim", "action_dim", "horizon", "image_size", "use_text",
+    def like(cls, policy: FlowPolicyConfig, use_images: bool = True, **overrides: Any) -> "CriticConfig":
+        """Same observation features, chunk shape and action bounds as a policy.
+
+        ``use_images=False`` drops the image keys (a camera-free critic beside a camera policy).
+        """
+        shared = {k: getattr(policy, k) for k in ("features", "action_dim", "horizon", "use_text",
                                                    "embed_dim", "hidden_dim", "action_low", "action_high")}
+        if not use_images:
+            shared["features"] = {k: f for k, f in policy.features.items() if f.role != "image"}
         return cls(**(shared | overrides))
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "features": features_to_json(self.features)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "CriticConfig":
+        return cls(**{**d, "features": features_from_json(d["features"])})
 
 
 class CriticNet(nn.Module):
@@ -65,7 +76,7 @@ class CriticNet(nn.Module):
         super().__init__()
         self.config = c = config
         e, h = c.embed_dim, c.hidden_dim
-        self.encoder = ObservationEncoder(c.proprio_dim, c.image_size, c.use_text, e, h)
+        self.encoder = ObservationEncoder(c.features, c.use_text, e, h)
         chunk_dim = c.horizon * c.action_dim
         self.q_heads = nn.ModuleList([mlp([h + chunk_dim, h, h, 1], layer_norm=True) for _ in range(2)])
         self.value_head = mlp([h, h, h, value_outputs], layer_norm=True) if value_outputs else None
@@ -87,9 +98,9 @@ class CriticNet(nn.Module):
         """Parameters of the shared state encoder (everything but the heads)."""
         return list(self.encoder.parameters())
 
-    def set_proprio_stats(self, mean: np.ndarray | torch.Tensor, std: np.ndarray | torch.Tensor) -> None:
-        """Standardise proprio with dataset statistics."""
-        self.encoder.set_proprio_stats(mean, std)
+    def set_state_stats(self, mean: np.ndarray | torch.Tensor, std: np.ndarray | torch.Tensor) -> None:
+        """Standardise the state vector with dataset statistics."""
+        self.encoder.set_state_stats(mean, std)
 
     def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
         """(…, A) env units -> [-1, 1], the critic's input convention (§1.4)."""
@@ -107,6 +118,15 @@ class CriticNet(nn.Module):
     def value(self, z: torch.Tensor) -> torch.Tensor:
         """Value-head output (B, value_outputs): categorical logits or a scalar V."""
         return self.value_head(z)
+
+
+def aggregate_heads(qs: torch.Tensor, agg: str) -> torch.Tensor:
+    """Reduce twin/ensemble Q values (E, B) -> (B,) by ``mean`` or ``min``."""
+    if agg == "mean":
+        return qs.mean(0)
+    if agg == "min":
+        return qs.min(0).values
+    raise ValueError(f"q_agg must be 'mean' or 'min', got {agg!r}")
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Observation encoders: camera CNN, instruction text encoder, proprio MLP, and their fusion."""
+"""Observation encoders: camera CNN, instruction text encoder, state MLP, discrete embeddings, and their fusion."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from robo_post.models.features import Feature, state_dim, state_keys
 
 TEXT_DIM = 384  # MiniLM-L6 sentence embedding size
 
@@ -47,18 +49,19 @@ class TextEncoder(nn.Module):
 
 
 class ImageEncoder(nn.Module):
-    """Small CNN on uint8 (B, H, W, 3) images -> (B, dim)."""
+    """Small CNN on uint8 (B, H, W, C) images -> (B, dim)."""
 
-    def __init__(self, image_size: int, dim: int):
+    def __init__(self, shape: tuple[int, int, int], dim: int):
         super().__init__()
+        height, width, channels = shape
         self.conv = nn.Sequential(
-            nn.Conv2d(3, 16, 4, stride=2), nn.ReLU(),
+            nn.Conv2d(channels, 16, 4, stride=2), nn.ReLU(),
             nn.Conv2d(16, 32, 4, stride=2), nn.ReLU(),
             nn.Conv2d(32, 32, 3, stride=2), nn.ReLU(),
             nn.Flatten(),
         )
         with torch.no_grad():
-            flat = self.conv(torch.zeros(1, 3, image_size, image_size)).shape[1]
+            flat = self.conv(torch.zeros(1, channels, height, width)).shape[1]
         self.head = nn.Sequential(nn.Linear(flat, dim), nn.LayerNorm(dim))
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
@@ -78,41 +81,66 @@ def mlp(sizes: list[int], layer_norm: bool = False) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-class ObservationEncoder(nn.Module):
-    """Standardised proprio + optional camera CNN + optional instruction text -> (B, out_dim).
+# Standardised state values are clipped here: a dimension nearly constant in the
+# data (tiny std) cannot blow up when a policy visits values the data never had.
+STATE_CLIP = 10.0
 
-    Shared by the policy and the critic (each owns its own instance and weights).
-    The proprio statistics are buffers, so they are saved with the weights.
+
+class ObservationEncoder(nn.Module):
+    """Observation dict -> fused state embedding (B, out_dim), built from a feature spec.
+
+    Every ``state`` key is flattened and concatenated into one vector, standardised
+    with data statistics (buffers, saved with the weights) and embedded by an MLP;
+    each ``image`` key has its own CNN, each ``discrete`` key an embedding; with
+    ``use_text`` the instruction strings (``obs["instruction"]``) go through frozen
+    MiniLM. Shared by the policy and the critic (each owns its own instance).
 
     Args:
-        proprio_dim: size of ``obs["proprio"]``.
-        image_size: side of ``obs["image"]`` (uint8 (B, S, S, 3)); ``None`` = no camera.
-        use_text: encode ``obs["instruction"]`` (a list of B strings) with frozen MiniLM.
+        features: key -> ``Feature`` (``robo_post.models.features``).
+        use_text: encode ``obs["instruction"]`` (a list of B strings).
         embed_dim: width of each modality embedding.
         out_dim: width of the fused state embedding.
     """
 
-    def __init__(self, proprio_dim: int, image_size: int | None, use_text: bool, embed_dim: int, out_dim: int):
+    def __init__(self, features: dict[str, Feature], use_text: bool, embed_dim: int, out_dim: int):
         super().__init__()
-        self.proprio = nn.Sequential(nn.Linear(proprio_dim, embed_dim), nn.LayerNorm(embed_dim))
-        self.image = ImageEncoder(image_size, embed_dim) if image_size else None
+        self.features = dict(features)
+        self.state_keys = state_keys(features)
+        width = state_dim(features)
+        self.state = nn.Sequential(nn.Linear(width, embed_dim), nn.LayerNorm(embed_dim)) if width else None
+        self.images = nn.ModuleDict({k: ImageEncoder(f.shape, embed_dim) for k, f in features.items() if f.role == "image"})
+        self.discrete = nn.ModuleDict({k: nn.Embedding(f.n, embed_dim) for k, f in features.items() if f.role == "discrete"})
         self.text = TextEncoder(embed_dim) if use_text else None
-        n_mod = 1 + (self.image is not None) + (self.text is not None)
+        n_mod = (self.state is not None) + len(self.images) + len(self.discrete) + (self.text is not None)
+        if n_mod == 0:
+            raise ValueError("an observation encoder needs at least one feature or text")
         self.fuse = mlp([n_mod * embed_dim, out_dim, out_dim], layer_norm=True)
-        self.register_buffer("proprio_mean", torch.zeros(proprio_dim))
-        self.register_buffer("proprio_std", torch.ones(proprio_dim))
+        self.register_buffer("state_mean", torch.zeros(width))
+        self.register_buffer("state_std", torch.ones(width))
 
-    def set_proprio_stats(self, mean: np.ndarray | torch.Tensor, std: np.ndarray | torch.Tensor) -> None:
-        """Standardise proprio with dataset statistics (std floored at 1 cm so near-constant dims cannot blow up)."""
-        self.proprio_mean.copy_(torch.as_tensor(mean, dtype=torch.float32))
-        self.proprio_std.copy_(torch.as_tensor(np.maximum(np.asarray(std, dtype=np.float64), 1e-2), dtype=torch.float32))
+    def set_state_stats(self, mean: np.ndarray | torch.Tensor, std: np.ndarray | torch.Tensor) -> None:
+        """Standardise the state vector with data statistics; constant dimensions (std 0) pass unscaled."""
+        std = np.asarray(std, dtype=np.float64)
+        self.state_mean.copy_(torch.as_tensor(mean, dtype=torch.float32))
+        self.state_std.copy_(torch.as_tensor(np.where(std > 1e-8, std, 1.0), dtype=torch.float32))
+
+    def state_vector(self, obs: dict[str, Any]) -> torch.Tensor:
+        """The concatenated, flattened state keys (B, state_dim), float32, unstandardised."""
+        device = self.state_mean.device
+        return torch.cat([torch.as_tensor(obs[k]).to(device).float().flatten(1) for k in self.state_keys], dim=-1)
 
     def forward(self, obs: dict[str, Any]) -> torch.Tensor:
-        device = self.proprio_mean.device
-        proprio = (obs["proprio"].to(device).float() - self.proprio_mean) / self.proprio_std
-        parts = [self.proprio(proprio)]
-        if self.image is not None:
-            parts.append(self.image(obs["image"].to(device)))
+        parts = []
+        if self.state is not None:
+            x = ((self.state_vector(obs) - self.state_mean) / self.state_std).clamp(-STATE_CLIP, STATE_CLIP)
+            parts.append(self.state(x))
+        device = self.state_mean.device
+        for key, encoder in self.images.items():
+            parts.append(encoder(torch.as_tensor(obs[key]).to(device)))
+        for key, embedding in self.discrete.items():
+            f = self.features[key]
+            index = (torch.as_tensor(obs[key]).to(device).long().reshape(-1) - f.low).clamp(0, f.n - 1)
+            parts.append(embedding(index))
         if self.text is not None:
             parts.append(self.text(list(obs["instruction"])))
         return self.fuse(torch.cat(parts, dim=-1))

@@ -1,14 +1,14 @@
-"""Flow-matching action-chunk policy ("flow VLA"): vision + language + proprio -> H actions.
+"""Flow-matching action-chunk policy ("flow VLA"): observations (+ language) -> H actions.
 
-Conventions (docs/specs/lwd_divl_qam.md §1.2, §3.2.2): flow time w in [0, 1],
-w = 0 is noise x_0 ~ N(0, I), w = 1 is the (normalised) action chunk x_1;
+Conventions (docs/methods.md): flow time w in [0, 1], w = 0 is noise
+x_0 ~ N(0, I), w = 1 is the (normalised) action chunk x_1;
 x_w = (1 - w) x_0 + w x_1 and the velocity target is x_1 - x_0. Sampling runs
 N Euler steps x <- x + v(s, x, i/N) / N and clips to [-1, 1].
 
-Shapes: observations are a dict of (B, ...) tensors — ``proprio`` (B, P) float,
-``image`` (B, S, S, 3) uint8 — plus ``instruction``: a list of B strings.
-Action chunks are (B, H, A) in env units; the model works on normalised
-chunks internally.
+Shapes: observations are a dict of (B, ...) tensors, one per key of the model's
+feature spec (``robo_post.models.features``), plus ``instruction``: a list of B
+strings when the model reads language. Action chunks are (B, H, A) in env units;
+the model works on normalised chunks internally.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from robo_post.models.encoders import ObservationEncoder, mlp
+from robo_post.models.features import Feature, features_from_json, features_to_json
 
 
 @dataclass
@@ -29,10 +30,9 @@ class FlowPolicyConfig:
     """Architecture of a flow policy; saved as JSON beside its weights.
 
     Attributes:
-        proprio_dim: size of ``obs["proprio"]``.
+        features: observation key -> ``Feature`` (role and shape) the model reads.
         action_dim: A, size of one action.
         horizon: H, actions per chunk.
-        image_size: side of ``obs["image"]``; ``None`` for the state-only variant.
         use_text: encode ``obs["instruction"]`` with the frozen MiniLM encoder.
         embed_dim: width of each modality embedding.
         hidden_dim: width of the fusion and velocity MLPs.
@@ -41,10 +41,9 @@ class FlowPolicyConfig:
         execute_steps: actions of a chunk executed open-loop before re-planning.
     """
 
-    proprio_dim: int
+    features: dict[str, Feature]
     action_dim: int
     horizon: int = 8
-    image_size: int | None = None
     use_text: bool = True
     embed_dim: int = 128
     hidden_dim: int = 256
@@ -52,6 +51,13 @@ class FlowPolicyConfig:
     action_low: list[float] = field(default_factory=list)
     action_high: list[float] = field(default_factory=list)
     execute_steps: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "features": features_to_json(self.features)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "FlowPolicyConfig":
+        return cls(**{**d, "features": features_from_json(d["features"])})
 
 
 TIME_FREQS = 4
@@ -71,7 +77,7 @@ class FlowPolicy(nn.Module):
     def __init__(self, config: FlowPolicyConfig):
         super().__init__()
         self.config = c = config
-        self.encoder = ObservationEncoder(c.proprio_dim, c.image_size, c.use_text, c.embed_dim, c.hidden_dim)
+        self.encoder = ObservationEncoder(c.features, c.use_text, c.embed_dim, c.hidden_dim)
         self.chunk_dim = c.horizon * c.action_dim
         self.velocity_net = mlp([c.hidden_dim + self.chunk_dim + TIME_FEATURES, c.hidden_dim, c.hidden_dim, self.chunk_dim])
         # Normalisers are buffers so they travel with the weights.
@@ -81,9 +87,9 @@ class FlowPolicy(nn.Module):
         self.register_buffer("action_high", high)
 
     # --- normalisation ---------------------------------------------------------
-    def set_proprio_stats(self, mean: np.ndarray, std: np.ndarray) -> None:
-        """Standardise proprio with dataset statistics."""
-        self.encoder.set_proprio_stats(mean, std)
+    def set_state_stats(self, mean: np.ndarray, std: np.ndarray) -> None:
+        """Standardise the state vector with dataset statistics."""
+        self.encoder.set_state_stats(mean, std)
 
     def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
         """(…, A) env units -> [-1, 1]."""
@@ -148,19 +154,51 @@ class FlowPolicy(nn.Module):
     def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """``(weights, config)`` for ``PolicyRegistry.publish``; provenance goes in the config."""
         weights = {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}  # a copy: training goes on
-        return weights, {"kind": "flow", "model": asdict(self.config), **provenance}
+        return weights, {"kind": "flow", "model": self.config.to_json(), **provenance}
 
     @classmethod
     def from_artifact(cls, weights: dict[str, torch.Tensor], config: dict[str, Any], device: str = "cpu") -> "FlowPolicy":
-        model = cls(FlowPolicyConfig(**config["model"]))
+        model_json, weights = upgrade_artifact(config["model"], weights)
+        model = cls(FlowPolicyConfig.from_json(model_json))
         model.load_state_dict(weights)
         return model.to(device).eval()
+
+
+def upgrade_artifact(model: dict[str, Any], weights: dict[str, torch.Tensor],
+                     prefix: str = "") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """An architecture config and weights as published before feature specs existed
+    (fixed ``proprio``/``image`` keys: ``proprio_dim``, ``image_size``), in today's form.
+
+    Configs that already carry ``features`` come back unchanged. ``prefix`` is the
+    weights' prefix of the upgraded module (``policy.`` in a ranked artifact).
+    """
+    if "features" in model:
+        return model, weights
+    model = dict(model)
+    features = {"proprio": {"role": "state", "shape": [model.pop("proprio_dim")]}}
+    size = model.pop("image_size", None)
+    if size:
+        features["image"] = {"role": "image", "shape": [size, size, 3]}
+    model["features"] = features
+    renames = (("encoder.proprio.", "encoder.state."), ("encoder.proprio_mean", "encoder.state_mean"),
+               ("encoder.proprio_std", "encoder.state_std"), ("encoder.image.", "encoder.images.image."))
+    upgraded = {}
+    for key, value in weights.items():
+        if key.startswith(prefix):
+            for old, new in renames:
+                if key[len(prefix):].startswith(old):
+                    key = prefix + new + key[len(prefix) + len(old):]
+                    break
+        upgraded[key] = value
+    return model, upgraded
 
 
 class FlowPolicyRunner:
     """Runs a flow policy step by step in an env: sample a chunk, execute it open-loop.
 
     Implements the fleet ``Policy`` protocol (``reset(env, seed)``, ``act(obs, env)``).
+    The model input is the observation's feature keys; a model that reads language
+    gets the env's ``instruction`` attribute (empty when the env has none).
     """
 
     def __init__(self, model: FlowPolicy, device: str = "cpu"):
@@ -174,12 +212,9 @@ class FlowPolicyRunner:
 
     def act(self, obs: dict[str, Any], env: Any) -> np.ndarray:
         if not self.queue:
-            batch = {
-                "proprio": torch.as_tensor(np.asarray(obs["proprio"]))[None],
-                "instruction": [env.unwrapped.instruction],
-            }
-            if self.model.config.image_size:
-                batch["image"] = torch.as_tensor(np.asarray(obs["image"]))[None]
+            batch: dict[str, Any] = {k: torch.as_tensor(np.asarray(obs[k]))[None] for k in self.model.config.features}
+            if self.model.config.use_text:
+                batch["instruction"] = [str(getattr(env.unwrapped, "instruction", ""))]
             chunk = self.model.sample(batch, seed=self.seed)[0].cpu().numpy()
             self.seed += 1
             self.queue = list(chunk[: self.execute])

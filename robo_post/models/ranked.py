@@ -9,15 +9,14 @@ is plain sampling. A ranked policy is published as its own artifact kind,
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 import torch
 from torch import nn
 
-from robo_post.algos.divl import aggregate_heads
+from robo_post.models.critic import aggregate_heads
 from robo_post.models.critic import CriticConfig, CriticNet
-from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
+from robo_post.models.flow import FlowPolicy, FlowPolicyConfig, upgrade_artifact
 
 
 class RankedFlowPolicy(nn.Module):
@@ -76,7 +75,7 @@ class RankedFlowPolicy(nn.Module):
         weights = {f"policy.{k}": v for k, v in flow_weights.items()}
         weights |= {f"critic.{k}": v.detach().cpu().clone() for k, v in self.critic.state_dict().items()}
         value_outputs = 0 if self.critic.value_head is None else self.critic.value_head[-1].out_features
-        return weights, {"kind": "flow_ranked", "model": flow_config["model"], "critic": asdict(self.critic.config),
+        return weights, {"kind": "flow_ranked", "model": flow_config["model"], "critic": self.critic.config.to_json(),
                          "value_outputs": value_outputs, "best_of_n": self.best_of_n, "q_agg": self.q_agg,
                          **provenance}
 
@@ -87,8 +86,9 @@ class RankedFlowPolicy(nn.Module):
             return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
 
         policy = FlowPolicy.from_artifact(part("policy."), {"model": config["model"]})
-        critic = CriticNet(CriticConfig(**config["critic"]), config["value_outputs"])
-        critic.load_state_dict(part("critic."))
+        critic_json, critic_weights = upgrade_artifact(config["critic"], part("critic."))
+        critic = CriticNet(CriticConfig.from_json(critic_json), config["value_outputs"])
+        critic.load_state_dict(critic_weights)
         return cls(policy, critic, config["best_of_n"], config["q_agg"]).to(device).eval()
 
 

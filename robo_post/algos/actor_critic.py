@@ -1,4 +1,4 @@
-"""Critic-based policy extraction algorithms, selectable by name (``algo=``).
+"""Critic-based policy extraction: a value learner paired with a policy extractor.
 
 Each is a value learner paired with a policy extractor, both starting from a
 published BC flow policy (the frozen reference):
@@ -12,13 +12,16 @@ name          value learner (critic)                       policy extraction
 ============  ===========================================  ==============================
 
 All share the networks (``CriticNet``, ``FlowPolicy``), the sampler batches and
-the ``train_loop`` interface (``modules``, ``optimizers``, ``update``). With
-``best_of_n > 1`` the published policy acts by best-of-N under the target critic
-(``RankedFlowPolicy``).
+the method interface of ``robo_post.algos.registry`` (``modules``, ``optimizers``,
+``update(batch)``, ``policy``, ``artifact``). Value learners take
+``update(batch, next_chunks)`` (only FQL's critic bootstraps from the actor's
+chunks) and actors ``update(batch, critic_fn)``. With ``best_of_n > 1`` the
+published policy acts by best-of-N under the target critic (``RankedFlowPolicy``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,24 +34,53 @@ from robo_post.models.critic import CriticConfig
 from robo_post.models.flow import FlowPolicy
 from robo_post.models.ranked import RankedFlowPolicy
 
+
 # name -> (value learner, its config, actor, its config)
-ALGORITHMS = {
+PAIRS = {
     "divl_qam": (DIVL, DIVLConfig, QAM, QAMConfig),
     "iql_qam": (IQL, IQLConfig, QAM, QAMConfig),
     "fql": (FQLCritic, FQLCriticConfig, FQL, FQLConfig),
 }
 
 
+@dataclass
+class ActorCriticConfig:
+    """Settings of a critic-based extraction method (``algo=divl_qam|iql_qam|fql``).
+
+    Attributes:
+        reference_version: registry version of the BC flow the actor starts from; ``None`` = the first.
+        critic_warmup: updates that train only the critic before the actor moves.
+        best_of_n: chunks the published policy proposes per decision (1 = plain sampling).
+        n_step: chunk backups per offline TD target.
+        bootstrap_truncated: bootstrap time-outs (gym semantics); ``False`` makes them failures.
+        critic: ``CriticConfig`` overrides, e.g. ``{"use_images": False}``.
+        value: overrides of the value learner's config (``v_min``/``v_max`` default to the data's range).
+        actor: overrides of the actor's config.
+        imitation: ``{"enabled", "roles"}``: a co-trained base imitates the successful episodes
+            of these roles and every intervention step.
+    """
+
+    reference_version: int | None = None
+    critic_warmup: int = 200
+    best_of_n: int = 1
+    n_step: int = 1
+    bootstrap_truncated: bool = False
+    critic: dict[str, Any] = field(default_factory=dict)
+    value: dict[str, Any] = field(default_factory=dict)
+    actor: dict[str, Any] = field(default_factory=dict)
+    imitation: dict[str, Any] = field(default_factory=lambda: {"enabled": False, "roles": ["demo"]})
+
+
 class ActorCritic:
     """A value learner and a policy extractor trained together, one step each per update.
 
     Args:
-        name: a key of ``ALGORITHMS``.
+        name: a key of ``PAIRS``.
         reference: the BC flow policy (frozen reference; the actor starts as a copy).
         value: overrides of the value learner's config dataclass.
         actor: overrides of the actor's config dataclass.
         critic: overrides of the critic architecture (``CriticConfig``; by default it sees
-            what the policy sees), e.g. ``{"image_size": None}`` for a critic without the camera.
+            what the policy sees), e.g. ``{"use_images": False}`` for a critic without the camera.
         critic_warmup: updates that train only the critic before the actor moves.
         best_of_n: chunks the published policy proposes per decision, executing the one
             the target critic rates highest (``q_agg`` of the actor config; 1 = plain sampling).
@@ -58,13 +90,13 @@ class ActorCritic:
     def __init__(self, name: str, reference: FlowPolicy, value: dict[str, Any] | None = None,
                  actor: dict[str, Any] | None = None, critic_warmup: int = 0, best_of_n: int = 1,
                  device: torch.device | str = "cpu", critic: dict[str, Any] | None = None):
-        if name not in ALGORITHMS:
-            raise ValueError(f"unknown algo {name!r}; choose one of {sorted(ALGORITHMS)}")
-        value_cls, value_cfg, actor_cls, actor_cfg = ALGORITHMS[name]
+        if name not in PAIRS:
+            raise ValueError(f"unknown algo {name!r}; choose one of {sorted(PAIRS)}")
+        value_cls, value_cfg, actor_cls, actor_cfg = PAIRS[name]
         self.name = name
         self.value = value_cls(CriticConfig.like(reference.config, **(critic or {})), value_cfg(**(value or {})), device)
-        for net in (self.value.net, self.value.target):  # the critic sees proprio standardised like the policy
-            net.set_proprio_stats(reference.encoder.proprio_mean.cpu(), reference.encoder.proprio_std.cpu())
+        for net in (self.value.net, self.value.target):  # the critic sees the state standardised like the policy
+            net.set_state_stats(reference.encoder.state_mean.cpu(), reference.encoder.state_std.cpu())
         self.actor = actor_cls(reference, actor_cfg(**(actor or {})), device)
         self.critic_warmup = critic_warmup
         if best_of_n < 1:
@@ -75,7 +107,7 @@ class ActorCritic:
     @property
     def policy(self) -> FlowPolicy:
         """The policy being trained (QAM's fine flow or FQL's one-step policy)."""
-        return self.actor.fine if isinstance(self.actor, QAM) else self.actor.one_step
+        return self.actor.policy
 
     @property
     def acting_policy(self) -> FlowPolicy | RankedFlowPolicy:
@@ -98,15 +130,11 @@ class ActorCritic:
 
     def set_stage(self, stage: str) -> None:
         """``offline`` or ``online``: DIVL switches tau_base; the others have no stage settings."""
-        if isinstance(self.value, DIVL):
-            self.value.set_stage(stage)
+        self.value.set_stage(stage)
 
     def update(self, batch: dict[str, Any]) -> dict[str, float]:
         self.updates += 1
-        if isinstance(self.value, FQLCritic):
-            metrics = self.value.update(batch, self.actor.next_chunks)
-        else:
-            metrics = self.value.update(batch)
+        metrics = self.value.update(batch, self.actor.next_chunks)
         if self.updates > self.critic_warmup:
             metrics.update(self.actor.update(batch, self.value.critic_fn(self.actor.config.q_net)))
         return metrics

@@ -28,13 +28,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from robo_post.learner import lwd
+from robo_post.config import compose
+from robo_post.pipelines import lwd
 from robo_post.store import PolicyRegistry, Store
 
 
 def _compose(name: str, values: dict[str, Any]) -> DictConfig:
-    from robo_post.cli import compose
-
     return OmegaConf.merge(compose(name, []), values)
 
 

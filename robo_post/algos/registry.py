@@ -1,0 +1,157 @@
+"""The method registry: every training method, selectable by name (``algo=``).
+
+A method is a registration, not a fork of the learner. Each entry gives
+
+- ``config``: a dataclass of its hyperparameters (hydra's ``algo.*`` keys fill it);
+- ``build(config, data, device, reference) -> Method``: its networks and optimisers,
+  sized from ``DataSpec`` (feature spec, action spec, statistics measured from the
+  training data) and, when ``needs_reference``, a published policy to start from;
+- ``driver``: the loop that runs it (``robo_post.learner.drivers``): ``off_policy``
+  (updates on snapshot windows: BC, DIVL+QAM, IQL+QAM, FQL), or a driver a method
+  registers for itself (on-policy rollouts through the fleet, steering of a frozen
+  actor, an SB3 agent's ``learn``).
+
+A built method follows the ``Method`` protocol: ``modules`` and ``optimizers`` (what
+a checkpoint holds), ``update(batch) -> metrics``, ``policy`` (the module that acts)
+and ``artifact(**provenance)`` (what the policy registry publishes).
+``docs/adding_a_method.md`` walks through a registration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+
+from robo_post.algos.actor_critic import PAIRS, ActorCritic, ActorCriticConfig
+from robo_post.algos.bc_flow import BCFlow, BCFlowConfig
+from robo_post.models.features import Feature
+from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
+
+
+class UnknownMethodError(ValueError):
+    """``algo=`` names no registered method."""
+
+
+@dataclass
+class DataSpec:
+    """What a method is built for, read from the store schema and measured on the training data.
+
+    Attributes:
+        features: observation key -> ``Feature`` the model reads.
+        action_dim / action_low / action_high: one action's size and bounds (env units).
+        discrete_actions: the store's actions are integers (a Discrete space).
+        use_text: the model reads the episode instruction.
+        horizon / execute_steps: action-chunk length and actions executed open-loop.
+        state_mean / state_std: statistics of the concatenated state keys.
+        value_range: (low, high) of the discounted returns-to-go in the data, with a margin.
+        gamma: per-step discount.
+    """
+
+    features: dict[str, Feature]
+    action_dim: int
+    action_low: list[float]
+    action_high: list[float]
+    discrete_actions: bool
+    use_text: bool
+    horizon: int
+    execute_steps: int
+    state_mean: np.ndarray
+    state_std: np.ndarray
+    value_range: tuple[float, float]
+    gamma: float
+
+
+class Method(Protocol):
+    """What every built method provides to its driver."""
+
+    modules: dict[str, torch.nn.Module]
+    optimizers: dict[str, torch.optim.Optimizer]
+    policy: torch.nn.Module
+
+    def update(self, batch: dict[str, Any]) -> dict[str, float]: ...
+
+    def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]: ...
+
+
+Builder = Callable[[Any, DataSpec, torch.device, "FlowPolicy | None"], Method]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A registered method (see the module docstring)."""
+
+    name: str
+    config: type
+    build: Builder
+    driver: str = "off_policy"
+    needs_reference: bool = False
+    description: str = ""
+
+    def make_config(self, values: dict[str, Any]) -> Any:
+        """The typed config from ``algo.*`` values; unknown keys are an error naming them."""
+        names = {f.name for f in dataclasses.fields(self.config)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"algo={self.name}: unknown settings {unknown}; known: {sorted(names)}")
+        return self.config(**values)
+
+
+METHODS: dict[str, MethodSpec] = {}
+
+
+def register_method(spec: MethodSpec) -> MethodSpec:
+    """Add a method to the registry (a later registration under the same name replaces it)."""
+    METHODS[spec.name] = spec
+    return spec
+
+
+def method_spec(name: str) -> MethodSpec:
+    if name not in METHODS:
+        raise UnknownMethodError(f"unknown algo {name!r}; registered methods: {sorted(METHODS)}")
+    return METHODS[name]
+
+
+# --- built-in methods ----------------------------------------------------------------
+def _continuous(name: str, data: DataSpec) -> None:
+    if data.discrete_actions:
+        raise ValueError(f"algo={name} trains a flow policy over continuous (Box) actions; this store's actions are discrete")
+
+
+def _build_bc_flow(config: BCFlowConfig, data: DataSpec, device: torch.device, reference: FlowPolicy | None) -> BCFlow:
+    _continuous("bc_flow", data)
+    model = FlowPolicyConfig(
+        features=data.features, action_dim=data.action_dim, horizon=data.horizon, use_text=data.use_text,
+        execute_steps=data.execute_steps, action_low=data.action_low, action_high=data.action_high, **config.model,
+    )
+    method = BCFlow(config, model, device)
+    method.policy.set_state_stats(data.state_mean, data.state_std)
+    return method
+
+
+def _actor_critic_builder(name: str) -> Builder:
+    value_learner = PAIRS[name][0]
+
+    def build(config: ActorCriticConfig, data: DataSpec, device: torch.device, reference: FlowPolicy | None) -> ActorCritic:
+        _continuous(name, data)
+        value = dict(config.value)
+        if "v_min" in {f.name for f in dataclasses.fields(PAIRS[name][1])}:  # a categorical value's support
+            value.setdefault("v_min", data.value_range[0])
+            value.setdefault("v_max", data.value_range[1])
+        return ActorCritic(name, reference, value, config.actor, config.critic_warmup, config.best_of_n, device,
+                           config.critic)
+
+    build.__doc__ = f"{value_learner.__name__} critic + actor from a published BC reference."
+    return build
+
+
+register_method(MethodSpec("bc_flow", BCFlowConfig, _build_bc_flow,
+                           description="flow-matching behaviour cloning of action chunks"))
+for _name, _description in (("divl_qam", "DIVL categorical value + QAM adjoint matching"),
+                            ("iql_qam", "IQL expectile value + QAM adjoint matching"),
+                            ("fql", "FQL's TD critic + one-step policy distilled from the BC flow")):
+    register_method(MethodSpec(_name, ActorCriticConfig, _actor_critic_builder(_name), needs_reference=True,
+                               description=_description))

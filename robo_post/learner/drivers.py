@@ -1,0 +1,210 @@
+"""Drivers: the loops that run a registered method (``MethodSpec.driver``).
+
+``off_policy`` trains on windows of a store snapshot: it selects the episodes,
+builds the window sampler, measures what the method is sized from (``DataSpec``:
+feature spec, normalisers, value range), builds the method through the registry,
+runs ``train_loop`` (logging, checkpoint/resume) and publishes the result to the
+store's policy registry with its provenance. Methods that need another loop
+(on-policy rollouts, steering, an SB3 agent) register their own driver with
+``register_driver``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from robo_post.algos.divl import DIVL
+from robo_post.algos.registry import DataSpec, MethodSpec
+from robo_post.learner.loop import resolve_device, train_loop
+from robo_post.learner.value_report import write_value_report
+from robo_post.models.features import infer_features, state_keys
+from robo_post.models.flow import FlowPolicy
+from robo_post.store import (EpisodeInfo, ImitationSampler, PolicyRegistry, Snapshot, Store, StoreSchema,
+                             WindowSampler)
+
+# Chunking for data of an env the environment registry does not know: a reactive
+# controller that re-plans every step (an open-loop chunk cannot balance a pendulum).
+GENERIC_HORIZON, GENERIC_EXECUTE = 4, 1
+# Share of the value support's width added on each side of the data's return range.
+VALUE_MARGIN = 0.1
+# End-atom probability mass above which the value support is reported as too narrow.
+EDGE_MASS_WARN = 0.25
+
+Driver = Callable[[DictConfig, MethodSpec], dict[str, Any]]
+DRIVERS: dict[str, Driver] = {}
+
+
+def register_driver(name: str, driver: Driver) -> None:
+    """Make ``driver(cfg, spec) -> summary`` available to methods registered with ``driver=name``."""
+    DRIVERS[name] = driver
+
+
+# --- data -----------------------------------------------------------------------------
+def select_episodes(snap: Snapshot, data: DictConfig) -> list[EpisodeInfo]:
+    """Episodes of ``snap`` passing the ``data`` filter (tasks, success, roles, client prefixes)."""
+    roles = list(data.roles) if data.get("roles") else None
+    episodes = snap.episodes(task=list(data.tasks) if data.tasks else None, success=data.success, role=roles)
+    if data.get("clients"):
+        episodes = [e for e in episodes if any(e.client_id.startswith(f"{p}-") for p in data.clients)]
+    if not episodes:
+        raise ValueError(f"no episodes in snapshot {snap.id} match the data filter {OmegaConf.to_container(data)}")
+    return episodes
+
+
+def chunk_defaults(schema: StoreSchema) -> tuple[int, int]:
+    """(horizon, execute_steps) for data recorded in the env named by the store's schema."""
+    from robo_post.envs.registry import UnknownEnvError, env_spec
+
+    name = schema.attrs.get("env")
+    if name:
+        try:
+            spec = env_spec(name)
+            return spec.horizon, spec.execute_steps
+        except UnknownEnvError:
+            pass
+    return GENERIC_HORIZON, GENERIC_EXECUTE
+
+
+def value_range(returns_to_go: np.ndarray) -> tuple[float, float]:
+    """Support for a categorical value: the data's discounted returns-to-go, widened by
+    ``VALUE_MARGIN`` of their span on each side, always containing 0 (the value past an end)."""
+    lo, hi = min(0.0, float(returns_to_go.min())), max(0.0, float(returns_to_go.max()))
+    pad = VALUE_MARGIN * max(hi - lo, 1e-6)
+    return lo - pad, hi + pad
+
+
+def measure(schema: StoreSchema, sampler: WindowSampler, model: DictConfig, gamma: float,
+            reference: FlowPolicy | None) -> DataSpec:
+    """The ``DataSpec`` a method is built for: from the reference policy when there is one
+    (its features and normalisers), else from the store schema and the sampler's data."""
+    action = schema.action
+    discrete = np.dtype(action.dtype).kind in "iu"
+    shape = action.shape if not discrete else (1,)
+    low = list(np.broadcast_to(action.low if action.low is not None else -1.0, shape).astype(float))
+    high = list(np.broadcast_to(action.high if action.high is not None else 1.0, shape).astype(float))
+    v_range = value_range(sampler.returns_to_go())
+    if reference is not None:
+        c = reference.config
+        return DataSpec(c.features, c.action_dim, c.action_low, c.action_high, discrete, c.use_text, c.horizon,
+                        c.execute_steps or c.horizon, reference.encoder.state_mean.cpu().numpy(),
+                        reference.encoder.state_std.cpu().numpy(), v_range, gamma)
+    overrides = OmegaConf.to_container(model.features, resolve=True) if model.get("features") else None
+    features = infer_features(schema.observations, overrides, use_images=model.use_images)
+    keys = state_keys(features)
+    if keys:
+        stats = [sampler.obs_stats(k) for k in keys]
+        mean = np.concatenate([m.reshape(-1) for m, _ in stats])
+        std = np.concatenate([s.reshape(-1) for _, s in stats])
+    else:
+        mean = std = np.zeros(0)
+    use_text = model.use_text
+    if use_text == "auto":  # language helps only when the data has more than one instruction
+        use_text = len({e.instruction for e in sampler.episodes if e.instruction}) > 1
+    horizon, execute = sampler.horizon, model.execute_steps or chunk_defaults(schema)[1]
+    return DataSpec(features, int(np.prod(shape)), low, high, discrete, bool(use_text), horizon, min(execute, horizon),
+                    mean, std, v_range, gamma)
+
+
+def load_reference(store: Store, version: int | None, device: torch.device) -> tuple[FlowPolicy, int]:
+    """The published policy a method starts from (``version``; default the first)."""
+    from robo_post.models.ranked import flow_of
+
+    registry = PolicyRegistry(store.root)
+    if not registry.versions():
+        raise ValueError(f"this method starts from a published (BC) policy, but the registry of {store.root} is empty; "
+                         "train one first with `robo-post train algo=bc_flow`")
+    version = version or registry.versions()[0]
+    return flow_of(*registry.load(version)).to(device), version
+
+
+def imitation_sampler(config: Any, method: Any, samplers: list[WindowSampler], seed: int) -> ImitationSampler | None:
+    """What a co-trained base imitates (``algo.imitation``): successful episodes of the
+    demonstration roles and every intervention step, among the samplers' windows."""
+    imitation = getattr(config, "imitation", None)
+    if not imitation or not imitation.get("enabled"):
+        return None
+    if getattr(getattr(method, "actor", None), "bc", None) is None:
+        raise ValueError("algo.imitation.enabled needs a co-trained base to imitate with: set algo.actor.base="
+                         "ema_cotrained (lwd.actor.base=ema_cotrained in `robo-post run`)")
+    roles = tuple(imitation.get("roles", ["demo"]))
+    return ImitationSampler(samplers, lambda e: bool(e.success) and e.role in roles, seed=seed)
+
+
+def add_imitation(batch: dict, imitation: ImitationSampler | None, batch_size: int) -> dict:
+    return batch if imitation is None else {**batch, "imitation": imitation.sample(batch_size)}
+
+
+def warn_value_edges(logged: list[dict[str, float]], value_range_: tuple[float, float]) -> None:
+    """Say so when a categorical value piles up at its support's edges (support too narrow)."""
+    if logged and logged[-1].get("edge_mass", 0.0) > EDGE_MASS_WARN:
+        print(f"warning: {logged[-1]['edge_mass']:.0%} of the value distribution sits on the support's end atoms "
+              f"[{value_range_[0]:.3g}, {value_range_[1]:.3g}]; widen it with algo.value.v_min / v_max",
+              file=sys.stderr)
+
+
+# --- the off-policy driver ----------------------------------------------------------------
+def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
+    """`robo-post train` for a method trained on snapshot windows; publishes the result."""
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.torch_threads)
+    device = resolve_device(cfg.device)
+    store = Store.open(cfg.store)
+    snap = store.snapshot(cfg.data.snapshot) if cfg.data.snapshot else store.snapshot()
+    episodes = select_episodes(snap, cfg.data)
+    values = {k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"}
+    if "model" in {f for f in spec.config.__dataclass_fields__}:
+        arch = ("embed_dim", "hidden_dim", "flow_steps")
+        values.setdefault("model", {k: cfg.model[k] for k in arch if cfg.model.get(k) is not None})
+    config = spec.make_config(values)
+    reference, parent = (load_reference(store, config.reference_version, device) if spec.needs_reference
+                         else (None, None))
+    horizon = reference.config.horizon if reference is not None else cfg.model.horizon or chunk_defaults(store.schema)[0]
+    sampler = WindowSampler.from_snapshot(
+        snap, episodes, horizon=horizon, n_step=getattr(config, "n_step", 1), gamma=cfg.gamma, device=device,
+        seed=cfg.seed, bootstrap_truncated=getattr(config, "bootstrap_truncated", True),
+    )
+    data = measure(store.schema, sampler, cfg.model, cfg.gamma, reference)
+    method = spec.build(config, data, device, reference)
+    imitation = imitation_sampler(config, method, [sampler], cfg.seed + 3)
+    rngs = {"sampler": sampler.rng} | ({"imitation": imitation.rng} if imitation is not None else {})
+
+    run_dir = cfg.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        f.write(OmegaConf.to_yaml(cfg, resolve=True))
+    evaluate = None
+    if cfg.eval.every:
+        from robo_post.eval.rollout import in_process_success
+
+        tasks = sorted({e.task_id for e in episodes})
+        evaluate = lambda update: in_process_success(method.policy, tasks, cfg.eval.episodes_per_task)  # noqa: E731
+    t0 = time.perf_counter()
+    logged = train_loop(method, lambda: add_imitation(sampler.sample(cfg.batch_size), imitation, cfg.batch_size),
+                        run_dir, cfg.updates, rngs, log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every,
+                        eval_every=cfg.eval.every, evaluate=evaluate, show=cfg.show)
+    wall = time.perf_counter() - t0
+    warn_value_edges(logged, data.value_range)
+    if isinstance(getattr(method, "value", None), DIVL):
+        write_value_report(run_dir, "offline", method.value, snap, episodes)
+    weights, artifact_config = method.artifact(
+        phase="offline", parent_version=parent, snapshot=snap.id, episodes=len(episodes), updates=cfg.updates,
+        config=OmegaConf.to_container(cfg, resolve=True),
+    )
+    version = PolicyRegistry(store.root).publish(weights, artifact_config) if cfg.publish else None
+    summary = {"algo": spec.name, "version": version, "parent_version": parent, "snapshot": snap.id,
+               "episodes": len(episodes), "steps": len(sampler), "value_range": list(data.value_range),
+               "wall_s": wall, "final": logged[-1] if logged else {}}
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+register_driver("off_policy", off_policy)
