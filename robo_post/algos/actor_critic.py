@@ -142,4 +142,4 @@ class ActorCritic:
     def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The trained policy as a registry artifact: kind ``flow`` (``FlowPolicy`` weights + JSON),
         or ``flow_ranked`` (flow + target critic) when ``best_of_n > 1``."""
-        return self.acting_policy.artifact(algorithm=self.name, **provenance)
+        return self.acting_policy.artifact(**{"algorithm": self.name, **provenance})

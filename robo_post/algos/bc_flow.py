@@ -58,7 +58,7 @@ class BCFlow:
         return {"policy": self.optimizer}
 
     def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return self.policy.artifact(algorithm="bc_flow", **provenance)
+        return self.policy.artifact(**{"algorithm": "bc_flow", **provenance})
 
     def update(self, batch: dict) -> dict[str, float]:
         """One step on a sampler batch (``obs``, ``actions`` (B, H, A), ``action_mask`` (B, H))."""

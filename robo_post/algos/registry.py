@@ -28,6 +28,7 @@ import torch
 
 from robo_post.algos.actor_critic import PAIRS, ActorCritic, ActorCriticConfig
 from robo_post.algos.bc_flow import BCFlow, BCFlowConfig
+from robo_post.algos.sb3_agent import SB3Agent, SB3AgentConfig
 from robo_post.models.features import Feature
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
 
@@ -109,7 +110,18 @@ def register_method(spec: MethodSpec) -> MethodSpec:
     return spec
 
 
+# Packages register methods by naming a module in this entry-point group; it is imported
+# the first time an unknown name is looked up.
+ENTRY_POINT_GROUP = "robo_post.methods"
+
+
 def method_spec(name: str) -> MethodSpec:
+    """The registered method ``name`` (installed plugins included)."""
+    if name not in METHODS:
+        from importlib.metadata import entry_points
+
+        for entry in entry_points(group=ENTRY_POINT_GROUP):
+            entry.load()
     if name not in METHODS:
         raise UnknownMethodError(f"unknown algo {name!r}; registered methods: {sorted(METHODS)}")
     return METHODS[name]
@@ -155,3 +167,11 @@ for _name, _description in (("divl_qam", "DIVL categorical value + QAM adjoint m
                             ("fql", "FQL's TD critic + one-step policy distilled from the BC flow")):
     register_method(MethodSpec(_name, ActorCriticConfig, _actor_critic_builder(_name), needs_reference=True,
                                description=_description))
+
+
+def _build_sb3(config: SB3AgentConfig, data: DataSpec | None, device: torch.device, reference: FlowPolicy | None) -> SB3Agent:
+    return SB3Agent(config, device=device)
+
+
+register_method(MethodSpec("sb3", SB3AgentConfig, _build_sb3, driver="sb3",
+                           description="a Stable-Baselines3 agent (PPO, A2C, SAC, ...) trained online in an env"))

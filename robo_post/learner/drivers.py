@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from robo_post.algos.divl import DIVL
 from robo_post.algos.registry import DataSpec, MethodSpec
-from robo_post.learner.loop import resolve_device, train_loop
+from robo_post.learner.loop import truncate_log, resolve_device, train_loop
 from robo_post.learner.value_report import write_value_report
 from robo_post.models.features import infer_features, state_keys
 from robo_post.models.flow import FlowPolicy
@@ -195,7 +195,7 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     if isinstance(getattr(method, "value", None), DIVL):
         write_value_report(run_dir, "offline", method.value, snap, episodes)
     weights, artifact_config = method.artifact(
-        phase="offline", parent_version=parent, snapshot=snap.id, episodes=len(episodes), updates=cfg.updates,
+        algorithm=spec.name, phase="offline", parent_version=parent, snapshot=snap.id, episodes=len(episodes), updates=cfg.updates,
         config=OmegaConf.to_container(cfg, resolve=True),
     )
     version = PolicyRegistry(store.root).publish(weights, artifact_config) if cfg.publish else None
@@ -207,4 +207,102 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     return summary
 
 
+# --- the SB3 driver ----------------------------------------------------------------------
+def _open_or_create_store(root: str, env: str | None, task: str | None, env_kwargs: dict) -> Store:
+    """The store whose registry receives the agent; created from the env's spaces when absent."""
+    from robo_post.envs.registry import env_spec
+    from robo_post.store import StoreNotFoundError
+
+    try:
+        return Store.open(root)
+    except StoreNotFoundError:
+        if env is None:
+            raise
+    spec = env_spec(env)
+    probe = spec.make(task, **env_kwargs)
+    try:
+        schema = StoreSchema.from_spaces(probe.observation_space, probe.action_space, env=spec.key)
+    finally:
+        probe.close()
+    return Store.create(root, schema)
+
+
+def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
+    """`robo-post train` for an SB3 agent: SB3's ``learn`` in the env, metrics and checkpoints
+    at rollout boundaries, the agent published to the store's registry (safetensors + JSON).
+
+    A killed run resumes from its last checkpoint (weights, optimiser, step count); the
+    rollout that was in flight is collected again.
+    """
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    from robo_post.learner.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.torch_threads)
+    values = {k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"}
+    config = spec.make_config(values)
+    store = _open_or_create_store(cfg.store, config.env, config.task, config.env_kwargs)
+    if config.env is None:
+        config.env = store.schema.attrs.get("env")
+    if config.seed is None:
+        config.seed = cfg.seed
+    agent = spec.build(config, None, resolve_device(cfg.device), None)
+    run_dir = cfg.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        f.write(OmegaConf.to_yaml(cfg, resolve=True))
+    ckpt, log_path = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "metrics.jsonl")
+    if has_checkpoint(ckpt):
+        agent.model.num_timesteps = load_checkpoint(ckpt, agent.modules, agent.optimizers, {})["timesteps"]
+        truncate_log(log_path, agent.model.num_timesteps)
+
+    class Log(BaseCallback):
+        """A metrics row and, every ``checkpoint_every`` steps, a checkpoint per rollout."""
+
+        def __init__(self):
+            super().__init__()
+            self.train_metrics: dict[str, float] = {}
+            self.saved = agent.model.num_timesteps
+            self.t = time.perf_counter()
+
+        def _on_rollout_start(self) -> None:  # SB3 has just trained on the previous rollout
+            self.train_metrics = {k: float(v) for k, v in self.model.logger.name_to_value.items()
+                                  if isinstance(v, (int, float, np.floating))}
+
+        def _on_rollout_end(self) -> None:
+            episodes = list(self.model.ep_info_buffer)
+            row = {"update": self.num_timesteps, **self.train_metrics,
+                   "steps_per_s": self.model.n_envs * self.locals.get("n_rollout_steps", 0) / max(time.perf_counter() - self.t, 1e-9)}
+            if episodes:
+                row.update(episode_return=float(np.mean([e["r"] for e in episodes])),
+                           episode_length=float(np.mean([e["l"] for e in episodes])))
+            with open(log_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            self.t = time.perf_counter()
+            if self.num_timesteps - self.saved >= cfg.checkpoint_every:
+                save_checkpoint(ckpt, agent.modules, agent.optimizers, {}, {"timesteps": self.num_timesteps})
+                self.saved = self.num_timesteps
+
+        def _on_step(self) -> bool:
+            return True
+
+    t0 = time.perf_counter()
+    remaining = config.timesteps - agent.model.num_timesteps
+    if remaining > 0:
+        agent.model.learn(total_timesteps=remaining, callback=Log(), reset_num_timesteps=False,
+                          progress_bar=False)
+    save_checkpoint(ckpt, agent.modules, agent.optimizers, {}, {"timesteps": agent.model.num_timesteps})
+    weights, artifact_config = agent.artifact(phase="online", parent_version=None, timesteps=agent.model.num_timesteps,
+                                              config=OmegaConf.to_container(cfg, resolve=True))
+    version = PolicyRegistry(store.root).publish(weights, artifact_config) if cfg.publish else None
+    rows = [json.loads(line) for line in open(log_path)] if os.path.exists(log_path) else []
+    summary = {"algo": spec.name, "version": version, "timesteps": agent.model.num_timesteps, "env": config.env,
+               "wall_s": time.perf_counter() - t0, "final": rows[-1] if rows else {}}
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
 register_driver("off_policy", off_policy)
+register_driver("sb3", sb3)

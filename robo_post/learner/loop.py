@@ -26,7 +26,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _truncate_log(path: str, last_update: int) -> None:
+def truncate_log(path: str, last_update: int) -> None:
     """Drop log lines written after the checkpoint we resume from."""
     if not os.path.exists(path):
         return
@@ -60,7 +60,7 @@ def train_loop(
     start = 0
     if has_checkpoint(ckpt):
         start = load_checkpoint(ckpt, algo.modules, algo.optimizers, rngs)["update"]
-        _truncate_log(log_path, start)
+        truncate_log(log_path, start)
         if hasattr(algo, "updates"):  # algorithms that schedule on the step count
             algo.updates = start
     logged: list[dict[str, float]] = []

@@ -1,0 +1,138 @@
+"""Stable-Baselines3 agents as robo-post methods (``algo=sb3``).
+
+SB3 trains the agent online in an env made through the environment registry
+(any of ours or any gymnasium id; observations are the flat Dicts the fleet
+records, so the agent uses SB3's ``MultiInputPolicy``). What is published is not
+SB3's zip (it may hold pickled objects): the policy's ``state_dict`` goes to
+safetensors and its construction (agent class, env, hyperparameters) to JSON;
+``SB3Agent.from_artifact`` rebuilds the agent from the env's spaces and loads the
+weights, so fleet clients and ``robo-post eval`` run it like any other version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+ARTIFACT_KIND = "sb3_agent"
+
+
+@dataclass
+class SB3AgentConfig:
+    """An SB3 agent and its training budget.
+
+    Attributes:
+        agent: SB3 algorithm class name (``PPO``, ``A2C``, ``SAC``, ``TD3``, ``DQN``, ...).
+        env: env name or gymnasium id to train in; ``None`` = the env the store was recorded in.
+        task: the env's task (``None``: its first; envs without tasks take none).
+        env_kwargs: constructor keywords of the env.
+        timesteps: environment steps to train for.
+        n_envs: parallel envs in SB3's vectorised env.
+        policy: SB3 policy name.
+        hyperparameters: keywords of the SB3 algorithm (``learning_rate``, ``n_steps``, ``policy_kwargs``, ...).
+        deterministic: act with the distribution's mode when deployed.
+        seed: seed of the agent and its envs (``None``: the job's ``seed``).
+    """
+
+    agent: str = "PPO"
+    env: str | None = None
+    task: str | None = None
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    timesteps: int = 50_000
+    n_envs: int = 1
+    policy: str = "MultiInputPolicy"
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    deterministic: bool = True
+    seed: int | None = None
+
+
+def agent_class(name: str) -> type:
+    import stable_baselines3
+
+    cls = getattr(stable_baselines3, name, None)
+    if cls is None:
+        raise ValueError(f"unknown SB3 agent {name!r}; e.g. PPO, A2C, SAC, TD3, DQN")
+    return cls
+
+
+def make_env(config: SB3AgentConfig, seed: int | None = None):
+    """One env of the agent's training or deployment (through the environment registry)."""
+    from robo_post.envs.registry import env_spec
+
+    env = env_spec(config.env).make(config.task, **config.env_kwargs)
+    if seed is not None:
+        env.reset(seed=seed)
+    return env
+
+
+class SB3Agent:
+    """An SB3 algorithm wrapped in the method protocol (``policy``, ``artifact``).
+
+    Training is SB3's own ``learn`` (the ``sb3`` driver calls it); ``modules`` and
+    ``optimizers`` expose the policy and its optimiser for checkpoints.
+    """
+
+    def __init__(self, config: SB3AgentConfig, device: str | torch.device = "cpu", n_envs: int | None = None):
+        from stable_baselines3.common.monitor import Monitor
+        from stable_baselines3.common.vec_env import DummyVecEnv
+
+        if config.env is None:
+            raise ValueError("algo=sb3 needs an env to train in: set algo.env (an env name or gymnasium id)")
+        self.config = config
+        seed = config.seed or 0
+        n = config.n_envs if n_envs is None else n_envs
+        self.venv = DummyVecEnv([lambda: Monitor(make_env(config)) for _ in range(n)])  # Monitor: episode returns
+        self.venv.seed(seed)
+        self.model = agent_class(config.agent)(config.policy, self.venv, seed=seed, device=str(device), verbose=0,
+                                               **config.hyperparameters)
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        return self.model.policy
+
+    @property
+    def modules(self) -> dict[str, torch.nn.Module]:
+        return {"policy": self.model.policy}
+
+    @property
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {"policy": self.model.policy.optimizer}
+
+    def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        weights = {k: v.detach().cpu().clone() for k, v in self.model.policy.state_dict().items()}
+        c = self.config
+        return weights, {"kind": ARTIFACT_KIND, "algorithm": "sb3", "agent": c.agent, "policy": c.policy, "env": c.env,
+                         "task": c.task, "env_kwargs": c.env_kwargs, "deterministic": c.deterministic,
+                         "hyperparameters": {k: v for k, v in c.hyperparameters.items() if k == "policy_kwargs"},
+                         **provenance}
+
+    @classmethod
+    def from_artifact(cls, weights: dict[str, torch.Tensor], config: dict[str, Any], device: str = "cpu") -> "SB3Agent":
+        agent_config = SB3AgentConfig(agent=config["agent"], env=config["env"], task=config["task"],
+                                      env_kwargs=config["env_kwargs"], policy=config["policy"],
+                                      hyperparameters=config["hyperparameters"], deterministic=config["deterministic"])
+        agent = cls(agent_config, device=device, n_envs=1)
+        agent.model.policy.load_state_dict(weights)
+        agent.model.policy.set_training_mode(False)
+        return agent
+
+    def act(self, obs: dict[str, Any]) -> np.ndarray:
+        """One action for one flat-Dict observation."""
+        action, _ = self.model.predict({k: np.asarray(v) for k, v in obs.items()}, deterministic=self.config.deterministic)
+        return action
+
+
+class SB3AgentRunner:
+    """Fleet ``Policy`` over a published SB3 agent (stochastic acting is seeded per episode)."""
+
+    def __init__(self, agent: SB3Agent):
+        self.agent = agent
+
+    def reset(self, env: Any, seed: int) -> None:
+        torch.manual_seed(seed)  # SB3 samples non-deterministic actions from torch's global RNG
+
+    def act(self, obs: dict[str, Any], env: Any) -> np.ndarray:
+        return self.agent.act(obs)
