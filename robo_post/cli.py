@@ -8,29 +8,21 @@ path (``store info PATH``) take ordinary flags.
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import json
 import sys
 from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
+from robo_post.config import compose
 from robo_post.store.schema import StoreError
-
-
-def compose(config_name: str, overrides: list[str]) -> DictConfig:
-    """Compose a hydra config from the packaged ``configs/`` directory."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    config_dir = str(importlib.resources.files("robo_post.configs"))
-    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=overrides)
 
 
 # --- store ----------------------------------------------------------------------
 def _store_info(args: argparse.Namespace) -> int:
-    from robo_post.store import PolicyRegistry, Store
+    from collections import Counter
+
+    from robo_post.store import ROLES, PolicyRegistry, Store
 
     store = Store.open(args.path)
     snap = store.snapshot()
@@ -39,6 +31,9 @@ def _store_info(args: argparse.Namespace) -> int:
     tasks: dict[str, list] = {}
     for e in episodes:
         tasks.setdefault(e.task_id, []).append(e)
+    roles = Counter(e.role for e in episodes)
+    # How imported episodes got their success label (import-minari --success-from).
+    rules = Counter(e.attrs["success_rule"] for e in episodes if "success_rule" in e.attrs)
     info = {
         "path": store.root,
         "snapshot": snap.id,
@@ -50,6 +45,8 @@ def _store_info(args: argparse.Namespace) -> int:
         "tasks": {
             t: {"episodes": len(es), "success_rate": _rate(es)} for t, es in sorted(tasks.items())
         },
+        "roles": {r: roles[r] for r in ROLES if roles[r]},
+        "success_rules": dict(sorted(rules.items())),
         "policy_versions": PolicyRegistry(store.root).versions(),
         "size_bytes": store.size_bytes(),
     }
@@ -66,6 +63,10 @@ def _store_info(args: argparse.Namespace) -> int:
         f"episodes {info['episodes']}  steps {info['steps']}  shards {info['shards']}  "
         f"success {rate}  size {info['size_bytes'] / 1e6:.2f} MB  policies {info['policy_versions'] or 'none'}"
     )
+    console.print("roles  " + ("  ".join(f"{r} {n}" for r, n in info["roles"].items()) or "none"))
+    if info["success_rules"]:
+        rules_used = "  ".join(f"{r} ({n})" for r, n in info["success_rules"].items())
+        console.print(f"success rules of imported episodes  {rules_used}")
     table = Table("task", "episodes", "success")
     for t, d in info["tasks"].items():
         table.add_row(t or "(none)", str(d["episodes"]), "n/a" if d["success_rate"] is None else f"{d['success_rate']:.1%}")
@@ -93,7 +94,7 @@ def _store_export_minari(args: argparse.Namespace) -> int:
     from robo_post.store.minari_io import export_minari
 
     snap = Store.open(args.store).snapshot()
-    episodes = snap.episodes(task=args.task, success=args.success)
+    episodes = snap.episodes(task=args.task, success=args.success, role=args.role)
     path = export_minari(snap, args.dataset_id, episodes, minari_root=args.minari_root)
     print(f"exported {len(episodes)} episodes ({sum(e.length for e in episodes)} steps) to {path}")
     return 0
@@ -102,15 +103,17 @@ def _store_export_minari(args: argparse.Namespace) -> int:
 def _store_import_minari(args: argparse.Namespace) -> int:
     from robo_post.store.minari_io import import_minari
 
-    n = import_minari(args.dataset_id, args.store, args.client, minari_root=args.minari_root, task_id=args.task)
-    print(f"imported {n} episodes from {args.dataset_id} into {args.store} (shard {args.client})")
+    n = import_minari(args.dataset_id, args.store, args.client, minari_root=args.minari_root, task_id=args.task,
+                      success_from=args.success_from)
+    rule = args.success_from or "as exported"
+    print(f"imported {n} episodes from {args.dataset_id} into {args.store} (shard {args.client}, success: {rule})")
     return 0
 
 
 def _store_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="robo-post store", description="Inspect, check, convert a trajectory store.")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("info", help="episodes, steps, shards, tasks, success rate, size on disk")
+    p = sub.add_parser("info", help="episodes, steps, shards, tasks, roles, success rate, size on disk")
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(fn=_store_info)
@@ -123,6 +126,7 @@ def _store_main(argv: list[str]) -> int:
     p.add_argument("--minari-root", metavar="DIR", help="datasets directory (default: Minari's)")
     p.add_argument("--task", metavar="T", help="only episodes of this task")
     p.add_argument("--success", action=argparse.BooleanOptionalAction, help="only (un)successful episodes")
+    p.add_argument("--role", metavar="R", help="only episodes of this role (demo, play, deploy, online, eval, ...)")
     p.set_defaults(fn=_store_export_minari)
     p = sub.add_parser("import-minari", help="append a Minari dataset's episodes to a store (created if absent)")
     p.add_argument("dataset_id")
@@ -130,6 +134,11 @@ def _store_main(argv: list[str]) -> int:
     p.add_argument("--minari-root", metavar="DIR", help="datasets directory (default: Minari's)")
     p.add_argument("--client", metavar="ID", default="minari", help="shard to write (default: minari)")
     p.add_argument("--task", metavar="T", help="task id of every episode (default: exported task, else the dataset id)")
+    p.add_argument(
+        "--success-from", metavar="RULE",
+        help="how each episode's success is decided: termination | truncation | info:KEY | return>=X | none "
+        "(required for datasets not exported by robo-post; default for those: the exported success)",
+    )
     p.set_defaults(fn=_store_import_minari)
     args = parser.parse_args(argv)
     return args.fn(args)
@@ -194,7 +203,7 @@ def _fleet_main(argv: list[str]) -> int:
 
 
 def _run(cfg: DictConfig) -> None:
-    from robo_post.learner.run import run
+    from robo_post.pipelines.run import run
 
     print(json.dumps(run(cfg), indent=1))
 

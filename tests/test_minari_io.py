@@ -1,6 +1,7 @@
 """Minari export/import: exact round trips both ways, typed errors, and the CLI."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from minari.data_collector import EpisodeBuffer
 
 from robo_post.cli import main
 from robo_post.store import ArraySpec, Store, StoreError, StoreSchema
-from robo_post.store.minari_io import UnsupportedSpaceError, export_minari, import_minari
+from robo_post.store.minari_io import SuccessRuleError, UnsupportedSpaceError, export_minari, import_minari
 
 SCHEMA = StoreSchema(
     observations={
@@ -57,6 +58,7 @@ def fill_store(root, rng):
             success=[True, None, False, True][i],
             policy_version=3 + i,
             attrs={"operator": "ann", "nested": {"k": [1, 2.5, None]}} if i != 2 else {},
+            role=["demo", "other", "deploy", "online"][i],
         )
     for w in writers.values():
         w.close()
@@ -71,12 +73,17 @@ def native_seeds(ds):
 def assert_same_episodes(snap_a, snap_b):
     assert len(snap_a) == len(snap_b)
     for ea, eb in zip(snap_a.episodes(), snap_b.episodes()):
-        assert ea == eb  # every EpisodeInfo field, incl. crc32 over all stored arrays
+        assert ea == eb  # every EpisodeInfo field, incl. role and the checksum over all stored arrays
         a, b = snap_a.load(ea), snap_b.load(eb)
-        for k in SCHEMA.observations:
+        for k in snap_a.store.schema.observations:
             assert a["obs"][k].dtype == b["obs"][k].dtype
             np.testing.assert_array_equal(a["obs"][k], b["obs"][k])
+        assert a["action"].dtype == b["action"].dtype
         np.testing.assert_array_equal(a["action"], b["action"])
+        assert a["extras"].keys() == b["extras"].keys()
+        for k in a["extras"]:
+            assert a["extras"][k].dtype == b["extras"][k].dtype
+            np.testing.assert_array_equal(a["extras"][k], b["extras"][k])
         for k in STEP_KEYS:
             np.testing.assert_array_equal(a[k], b[k])  # NaN == NaN here
 
@@ -136,13 +143,14 @@ def test_minari_to_store_to_minari_is_exact(tmp_path, monkeypatch):
     root = tmp_path / "minari"
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))  # DataCollector caches episodes under it
     collect_pendulum("pendulum/random-v0")
-    assert import_minari("pendulum/random-v0", tmp_path / "store", minari_root=root) == 3
+    assert import_minari("pendulum/random-v0", tmp_path / "store", minari_root=root, success_from="termination") == 3
 
     snap = Store.open(str(tmp_path / "store")).snapshot()
     infos = snap.episodes()
     assert [e.task_id for e in infos] == ["pendulum/random-v0"] * 3
     assert [e.seed for e in infos] == [0, 1, 2]
     assert [e.success for e in infos] == [False] * 3  # truncated, never terminated
+    assert [(e.role, e.attrs) for e in infos] == [("imported", {"success_rule": "termination"})] * 3
 
     export_minari(snap, "pendulum/again-v0", minari_root=root)
     a = minari.MinariDataset(str(root / "pendulum" / "random-v0" / "data"))
@@ -172,14 +180,15 @@ def test_unsupported_spaces_raise_typed_errors(tmp_path, monkeypatch):
         minari.create_dataset_from_buffers(
             "nested-v0", [buf], observation_space=nested, action_space=gym.spaces.Box(-1, 1, (1,), np.float32)
         )
-        buf = dataclasses.replace(buf, observations=np.zeros((3, 2), np.float32), actions=[0, 1])
+        buf = dataclasses.replace(buf, observations=np.zeros((3, 2), np.float32), actions=(np.array([0, 1]), np.array([0.5, -0.5], np.float32)))
+        tuple_actions = gym.spaces.Tuple((gym.spaces.Discrete(2), gym.spaces.Box(-1, 1, (), np.float32)))
         minari.create_dataset_from_buffers(
-            "discrete-v0", [buf], observation_space=nested["arm"]["q"], action_space=gym.spaces.Discrete(2)
+            "tuple-v0", [buf], observation_space=nested["arm"]["q"], action_space=tuple_actions
         )
     with pytest.raises(UnsupportedSpaceError, match="'arm'.*nested Dict"):
-        import_minari("nested-v0", tmp_path / "store", minari_root=root)
-    with pytest.raises(UnsupportedSpaceError, match=r"action space Discrete\(2\)"):
-        import_minari("discrete-v0", tmp_path / "store", minari_root=root)
+        import_minari("nested-v0", tmp_path / "store", minari_root=root, success_from="termination")
+    with pytest.raises(UnsupportedSpaceError, match=r"action space Tuple\(Discrete\(2\)"):
+        import_minari("tuple-v0", tmp_path / "store", minari_root=root, success_from="termination")
     assert not (tmp_path / "store").exists()  # refused before anything was created
 
     with pytest.raises(StoreError, match="no Minari dataset"):
@@ -208,3 +217,132 @@ def test_cli_export_and_import(tmp_path, capsys):
     assert main(["store", "export-minari", str(tmp_path / "src"), "robo/failures-v0", "--minari-root", mroot]) == 1
     assert "already exists" in capsys.readouterr().err
     assert minari.MinariDataset(os.path.join(mroot, "robo", "failures-v0", "data")).total_episodes == 1
+    assert main(["store", "export-minari", str(tmp_path / "src"), "robo/deploy-v0", "--minari-root", mroot,
+                 "--role", "deploy"]) == 0
+    assert capsys.readouterr().out.startswith("exported 1 episodes (7 steps) to ")
+
+
+def foreign_dataset(root, monkeypatch, dataset_id="lab/foreign-v0"):
+    """Four episodes of a plain Minari dataset (not exported by robo-post): returns
+    [2, 1, 0, 3]; ends terminated / truncated / terminated / truncated; info "is_success"
+    set on the last step of episodes 1 and 2 only."""
+    buffers = []
+    for i, (terminated, success) in enumerate([(True, False), (False, True), (True, True), (False, False)]):
+        T = 3
+        ends = np.arange(T) == T - 1
+        buffers.append(EpisodeBuffer(
+            observations=np.arange(T + 1, dtype=np.float32)[:, None] + i,
+            actions=np.zeros((T, 1), np.float32),
+            rewards=np.full(T, [2, 1, 0, 3][i] / T),
+            terminations=ends & terminated,
+            truncations=ends & (not terminated),
+            infos={"is_success": np.arange(T + 1) == T if success else np.zeros(T + 1, bool)},
+        ))
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
+    with pytest.warns(UserWarning):  # Minari's missing-metadata nags
+        minari.create_dataset_from_buffers(
+            dataset_id, buffers, observation_space=gym.spaces.Box(-10, 10, (1,), np.float32),
+            action_space=gym.spaces.Box(-1, 1, (1,), np.float32),
+        )
+    return dataset_id
+
+
+@pytest.mark.parametrize(
+    "rule, successes",
+    [
+        ("termination", [True, False, True, False]),
+        ("truncation", [False, True, False, True]),
+        ("info:is_success", [False, True, True, False]),
+        ("return>=1", [True, True, False, True]),
+        ("return>=2.5", [False, False, False, True]),
+        ("none", [None, None, None, None]),
+    ],
+)
+def test_foreign_import_takes_its_success_rule(tmp_path, monkeypatch, rule, successes):
+    root = tmp_path / "minari"
+    dataset_id = foreign_dataset(root, monkeypatch)
+    assert import_minari(dataset_id, tmp_path / "store", minari_root=root, success_from=rule) == 4
+    eps = Store.open(str(tmp_path / "store")).snapshot().episodes()
+    assert [e.success for e in eps] == successes
+    assert {(e.role, e.attrs["success_rule"], e.client_id) for e in eps} == {("imported", rule, "minari")}
+
+
+def test_foreign_import_without_or_with_a_bad_rule_is_refused(tmp_path, monkeypatch):
+    root = tmp_path / "minari"
+    dataset_id = foreign_dataset(root, monkeypatch)
+    with pytest.raises(SuccessRuleError, match="success_from.*--success-from") as err:
+        import_minari(dataset_id, tmp_path / "store", minari_root=root)
+    for rule in ("termination", "truncation", "info:KEY", "return>=X", "none"):
+        assert repr(rule) in str(err.value)  # the message lists every rule
+    for bad in ("terminated", "info:", "return>=abc", "return>=nan", "return>", ""):
+        with pytest.raises(SuccessRuleError, match=f"bad success rule {bad!r}"):
+            import_minari(dataset_id, tmp_path / "store", minari_root=root, success_from=bad)
+    assert not (tmp_path / "store").exists()  # refused before anything was created
+    with pytest.raises(SuccessRuleError, match="has no info 'success'"):
+        import_minari(dataset_id, tmp_path / "store", minari_root=root, success_from="info:success")
+
+
+def test_exported_success_needs_no_rule_and_an_explicit_rule_overrides_it(tmp_path):
+    src = fill_store(tmp_path / "src", np.random.default_rng(2))
+    export_minari(src.snapshot(), "robo/own-v0", minari_root=tmp_path / "minari")
+    import_minari("robo/own-v0", tmp_path / "a", minari_root=tmp_path / "minari")
+    a = Store.open(str(tmp_path / "a")).snapshot().episodes()
+    assert [e.success for e in a] == [True, None, False, True]  # as exported
+    assert ["success_rule" in e.attrs for e in a] == [False] * 4
+    assert [e.role for e in a] == ["demo", "other", "deploy", "online"]  # kept
+    import_minari("robo/own-v0", tmp_path / "b", minari_root=tmp_path / "minari", success_from="truncation")
+    b = Store.open(str(tmp_path / "b")).snapshot().episodes()
+    assert [e.success for e in b] == [False, True, True, False]
+    assert [e.attrs["success_rule"] for e in b] == ["truncation"] * 4
+
+
+DISCRETE = StoreSchema(
+    observations={"cell": ArraySpec("int64", (), low=0, high=15), "image": ArraySpec("uint8", (4, 4, 1))},
+    action=ArraySpec("int64", (), low=0, high=3),
+    extras={"logits": ArraySpec("float32", (4,)), "option": ArraySpec("int32", (), low=0, high=2),
+            "contact": ArraySpec("bool", (2,))},
+)
+
+
+def test_discrete_actions_and_extras_round_trip_through_minari_exactly(tmp_path):
+    rng = np.random.default_rng(3)
+    src = Store.create(str(tmp_path / "src"), DISCRETE)
+    with src.writer("play-0") as w:
+        for i, T in enumerate((4, 1, 6)):
+            ends = np.arange(T) == T - 1
+            w.write_episode(
+                {"cell": rng.integers(0, 16, T + 1), "image": rng.integers(0, 256, (T + 1, 4, 4, 1), dtype=np.uint8)},
+                rng.integers(0, 4, T),
+                rewards=rng.normal(size=T), terminated=ends & (i != 1), truncated=ends & (i == 1),
+                extras={"logits": rng.normal(size=(T, 4)).astype(np.float32),
+                        "option": rng.integers(0, 3, T).astype(np.int32), "contact": rng.integers(0, 2, (T, 2)) > 0},
+                success=i == 0, role=["play", "eval", "demo"][i],
+            )
+    snap = src.snapshot()
+    path = export_minari(snap, "robo/grid-v0", minari_root=tmp_path / "minari")
+    ds = minari.MinariDataset(os.path.join(path, "data"))
+    assert ds.action_space == gym.spaces.Discrete(4)  # what a plain Minari user sees
+    assert ds[0].actions.dtype == np.int64
+    import_minari("robo/grid-v0", tmp_path / "dst", client_id=None, minari_root=tmp_path / "minari")
+    dst = Store.open(str(tmp_path / "dst"))
+    assert dst.schema == DISCRETE
+    assert [e.role for e in dst.snapshot()] == ["play", "eval", "demo"]
+    assert_same_episodes(snap, dst.snapshot())
+
+
+def test_cli_import_with_success_rule_and_info_shows_it(tmp_path, monkeypatch, capsys):
+    root = tmp_path / "minari"
+    dataset_id = foreign_dataset(root, monkeypatch)
+    store = str(tmp_path / "store")
+    assert main(["store", "import-minari", dataset_id, store, "--minari-root", str(root)]) == 1
+    assert "--success-from" in capsys.readouterr().err
+    assert main(["store", "import-minari", dataset_id, store, "--minari-root", str(root),
+                 "--success-from", "info:is_success"]) == 0
+    assert "success: info:is_success" in capsys.readouterr().out
+    assert main(["store", "info", store, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["roles"] == {"imported": 4} and info["success_rules"] == {"info:is_success": 4}
+    assert info["success_rate"] == 0.5
+    assert main(["store", "info", store]) == 0
+    out = capsys.readouterr().out
+    assert "imported 4" in out and "info:is_success (4)" in out

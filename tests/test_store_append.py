@@ -1,27 +1,25 @@
 """Append-only shard layout: sealed zarr chunks in shard files (and skipping Blosc on
-incompressible ones), arrays of the unsharded format, array capacity, pending
-sidecars, the two-slot commit record, crash recovery between chunk writes and
-commit, and sampler windows."""
+incompressible ones), pre-release layouts refused, array capacity, the two-slot
+commit record, crash recovery between chunk writes and commit, and sampler windows."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import zlib
 
 import numpy as np
 import pytest
 import torch
 import zarr
 
-from robo_post.store import ArraySpec, Store, StoreSchema, WindowSampler
-from robo_post.store.schema import STEP_COLUMNS
+import test_store
+from robo_post.store import ArraySpec, Store, StoreSchema, UnsupportedFormatError, WindowSampler
 from robo_post.store import chunks as chunks_module
 from robo_post.store import writer as writer_module
 from robo_post.store.commit import read_commit
 from robo_post.store.integrity import validate_store
-from robo_post.store.writer import episode_checksum
 
 SCHEMA = StoreSchema(
     observations={"proprio": ArraySpec("float32", (3,)), "image": ArraySpec("uint8", (4, 4, 3))},
@@ -262,26 +260,28 @@ def test_sealed_chunk_bytes_equal_zarrs_own_encoding(tmp_path, small_chunks):
         np.testing.assert_array_equal(ours[:41], zarr.open_array(os.path.join(data, name), mode="r")[:41])
 
 
-def test_arrays_of_the_unsharded_format_still_append_and_read(tmp_path, small_chunks):
-    """Stores written before sharding hold one file per chunk: the writer keeps to that."""
+def test_arrays_of_the_unsharded_pre_release_format_are_refused(tmp_path, small_chunks):
+    """No released version wrote one file per chunk (with pending/ sidecars): such a
+    shard is refused by writers and readers, and nothing in it is touched."""
     store = Store.create(str(tmp_path / "s"), SCHEMA)
-    data = zarr.open_group(os.path.join(store.root, "shards", "a", "data"), mode="a")
-    for name, spec in {"obs/proprio": SCHEMA.observations["proprio"], "obs/image": SCHEMA.observations["image"],
-                       "action": SCHEMA.action, "step": ArraySpec("float64", (len(STEP_COLUMNS),))}.items():
-        data.create_array(name, shape=(64, *spec.shape), chunks=(16, *spec.shape), dtype=spec.dtype, fill_value=0,
-                          compressors=zarr.codecs.BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"),
-                          chunk_key_encoding={"name": "default", "separator": "."})
-    expected = []
-    for session in (LENGTHS, (5, 40)):
-        with store.writer("a") as w:
-            for T in session:
-                write(w, len(expected), T)
-                expected.append((len(expected), T))
-        assert_episodes(store.snapshot(), expected)
-    image = os.path.join(store.root, "shards", "a", "data", "obs", "image")
-    obs_rows = sum(T + 1 for _, T in expected)
-    assert sorted(os.listdir(image)) == sorted(["zarr.json"] + [f"c.{i}.0.0.0" for i in range(-(-obs_rows // 16))])
-    assert validate_store(store.root) == (len(expected), [])
+    with store.writer("a") as w:
+        write(w, 0, 5)
+    data = os.path.join(store.root, "shards", "a", "data")
+    shutil.rmtree(os.path.join(data, "action"))
+    zarr.open_group(data, mode="a").create_array(
+        "action", shape=(64, 2), chunks=(16, 2), dtype="float32", fill_value=0,
+        compressors=zarr.codecs.BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"),
+    )
+    snap = store.snapshot()
+    before = test_store.tree_hash(store.root)
+    for _ in range(2):  # a refused writer releases the shard (no ShardLockedError the second time)
+        with pytest.raises(UnsupportedFormatError, match="unsharded array of a pre-release"):
+            store.writer("a")
+    with pytest.raises(UnsupportedFormatError):
+        snap.load(snap.episodes()[0])
+    assert test_store.tree_hash(store.root) == before
+    checked, problems = validate_store(store.root)
+    assert checked == 0 and "a/0: arrays unreadable" in problems[0] and "pre-release" in problems[0]
 
 
 FRAMES = StoreSchema(observations={"image": ArraySpec("uint8", (32, 32, 3))}, action=ArraySpec("float32", (1,)))
@@ -486,36 +486,22 @@ def test_commit_record_survives_a_torn_slot(tmp_path):
     assert len(store.snapshot()) == 1
 
 
-def test_shards_of_the_previous_format_still_read_and_append(tmp_path):
-    """commit.json and zlib CRC32 records (written before commit.bin and CRC32C)."""
+def test_shards_with_the_pre_release_commit_json_are_refused(tmp_path):
+    """commit.json (no commit.bin) came before any release: refused, not read as an
+    empty shard that a writer would start over."""
     store = Store.create(str(tmp_path / "s"), SCHEMA)
     with store.writer("a") as w:
         write(w, 0, 5)
-        write(w, 1, 6)
     shard = os.path.join(store.root, "shards", "a")
-    snap = store.snapshot()
-    lines = []
-    for e in snap:
-        got = snap.load(e)
-        arrays = {f"obs/{k}": v for k, v in got["obs"].items()} | {"action": got["action"]}
-        arrays["step"] = zarr.open_array(os.path.join(shard, "data", "step"), mode="r")[e.step_start : e.step_start + e.length]
-        with open(os.path.join(shard, "episodes.jsonl")) as f:
-            record = json.loads(f.readlines()[e.episode])
-        del record["crc32c"]
-        record["crc32"] = episode_checksum(arrays, "crc32")
-        assert record["crc32"] == zlib.crc32(b"".join(np.ascontiguousarray(arrays[k]).tobytes() for k in sorted(arrays)))
-        lines.append(json.dumps(record) + "\n")
-    with open(os.path.join(shard, "episodes.jsonl"), "w") as f:
-        f.writelines(lines)
     os.unlink(os.path.join(shard, "commit.bin"))
     with open(os.path.join(shard, "commit.json"), "w") as f:
-        json.dump({"episodes": 2, "steps": 11, "meta_bytes": len("".join(lines).encode())}, f)
-    assert_episodes(store.snapshot(), [(0, 5), (1, 6)])
-    assert validate_store(store.root) == (2, [])
-    with store.writer("a") as w:
-        write(w, 2, 7)
-    assert_episodes(store.snapshot(), [(0, 5), (1, 6), (2, 7)])
-    assert validate_store(store.root) == (3, [])
+        json.dump({"episodes": 1, "steps": 5, "meta_bytes": os.path.getsize(os.path.join(shard, "episodes.jsonl"))}, f)
+    before = test_store.tree_hash(store.root)
+    for open_it in (store.snapshot, lambda: store.writer("a")):
+        with pytest.raises(UnsupportedFormatError, match="commit.json of a pre-release"):
+            open_it()
+    assert test_store.tree_hash(store.root) == before
+    assert validate_store(store.root)[1][0].startswith("cannot open store: ")
 
 
 def test_sampler_windows_match_direct_formula_across_incremental_adds(tmp_path):

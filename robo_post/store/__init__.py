@@ -5,6 +5,7 @@ from robo_post.store.registry import PolicyNotFoundError, PolicyRegistry, Policy
 from robo_post.store.replay import FreshPER, FreshPERConfig
 from robo_post.store.sampler import ImitationSampler, MixedSampler, PrioritizedSampler, WindowSampler
 from robo_post.store.schema import (
+    ROLES,
     SCHEMA_VERSION,
     ArraySpec,
     EpisodeValidationError,
@@ -15,11 +16,14 @@ from robo_post.store.schema import (
     StoreIntegrityError,
     StoreNotFoundError,
     StoreSchema,
+    UnsupportedFormatError,
+    infer_role,
 )
 from robo_post.store.store import EpisodeInfo, Snapshot, Store
 from robo_post.store.writer import ShardWriter
 
 __all__ = [
+    "ROLES",
     "SCHEMA_VERSION",
     "ArraySpec",
     "EpisodeInfo",
@@ -42,5 +46,7 @@ __all__ = [
     "StoreIntegrityError",
     "StoreNotFoundError",
     "StoreSchema",
+    "UnsupportedFormatError",
     "WindowSampler",
+    "infer_role",
 ]

@@ -41,10 +41,9 @@ sealing it in place): when a reopened writer appends to that chunk, the entry
 moves (16 bytes, one ``pwrite``) from the sealed chunk to a new region, both of
 which hold those rows.
 
-Stores made before sharding hold one file per chunk, and the partial last chunk's
-rows in a sidecar file, ``pending/<array path>/<chunk index>``; ``ChunkAppender``
-keeps writing them that way (a chunk file that exists is replaced atomically, and
-while one is written its committed rows are also in the sidecar).
+Arrays of pre-release stores (one file per chunk, the partial last chunk in a
+``pending/`` sidecar) are refused with ``UnsupportedFormatError``: no released
+version wrote them.
 
 Durability (``ShardWriter(fsync=True)``): ``write`` records in a ``SyncSet``
 every file it wrote or appended to and every directory that gained an entry;
@@ -63,7 +62,7 @@ import zarr
 from numcodecs import Blosc
 from zarr.codecs import BloscCodec, BytesCodec, ShardingCodec
 
-from robo_post.store.schema import StoreIntegrityError
+from robo_post.store.schema import StoreIntegrityError, UnsupportedFormatError
 
 _SHUFFLE = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}
 MIN_GROWTH_CHUNKS = 64  # new arrays hold, and grow by at least, this many chunks: resizing rewrites zarr.json
@@ -139,27 +138,27 @@ def blosc_encoder(arr: zarr.Array, clevel: int | None = None) -> Blosc:
     return Blosc(cname=c.cname.value, clevel=clevel, shuffle=_SHUFFLE[c.shuffle.value], blocksize=c.blocksize, typesize=c.typesize)
 
 
-def pending_path(pending_dir: str, arr: zarr.Array, index: int) -> str:
-    """Sidecar file holding the raw rows of chunk ``index`` while it is partly filled."""
-    return os.path.join(pending_dir, *arr.path.split("/"), str(index))
+def _check_sharded(arr: zarr.Array) -> None:
+    if _chunk_codecs(arr)[1] is None:
+        raise UnsupportedFormatError(
+            f"{arr.store.root}/{arr.path}: unsharded array of a pre-release robo-post store; "
+            "this version reads only the sharded layout"
+        )
 
 
-def read_rows(arr: zarr.Array, pending_dir: str, lo: int, hi: int, end: int) -> np.ndarray:
+def read_rows(arr: zarr.Array, lo: int, hi: int, end: int) -> np.ndarray:
     """Rows ``lo..hi`` of an array with ``end`` committed rows.
 
     Rows of the partly filled last chunk come from its region in the shard file
-    (sharded arrays) or its sidecar (others) while there is one: a region is
-    sealed in place or reused only after its chunk reached zarr, and a sidecar is
-    removed only then, so when neither is found zarr has the rows.
+    while there is one: a region is sealed in place or reused only after its chunk
+    reached zarr, so when none is found zarr has the rows.
     """
+    _check_sharded(arr)
     c = arr.chunks[0]
     sealed = end - end % c
     if hi <= sealed:
         return arr[lo:hi]
-    if _chunk_codecs(arr)[1] is not None:
-        tail = _read_region(arr, sealed // c, end - sealed)
-    else:
-        tail = _read_pending(pending_path(pending_dir, arr, sealed // c), end - sealed, arr)
+    tail = _read_region(arr, sealed // c, end - sealed)
     if tail is None:
         tail = arr[sealed:end]
     if lo >= sealed:
@@ -205,19 +204,6 @@ def _read_region(arr: zarr.Array, index: int, n_rows: int) -> np.ndarray | None:
         raise StoreIntegrityError(f"{path}: chunk {index} kept changing while read")
     finally:
         os.close(fd)
-
-
-def _read_pending(path: str, n_rows: int, arr: zarr.Array) -> np.ndarray | None:
-    dtype, row_shape = arr.dtype.newbyteorder("<"), arr.shape[1:]
-    count = n_rows * int(np.prod(row_shape, dtype=np.int64))
-    try:
-        with open(path, "rb") as f:
-            rows = np.fromfile(f, dtype=dtype, count=count)
-    except FileNotFoundError:
-        return None
-    if len(rows) != count:
-        raise StoreIntegrityError(f"{path}: sidecar holds fewer rows than committed ({len(rows)} of {count} values)")
-    return rows.reshape(n_rows, *row_shape)
 
 
 class SyncSet:
@@ -270,17 +256,16 @@ def _sync_path(path: str, flags: int, sync) -> None:
         os.close(fd)
 
 
-def open_appender(arr: zarr.Array, pending_dir: str, end: int, fsync: bool = False) -> "ShardAppender | ChunkAppender":
-    """The appender for ``arr``: ``ShardAppender`` for a sharded array, else
-    ``ChunkAppender`` (stores made before sharding). Args as for ``ChunkAppender``."""
-    if _chunk_codecs(arr)[1] is not None:
-        return ShardAppender(arr, end, fsync)
-    return ChunkAppender(arr, pending_dir, end, fsync)
+def open_appender(arr: zarr.Array, end: int, fsync: bool = False) -> "ShardAppender":
+    """The appender for ``arr`` (``UnsupportedFormatError`` for an unsharded array).
+    Args as for ``ShardAppender``."""
+    _check_sharded(arr)
+    return ShardAppender(arr, end, fsync)
 
 
 class _Appender:
-    """What both appenders share: the committed tail in memory, encoding full chunks
-    (skipping Blosc after incompressible ones), and the array's capacity.
+    """The committed tail in memory, encoding full chunks (skipping Blosc after
+    incompressible ones), and the array's capacity.
 
     The committed rows of the partly filled last chunk (the "tail") are kept in
     memory, so sealing a chunk never reads anything back.
@@ -358,7 +343,7 @@ class ShardAppender(_Appender):
         super().__init__(arr, end, fsync)
         self.per_shard = arr.shards[0] // self.chunk
         self._grow_unit = arr.shards[0]
-        self.tail = read_rows(arr, "", self.tail_start, end, end)
+        self.tail = read_rows(arr, self.tail_start, end, end)
         self._shard: ShardFile | None = None
         index = self.tail_start // self.chunk
         # Opening the shard file of the partial chunk drops what a crashed writer left
@@ -567,107 +552,6 @@ class ShardFile:
         os.close(self.fd)
 
 
-class ChunkAppender(_Appender):
-    """Appends rows to an unsharded zarr array, one file per chunk, with the partial
-    last chunk in a sidecar file (the layout of stores made before sharding).
-
-    Args:
-        arr: the array (axis 0 is time), opened read-write.
-        pending_dir: directory of this shard's sidecar files.
-        end: number of committed rows.
-        fsync: make ``flush`` durable before it drops a sidecar.
-    """
-
-    def __init__(self, arr: zarr.Array, pending_dir: str, end: int, fsync: bool = False):
-        super().__init__(arr, end, fsync)
-        self.pending_dir = pending_dir
-        self.tail = read_rows(arr, pending_dir, self.tail_start, end, end)
-        index = self.tail_start // self.chunk
-        self._drop_sidecars(keep=index if len(self.tail) else None)
-        # Index of the sidecar holding the committed tail; None while zarr holds it.
-        self.sidecar = index if os.path.exists(pending_path(pending_dir, arr, index)) else None
-
-    def write(self, values: np.ndarray, sync: SyncSet | None = None) -> tuple[int, np.ndarray, int | None]:
-        """As ``ShardAppender.write``."""
-        values = values.astype(self.dtype, copy=False)
-        c, k, start = self.chunk, len(self.tail), self.tail_start
-        n = k + len(values)
-        n_full = n // c
-        if start + n > self.capacity:  # cover the partial chunk too, for zarr reads once it is sealed
-            self._grow(start + n, sync)
-        for j in range(n_full):
-            lo, hi = j * c, (j + 1) * c
-            if lo >= k:
-                rows = [values[lo - k : hi - k]]  # only new rows: encode them in place
-            else:
-                rows = [self.tail[lo:], values[: hi - k]]  # joined only if Blosc is tried
-            self._write_chunk(start // c + j, self._encode_chunk(rows)[0], sync)
-        if n_full:
-            new_start = start + n_full * c
-            # Copied: the caller may overwrite its buffer once the episode is committed.
-            tail = values[new_start - start - k :].copy()
-            sidecar = new_start // c if len(tail) else None
-            if sidecar is not None:
-                self._write_sidecar(sidecar, tail, False, sync)  # no committed rows in it yet
-        else:
-            new_start, tail, sidecar = start, np.concatenate([self.tail, values]), start // c
-            if self.sidecar == sidecar:  # append after the committed rows, touching none of them
-                fd = os.open(pending_path(self.pending_dir, self.arr, sidecar), os.O_WRONLY)
-                try:
-                    pwrite_all(fd, [np.ascontiguousarray(values)], k * self.row_nbytes)
-                except BaseException:
-                    os.close(fd)
-                    raise
-                _keep_or_close(fd, sync)
-            else:  # the committed tail (if any) is in zarr, written by close()
-                self._write_sidecar(sidecar, tail, k > 0, sync)
-        return new_start, tail, sidecar
-
-    def advance(self, state: tuple[int, np.ndarray, int | None]) -> None:
-        """Accept the rows of the last ``write`` as committed; drop a sealed chunk's sidecar."""
-        if self.sidecar is not None and self.sidecar != state[2]:
-            os.unlink(pending_path(self.pending_dir, self.arr, self.sidecar))
-        self.tail_start, self.tail, self.sidecar = state
-
-    def flush(self) -> None:
-        """Write the partial last chunk into zarr (zero padded) and drop its sidecar,
-        so the zarr array alone holds every committed row."""
-        if self.sidecar is None:  # no partial chunk, or zarr holds it already
-            return
-        sync = SyncSet() if self.fsync else None
-        try:
-            if self.tail_start + self.chunk > self.capacity:
-                self._grow(self.tail_start + self.chunk, sync)
-            block = np.zeros((self.chunk, *self.row_shape), self.dtype)
-            block[: len(self.tail)] = self.tail
-            self._write_chunk(self.tail_start // self.chunk, self._encode_chunk([block])[0], sync)
-            if sync is not None:  # the sidecar holds the only durable copy of these rows until then
-                sync.sync()
-        finally:
-            if sync is not None:
-                sync.close()
-        os.unlink(pending_path(self.pending_dir, self.arr, self.sidecar))
-        self.sidecar = None
-
-    def _write_chunk(self, index: int, parts: list, sync: SyncSet | None) -> None:
-        # No tmp file needed for a new chunk: its committed rows (if any) are still in
-        # the sidecar, which readers prefer and which outlives this write.
-        key = self.arr.metadata.encode_chunk_key((index,) + (0,) * len(self.row_shape))
-        _write_file(os.path.join(self.dir, key), parts, False, sync)
-
-    def _write_sidecar(self, index: int, rows: np.ndarray, atomic: bool, sync: SyncSet | None) -> None:
-        _write_file(pending_path(self.pending_dir, self.arr, index), [np.ascontiguousarray(rows).data], atomic, sync)
-
-    def _drop_sidecars(self, keep: int | None) -> None:
-        """Remove sidecars left by a crash: of sealed chunks, or holding no committed row."""
-        directory = os.path.dirname(pending_path(self.pending_dir, self.arr, 0))
-        if not os.path.isdir(directory):
-            return
-        for name in os.listdir(directory):
-            if name != str(keep):
-                os.unlink(os.path.join(directory, name))
-
-
 def _encode(codec: Blosc, block: np.ndarray) -> bytes:
     # Blosc's own threads cost more than they save on chunks of <= 512 KB: on 2 cores
     # a threaded encode took ~3x as long (benchmarks/store_ingest.py). Writers get their
@@ -692,55 +576,3 @@ def pwrite_all(fd: int, parts: list, offset: int) -> None:
             views.pop(0)
         if views:
             views[0] = views[0][n:]
-
-
-def _keep_or_close(fd: int, sync: SyncSet | None) -> None:
-    """Hand a written file's ``fd`` to ``sync`` to be synced before the commit, or close it."""
-    if sync is None:
-        os.close(fd)
-    else:
-        sync.add_fd(fd)
-
-
-def _makedirs(directory: str, sync: SyncSet | None) -> None:
-    """``os.makedirs``; with ``sync``, record each parent that gained a directory."""
-    missing = []
-    d = directory
-    while sync is not None and not os.path.isdir(d):
-        missing.append(d)
-        d = os.path.dirname(d)
-    os.makedirs(directory, exist_ok=True)
-    for d in missing:
-        sync.add_dir(os.path.dirname(d))
-
-
-def _write_file(path: str, parts: list, atomic: bool, sync: SyncSet | None = None) -> None:
-    """Write a whole file from the buffers ``parts``. A file that exists is always
-    replaced atomically (tmp file + rename), so readers see the old or the new bytes;
-    a new one only with ``atomic`` (needed when readers may open it before it is
-    complete). Renaming onto a new name is cheap; replacing an existing file is what
-    costs an ext4 data flush. With ``sync``, the file and its directory are recorded
-    there (a renamed file is fdatasync'd before the rename instead)."""
-    target = f"{path}.partial" if atomic else path
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if atomic else os.O_EXCL)
-    try:
-        fd = os.open(target, flags, 0o644)
-    except FileExistsError:  # left behind by a crash, or a chunk written by close()
-        return _write_file(path, parts, True, sync)
-    except FileNotFoundError:
-        _makedirs(os.path.dirname(path), sync)
-        return _write_file(path, parts, atomic, sync)
-    try:
-        pwrite_all(fd, parts, 0)
-        if atomic and sync is not None:
-            os.fdatasync(fd)  # the file it replaces may hold the only copy of committed rows
-    except BaseException:
-        os.close(fd)
-        raise
-    if atomic:
-        os.close(fd)
-        os.replace(target, path)
-    else:
-        _keep_or_close(fd, sync)
-    if sync is not None:
-        sync.add_dir(os.path.dirname(path))

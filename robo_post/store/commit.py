@@ -18,19 +18,18 @@ the episode's data *before* writing the record (``writer.py``). Without
 ``fsync``, after an OS crash or power loss the on-disk record may be older than
 the last commit, or newer than the data that reached the disk.
 
-Shards written before this format have ``commit.json``, read when ``commit.bin``
-is absent.
+A shard holding the pre-release ``commit.json`` instead is refused
+(``UnsupportedFormatError``) rather than read as empty.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 
 import crc32c
 
-from robo_post.store.schema import StoreIntegrityError
+from robo_post.store.schema import StoreIntegrityError, UnsupportedFormatError
 
 EMPTY = {"episodes": 0, "steps": 0, "meta_bytes": 0}
 _RECORD = struct.Struct("<4sQQQQ")
@@ -59,11 +58,12 @@ def read_commit(shard_dir: str) -> dict[str, int]:
         with open(os.path.join(shard_dir, "commit.bin"), "rb") as f:
             data = f.read(2 * _SLOT)
     except FileNotFoundError:
-        try:
-            with open(os.path.join(shard_dir, "commit.json")) as f:
-                return json.load(f)
-        except FileNotFoundError:
-            return dict(EMPTY)
+        # A writer would start the shard over and overwrite its episodes.
+        if os.path.exists(os.path.join(shard_dir, "commit.json")):
+            raise UnsupportedFormatError(
+                f"{shard_dir}: commit.json of a pre-release robo-post store; this version reads only commit.bin"
+            ) from None
+        return dict(EMPTY)
     slots = [r for r in (_unpack(data[:_SLOT]), _unpack(data[_SLOT:])) if r is not None]
     if not slots:
         raise StoreIntegrityError(f"{shard_dir}/commit.bin: no valid commit record")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from robo_post.store.registry import PolicyRegistry
-from robo_post.store.schema import EpisodeValidationError, StoreError, StoreIntegrityError, validate_array
+from robo_post.store.schema import ROLES, EpisodeValidationError, StoreError, StoreIntegrityError, validate_array
 from robo_post.store.store import Store
 from robo_post.store.writer import episode_checksum
 
@@ -41,8 +41,9 @@ def validate_store(root: str) -> tuple[int, list[str]]:
 
     Returns ``(episodes_checked, problems)``; an empty problem list means healthy.
     Checks: schema, commit records vs. metadata, contiguous row ranges, array
-    extents, per-episode checksum, schema constraints on every row, and that every
-    published policy has loadable weights and config. An episode that is unreadable
+    extents, per-episode checksum, schema constraints on every row (extras too),
+    known episode roles, and that every published policy has loadable weights and
+    config. An episode that is unreadable
     or fails its checksum is reported as an ``EpisodeDataError`` (naming shard and
     episode index, and whether the shard's trailing episodes all fail).
     """
@@ -62,13 +63,15 @@ def validate_store(root: str) -> tuple[int, list[str]]:
         for i, ep in enumerate(eps):
             if ep.episode != i or ep.step_start != steps or ep.obs_start != objs:
                 problems.append(f"{ep.key}: row ranges not contiguous")
+            if ep.role not in ROLES:
+                problems.append(f"{ep.key}: unknown role {ep.role!r}")
             steps += ep.length
             objs += ep.length + 1
         try:
             data = snap.load_shard(shard)
         except Exception:  # any zarr/codec failure means unreadable data: find which episodes
             data = None
-        if data is not None and (len(data["action"]) < steps or len(data["step"]) < steps):
+        if data is not None and min(len(a) for a in (data["action"], data["step"], *data["extras"].values())) < steps:
             problems.append(f"shard {shard}: arrays shorter than committed steps")
             continue
         bad: dict[int, str] = {}
@@ -77,6 +80,7 @@ def validate_store(root: str) -> tuple[int, list[str]]:
             if data is None:
                 ranges = {f"obs/{k}": (o0, o0 + T + 1) for k in schema.observations}
                 ranges.update(action=(s0, s0 + T), step=(s0, s0 + T))
+                ranges.update({f"extras/{k}": (s0, s0 + T) for k in schema.extras})
                 try:
                     arrays = {name: snap._read(shard, name, lo, hi) for name, (lo, hi) in ranges.items()}
                 except Exception as e:
@@ -86,13 +90,16 @@ def validate_store(root: str) -> tuple[int, list[str]]:
                 arrays = {f"obs/{k}": data["obs"][k][o0 : o0 + T + 1] for k in schema.observations}
                 arrays["action"] = data["action"][s0 : s0 + T]
                 arrays["step"] = data["step"][s0 : s0 + T]
-            if episode_checksum(arrays, ep.checksum_kind) != ep.checksum:
+                arrays.update({f"extras/{k}": data["extras"][k][s0 : s0 + T] for k in schema.extras})
+            if episode_checksum(arrays) != ep.checksum:
                 bad[ep.episode] = "checksum mismatch"
                 continue
             try:
                 for k, spec in schema.observations.items():
                     validate_array(f"obs/{k}", arrays[f"obs/{k}"], spec, T + 1)
                 validate_array("action", arrays["action"], schema.action, T)
+                for k, spec in schema.extras.items():
+                    validate_array(f"extras/{k}", arrays[f"extras/{k}"], spec, T)
             except EpisodeValidationError as e:
                 problems.append(f"{ep.key}: {e}")
             checked += 1

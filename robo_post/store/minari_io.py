@@ -6,11 +6,12 @@ Where robo-post data lives inside a Minari dataset (all of it round-trips exactl
   terminations, truncations: Minari's own arrays. Images are stored raw
   (``jpeg_encoding=False``); Minari's default JPEG encoding is lossy.
 - the per-step columns Minari lacks (policy_version, intervention, timestamp,
-  behavior_logprob): ``infos["robo_post"]``, the only per-step extra data Minari
-  stores. Infos have the T + 1 rows of the observations (DataCollector's
-  convention, and required by Minari's arrow format): row t describes action t,
-  row T repeats row T - 1. Infos survive ``minari.combine_datasets``; the
-  per-episode metadata and seeds below do not (Minari drops them there).
+  behavior_logprob) and the schema's extras (``infos["robo_post"]["extras"]``):
+  ``infos["robo_post"]``, the only per-step extra data Minari stores. Infos have
+  the T + 1 rows of the observations (DataCollector's convention, and required
+  by Minari's arrow format): row t describes action t, row T repeats row T - 1.
+  Infos survive ``minari.combine_datasets``; the per-episode metadata and seeds
+  below do not (Minari drops them there).
 - per-episode metadata: the episode's Minari metadata, as one JSON string under
   ``"robo_post"`` (HDF5 attributes cannot hold None, lists or dicts; a JSON
   string keeps every value and type exactly). The seed is also written as
@@ -18,8 +19,13 @@ Where robo-post data lives inside a Minari dataset (all of it round-trips exactl
 - the store schema (units, bounds, attrs): dataset ``metadata.json`` under
   ``"robo_post"``, so importing our own export recreates the identical schema.
 
+Integer actions are exported as a Discrete (scalar) or MultiDiscrete space.
+
 Foreign datasets need a Dict of Box/Discrete (or a bare Box/Discrete) observation
-space and a float Box action space; their infos are not imported.
+space and a Box, Discrete or MultiDiscrete action space; their infos are not
+imported. Their episodes carry no robo-post success label, so importing one needs
+an explicit success rule (``SUCCESS_RULES``); it is recorded in each episode's
+``attrs["success_rule"]``.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import json
 import os
 import shutil
 import warnings
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import gymnasium as gym
 import minari
@@ -38,7 +44,14 @@ from minari.data_collector import EpisodeBuffer
 from minari.dataset.minari_dataset import parse_dataset_id
 from minari.storage import get_dataset_path
 
-from robo_post.store.schema import ArraySpec, StoreError, StoreNotFoundError, StoreSchema
+from robo_post.store.schema import (
+    BARE_OBS_ATTR,
+    ArraySpec,
+    StoreError,
+    StoreNotFoundError,
+    StoreSchema,
+    infer_role,
+)
 from robo_post.store.store import EpisodeInfo, Snapshot, Store
 from robo_post.store.writer import ShardWriter
 
@@ -50,15 +63,59 @@ INFO_COLUMNS = {
     "behavior_logprob": np.float64,
 }
 META_KEY = "robo_post"
-# Schema attr marking a store imported from a bare (non-Dict) observation space, so
-# exporting it writes a bare space again.
-BARE_OBS_ATTR = "minari_bare_observation"
-BARE_OBS_KEY = "observation"
 _WRITE_ARG = {name: f"{name}s" for name in INFO_COLUMNS}  # write_episode's plural kwargs
+
+
+# How an imported episode's success is decided (``import_minari(success_from=...)``).
+SUCCESS_RULES = {
+    "termination": "the last step terminated",
+    "truncation": "the last step was truncated",
+    "info:KEY": "the last step's info[KEY] is truthy",
+    "return>=X": "the episode's return is at least the number X",
+    "none": "success unknown (None)",
+}
 
 
 class UnsupportedSpaceError(StoreError, ValueError):
     """A Minari dataset's spaces cannot be represented in a robo-post store."""
+
+
+class SuccessRuleError(StoreError, ValueError):
+    """No usable success rule for a Minari import: none given for a foreign dataset,
+    a malformed rule, or an info key the dataset lacks."""
+
+
+def _rules_help() -> str:
+    return "; ".join(f"{rule!r}: {meaning}" for rule, meaning in SUCCESS_RULES.items())
+
+
+def success_rule(rule: str) -> Callable[[Any], bool | None]:
+    """The function deciding a Minari episode's success under ``rule`` (see
+    ``SUCCESS_RULES``); ``SuccessRuleError`` naming a malformed rule."""
+    if rule == "termination":
+        return lambda episode: bool(episode.terminations[-1])
+    if rule == "truncation":
+        return lambda episode: bool(episode.truncations[-1])
+    if rule == "none":
+        return lambda episode: None
+    if rule.startswith("info:") and len(rule) > len("info:"):
+        key = rule[len("info:") :]
+
+        def from_info(episode) -> bool:
+            infos = episode.infos or {}
+            if key not in infos:
+                raise SuccessRuleError(f"success rule {rule!r}: episode {episode.id} has no info {key!r}")
+            return bool(np.asarray(infos[key])[-1])  # row T: the info of the last step
+
+        return from_info
+    if rule.startswith("return>="):
+        try:
+            threshold = float(rule[len("return>=") :])
+        except ValueError:
+            threshold = float("nan")
+        if np.isfinite(threshold):
+            return lambda episode: bool(np.sum(episode.rewards, dtype=np.float64) >= threshold)
+    raise SuccessRuleError(f"bad success rule {rule!r}; use one of: {_rules_help()}")
 
 
 @contextlib.contextmanager
@@ -86,6 +143,18 @@ def _check_dataset_id(dataset_id: str) -> None:
         parse_dataset_id(dataset_id)
     except (ValueError, TypeError):  # TypeError: id without "-vN"
         raise StoreError(f"bad Minari dataset id {dataset_id!r}: use (namespace/)name-vN") from None
+
+
+def _action_space(spec: ArraySpec) -> gym.spaces.Space:
+    """The gymnasium space of the store's actions: Discrete / MultiDiscrete for bounded
+    integer actions, else a Box."""
+    if np.dtype(spec.dtype).kind not in "iu" or spec.low is None or spec.high is None:
+        return _box(spec)
+    low = np.broadcast_to(np.asarray(spec.low, dtype=np.int64), spec.shape)
+    high = np.broadcast_to(np.asarray(spec.high, dtype=np.int64), spec.shape)
+    if spec.shape == ():
+        return gym.spaces.Discrete(int(high - low + 1), start=int(low))
+    return gym.spaces.MultiDiscrete(high - low + 1, start=low)
 
 
 def _box(spec: ArraySpec) -> gym.spaces.Box:
@@ -122,7 +191,11 @@ def _episode_buffer(snapshot: Snapshot, info: EpisodeInfo, bare_key: str | None)
         "start_time": info.start_time,
         "end_time": info.end_time,
         "attrs": info.attrs,
+        "role": info.role,
     }
+    infos = {k: np.concatenate([v, v[-1:]]) for k, v in columns.items()}
+    if data["extras"]:
+        infos["extras"] = {k: np.concatenate([v, v[-1:]]) for k, v in data["extras"].items()}
     buffer = EpisodeBuffer(
         seed=info.seed if info.seed is not None and -(2**63) <= info.seed < 2**63 else None,  # HDF5 attr limit
         observations=data["obs"][bare_key] if bare_key else data["obs"],
@@ -130,7 +203,7 @@ def _episode_buffer(snapshot: Snapshot, info: EpisodeInfo, bare_key: str | None)
         rewards=data["reward"],
         terminations=data["terminated"],
         truncations=data["truncated"],
-        infos={META_KEY: {k: np.concatenate([v, v[-1:]]) for k, v in columns.items()}},
+        infos={META_KEY: infos},
     )
     return buffer, {META_KEY: json.dumps(record, allow_nan=False)}
 
@@ -178,7 +251,7 @@ def export_minari(
                     dataset_id,
                     [buffer],
                     observation_space=obs_space,
-                    action_space=_box(schema.action),
+                    action_space=_action_space(schema.action),
                     algorithm_name="robo-post",
                     description=f"exported from robo-post store {snapshot.store.root} snapshot {snapshot.id}",
                     jpeg_encoding=False,
@@ -200,20 +273,20 @@ def export_minari(
 def _schema_from_spaces(dataset_id: str, observation_space: gym.Space, action_space: gym.Space) -> StoreSchema:
     """Store schema for a dataset's spaces, or ``UnsupportedSpaceError`` naming the culprit."""
     where = f"Minari dataset {dataset_id!r}"
-    if not (isinstance(action_space, gym.spaces.Box) and action_space.dtype.kind == "f"):
-        raise UnsupportedSpaceError(f"{where}: action space {action_space} unsupported; the store needs a float Box")
-    attrs: dict[str, Any] = {}
-    if not isinstance(observation_space, gym.spaces.Dict):
-        observation_space = gym.spaces.Dict({BARE_OBS_KEY: observation_space})
-        attrs[BARE_OBS_ATTR] = BARE_OBS_KEY
-    for key, space in observation_space.spaces.items():
+    supported = (gym.spaces.Discrete, gym.spaces.MultiDiscrete)
+    if not (isinstance(action_space, supported) or (isinstance(action_space, gym.spaces.Box) and action_space.dtype.kind in "fiu")):
+        raise UnsupportedSpaceError(
+            f"{where}: action space {action_space} unsupported; the store needs a Box, Discrete or MultiDiscrete"
+        )
+    spaces = observation_space.spaces if isinstance(observation_space, gym.spaces.Dict) else {}
+    for key, space in spaces.items():
         if isinstance(space, (gym.spaces.Dict, gym.spaces.Tuple)):
             raise UnsupportedSpaceError(
                 f"{where}: observation {key!r} is a nested {type(space).__name__} space; "
                 "the store needs a flat Dict of Box/Discrete spaces"
             )
     try:
-        return StoreSchema.from_spaces(observation_space, action_space, **attrs)
+        return StoreSchema.from_spaces(observation_space, action_space)
     except StoreError:
         raise
     except ValueError as e:  # unsupported leaf space or dtype; the message names the key
@@ -226,12 +299,15 @@ def import_minari(
     client_id: str | None = "minari",
     minari_root: str | os.PathLike | None = None,
     task_id: str | None = None,
+    success_from: str | None = None,
 ) -> int:
     """Append every episode of a Minari dataset to a store; return how many.
 
     The store is created if absent: with the exported schema for datasets written
     by ``export_minari``, else from the dataset's spaces. Every episode goes
-    through ``ShardWriter.write_episode`` and is validated.
+    through ``ShardWriter.write_episode`` and is validated. Foreign episodes get
+    role ``"imported"``; exported ones keep the role they were exported with (the
+    one their shard's name gives if exported before roles were recorded).
 
     Args:
         dataset_id: Minari id of a local dataset.
@@ -240,13 +316,20 @@ def import_minari(
             original shard (``"minari"`` for foreign episodes).
         minari_root: datasets directory; default Minari's own.
         task_id: task of every episode; default the exported task, else ``dataset_id``.
+        success_from: how to decide each episode's success, one of ``SUCCESS_RULES``
+            (``termination``, ``truncation``, ``info:KEY``, ``return>=X``, ``none``).
+            Required for foreign datasets; by default exported episodes keep their
+            recorded success. A rule given is recorded in ``attrs["success_rule"]``.
 
     Raises:
+        SuccessRuleError: a foreign dataset and no rule, a malformed rule, or an
+            ``info:KEY`` rule on episodes without that info.
         UnsupportedSpaceError: the dataset's spaces do not fit a store (names the key).
         StoreError: dataset not found, or an episode fails validation (episodes
             before it stay committed).
     """
     _check_dataset_id(dataset_id)
+    decide = None if success_from is None else success_rule(success_from)
     # Explicit root: join it ourselves, as get_dataset_path() creates missing roots.
     root = get_dataset_path(dataset_id) if minari_root is None else os.path.join(minari_root, dataset_id)
     path = os.path.join(root, "data")
@@ -257,6 +340,12 @@ def import_minari(
     exported = dataset.storage.metadata.get(META_KEY)
     if exported is not None:
         schema = StoreSchema.from_json(exported["schema"])
+    elif decide is None:
+        # Never guess: terminating is success in one task and failure (a crash) in another.
+        raise SuccessRuleError(
+            f"Minari dataset {dataset_id!r} was not exported by robo-post, so its episodes carry no success label: "
+            f"pass success_from (CLI: --success-from RULE), one of: {_rules_help()}"
+        )
     try:
         store = Store.open(str(store_root))
     except StoreNotFoundError:
@@ -272,8 +361,20 @@ def import_minari(
             shard = client_id if client_id is not None else record.get("client_id", "minari")
             if shard not in writers:
                 writers[shard] = stack.enter_context(store.writer(shard))
-            extra = (episode.infos or {}).get(META_KEY, {})
+            extra = dict((episode.infos or {}).get(META_KEY, {}))
+            extras = {k: np.asarray(v)[: len(episode)] for k, v in extra.pop("extras", {}).items()}
             columns = {_WRITE_ARG[k]: np.asarray(v)[: len(episode)] for k, v in extra.items() if k in _WRITE_ARG}
+            attrs = dict(record.get("attrs") or {})
+            if decide is not None:
+                success = decide(episode)
+                attrs["success_rule"] = success_from
+            elif "success" in record:
+                success = record["success"]
+            else:  # exported, but Minari dropped the episode metadata (e.g. combine_datasets)
+                raise SuccessRuleError(
+                    f"episode {episode.id} of {dataset_id!r} has no recorded success: pass success_from, one of: "
+                    f"{_rules_help()}"
+                )
             writers[shard].write_episode(
                 {bare_key: episode.observations} if bare_key else episode.observations,
                 episode.actions,
@@ -284,12 +385,14 @@ def import_minari(
                 task_id=task_id if task_id is not None else record.get("task_id", dataset_id),
                 instruction=record.get("instruction", ""),
                 seed=record["seed"] if "seed" in record else meta.get("seed"),
-                # Foreign data: reaching a terminal state is the best success signal there is.
-                success=record["success"] if "success" in record else bool(episode.terminations[-1]),
+                success=success,
                 policy_version=record.get("policy_version"),
                 start_time=record.get("start_time"),
                 end_time=record.get("end_time"),
-                attrs=record.get("attrs"),
+                attrs=attrs,
+                extras=extras,
+                # Exported before roles were recorded: the role its shard's name gave it.
+                role=record.get("role") or (infer_role(record["client_id"]) if "client_id" in record else "imported"),
             )
             n += 1
     return n

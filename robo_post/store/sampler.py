@@ -9,7 +9,8 @@ key                shape             meaning
 ``obs[k]``         (B, *obs_shape)   observation at t (uint8 images stay uint8);
                                      ``obs["instruction"]`` is a list of B strings
 ``actions``        (B, H, A)         a_t .. a_{t+H-1}; past the episode end the
-                                     last action is repeated
+                                     last action is repeated; float32, or int64
+                                     for integer (discrete) actions
 ``action_mask``    (B, H) bool       True where the action is real, not padding
 ``rewards``        (B,) float32      sum_{i<K} gamma^i r_{t+i}, K = n_step * H,
                                      stopping at the episode end
@@ -22,6 +23,9 @@ key                shape             meaning
                                      ``bootstrap_truncated=False``
 ``policy_version`` (B,) int64        version that produced a_t
 ``indices``        (B,) int64        global step index (for priorities)
+``extras[name]``   (B, *shape)       the schema's per-step extras at t, stored
+                                     dtype (the key is absent when the schema
+                                     declares no extras)
 =================  ================  ===========================================
 
 This is the chunk TD target of ``docs/specs/lwd_divl_qam.md`` §2.2.9: the critic
@@ -97,6 +101,7 @@ class WindowSampler:
         self.rng = np.random.default_rng(seed)
         self.episodes: list[EpisodeInfo] = []
         self._obs: dict[str, _Grow] = {}
+        self._extras: dict[str, _Grow] | None = None  # None until the first episode; {} if none declared
         # Actions with each episode's last action repeated H - 1 more times, so the
         # window of every start step is one contiguous run of rows.
         self._action: _Grow | None = None
@@ -111,6 +116,7 @@ class WindowSampler:
         self._action_mask = _Grow(bool, (horizon,))  # True where a_{t+i} is real, not padding
         self._return = _Grow(np.float32, ())  # chunked discounted reward sum
         self._discount = _Grow(np.float32, ())
+        self._return_to_go = _Grow(np.float32, ())  # sum_i gamma^i r_{t+i} to the episode end
         self._pow = gamma ** np.arange(n_step * horizon + 1, dtype=np.float64)
 
     @classmethod
@@ -122,6 +128,10 @@ class WindowSampler:
     def __len__(self) -> int:
         """Number of steps (= possible window starts) held."""
         return self._version.n
+
+    def returns_to_go(self) -> np.ndarray:
+        """Discounted return from every held step to its episode's end (no bootstrap), (steps,)."""
+        return self._return_to_go.view
 
     def obs_stats(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """Per-dimension mean and std of observation ``key`` over the held data."""
@@ -154,12 +164,16 @@ class WindowSampler:
             self.obs_keys = keys
             for k in keys:
                 self._obs[k] = _Grow(data["obs"][k].dtype, data["obs"][k].shape[1:])
-            self._action = _Grow(np.float32, data["action"].shape[1:])
+            # Float actions become float32 (what the learner trains on); integer ones stay integers.
+            self._action = _Grow(np.int64 if data["action"].dtype.kind in "iu" else np.float32, data["action"].shape[1:])
+            self._extras = {k: _Grow(v.dtype, v.shape[1:]) for k, v in data["extras"].items()}
         obs_start, action_start = self._obs[keys[0]].n, self._action.n
         for k in keys:
             self._obs[k].extend(data["obs"][k][o0 : o0 + T + 1])
         actions = data["action"][s0 : s0 + T]
         self._action.extend(np.concatenate([actions, np.repeat(actions[-1:], H - 1, axis=0)]))
+        for k, grow in self._extras.items():
+            grow.extend(data["extras"][k][s0 : s0 + T])
         table = data["step"][s0 : s0 + T]
         t = np.arange(T)
         # Rewards r_t .. r_{t+K-1}, zero past the episode end.
@@ -168,6 +182,10 @@ class WindowSampler:
         no_bootstrap = (t + K >= T) & (ep.terminated or not self.bootstrap_truncated)
         self._return.extend((r @ self._pow[:K]).astype(np.float32))
         self._discount.extend((self._pow[taken] * ~no_bootstrap).astype(np.float32))
+        rtg = np.zeros(T + 1)
+        for i in range(T - 1, -1, -1):
+            rtg[i] = table[i, 0] + self.gamma * rtg[i + 1]
+        self._return_to_go.extend(rtg[:T].astype(np.float32))
         self._version.extend(table[:, 3])
         self._intervention.extend(table[:, STEP_COLUMNS.index("intervention")] > 0)
         self._ordinal.extend(np.full(T, len(self.episodes)))
@@ -202,7 +220,7 @@ class WindowSampler:
         instructions = self._instructions[self._ordinal.view[t]].tolist()
         # Fancy indexing yields new contiguous arrays: from_numpy shares them, no copy.
         to = torch.from_numpy if self.device.type == "cpu" else lambda x: torch.from_numpy(x).to(self.device)
-        return {
+        batch = {
             "obs": {k: to(self._obs[k].view[rows]) for k in self.obs_keys} | {"instruction": instructions},
             "actions": to(self._action_windows[self._action_row.view[t]]),
             "action_mask": to(self._action_mask.view[t]),
@@ -212,6 +230,9 @@ class WindowSampler:
             "policy_version": to(self._version.view[t]),
             "indices": to(t),
         }
+        if self._extras:
+            batch["extras"] = {k: to(grow.view[t]) for k, grow in self._extras.items()}
+        return batch
 
 
 class ImitationSampler:

@@ -12,10 +12,22 @@ from typing import Any
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+# 2: per-step extras, integer actions, episode roles. Version 1 stores (none of those)
+# still open and take new episodes; their store.json keeps version 1.
+SCHEMA_VERSION = 2
 STORE_FORMAT = "robo-post-store"
 
 OBS_DTYPES = ("float32", "float64", "uint8", "int32", "int64", "bool")
+# Observation key of a bare (non-Dict) observation space, and the schema attr that
+# marks it, so an export to Minari writes a bare space again.
+BARE_OBS_KEY = "observation"
+BARE_OBS_ATTR = "minari_bare_observation"
+
+# Where an episode came from. Records written before roles existed get one from their
+# shard's name (``infer_role``).
+ROLES = ("demo", "play", "deploy", "online", "eval", "imported", "other")
+_ROLE_PREFIXES = (("demo-", "demo"), ("play-", "play"), ("deploy-", "deploy"), ("online-", "online"),
+                  ("eval", "eval"), ("minari", "imported"))
 
 # Per-step scalar columns, stored together as one (T, len(STEP_COLUMNS)) float64
 # table so a commit costs one array write instead of seven. float64 holds every
@@ -73,6 +85,24 @@ class StoreIntegrityError(StoreError):
     """On-disk data does not match its committed record (corruption)."""
 
 
+class UnsupportedFormatError(StoreError):
+    """On-disk data in a layout no released robo-post wrote (a pre-release store)."""
+
+
+def infer_role(client_id: str) -> str:
+    """The role of an episode recorded without one, from its shard's name: ``demo-``,
+    ``play-``, ``deploy-``, ``online-`` -> that role, ``eval...`` -> ``eval``,
+    ``minari...`` -> ``imported``, anything else -> ``other``."""
+    return next((role for prefix, role in _ROLE_PREFIXES if client_id.startswith(prefix)), "other")
+
+
+def check_role(role: str) -> str:
+    """Return ``role`` if it is one of ``ROLES``, else raise ``EpisodeValidationError``."""
+    if role not in ROLES:
+        raise EpisodeValidationError("role", f"unknown role {role!r}; roles are {ROLES}")
+    return role
+
+
 def check_name(name: str, what: str = "client id") -> str:
     """Return ``name`` if it is safe as a single path component, else raise.
 
@@ -121,23 +151,37 @@ class StoreSchema:
     Args:
         observations: observation key -> spec. Images are ``uint8`` of shape (H, W, C).
         action: spec of one action (per step, not per chunk); ``low``/``high`` are enforced.
+            Floating point, or integer for discrete actions (e.g. ``ArraySpec("int64", (),
+            low=0, high=n - 1)`` for gymnasium's ``Discrete(n)``).
         schema_version: format version; readers refuse versions newer than theirs.
+        attrs: free-form JSON metadata of the store.
+        extras: per-step arrays beside the action (name -> spec), e.g. a policy's
+            internals; every step of every episode must give each of them.
     """
 
     observations: dict[str, ArraySpec]
     action: ArraySpec
     schema_version: int = SCHEMA_VERSION
     attrs: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, ArraySpec] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.observations:
             raise ValueError("a schema needs at least one observation key")
-        for key, spec in self.observations.items():
-            check_name(key, "observation key")
-            if spec.dtype not in OBS_DTYPES:
-                raise ValueError(f"observation {key!r}: dtype {spec.dtype} not in {OBS_DTYPES}")
-        if np.dtype(self.action.dtype).kind != "f":
-            raise ValueError("actions must be floating point")
+        for what, specs in (("observation", self.observations), ("extra", self.extras)):
+            for key, spec in specs.items():
+                check_name(key, f"{what} key")
+                if spec.dtype not in OBS_DTYPES:
+                    raise ValueError(f"{what} {key!r}: dtype {spec.dtype} not in {OBS_DTYPES}")
+        if np.dtype(self.action.dtype).kind not in "fiu":
+            raise ValueError(f"actions must be floating point or integer, not {self.action.dtype}")
+        if self.schema_version < 2 and (self.extras or self.action_is_discrete):
+            raise ValueError("extras and integer actions need schema_version >= 2")
+
+    @property
+    def action_is_discrete(self) -> bool:
+        """True for integer (Discrete/MultiDiscrete) actions."""
+        return np.dtype(self.action.dtype).kind in "iu"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -145,9 +189,18 @@ class StoreSchema:
             "schema_version": self.schema_version,
             "observations": {k: v.to_json() for k, v in self.observations.items()},
             "action": self.action.to_json(),
+            "extras": {k: v.to_json() for k, v in self.extras.items()},
             "step_columns": list(STEP_COLUMNS),
             "attrs": self.attrs,
         }
+
+    def same_layout(self, other: "StoreSchema") -> bool:
+        """True if episodes of one fit the other: equal but for ``schema_version`` (a
+        version 1 store takes episodes of an equal version 2 schema)."""
+        mine, theirs = self.to_json(), other.to_json()
+        mine.pop("schema_version")
+        theirs.pop("schema_version")
+        return mine == theirs
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "StoreSchema":
@@ -164,14 +217,24 @@ class StoreSchema:
             action=ArraySpec.from_json(d["action"]),
             schema_version=version,
             attrs=d.get("attrs", {}),
+            extras={k: ArraySpec.from_json(v) for k, v in d.get("extras", {}).items()},  # absent in version 1
         )
 
     @classmethod
     def from_spaces(cls, observation_space, action_space, **attrs) -> "StoreSchema":
-        """Build a schema from gymnasium spaces (a Dict of Boxes/Discretes, and a Box)."""
+        """Build a schema from gymnasium spaces.
+
+        Observations: a Dict of Boxes/Discretes, or one bare Box/Discrete, stored as the
+        key ``"observation"`` (``BARE_OBS_KEY``; marked in ``attrs`` so that a Minari
+        export writes a bare space again). Actions: a Box, a Discrete (int64 in
+        ``start .. start + n - 1``) or a MultiDiscrete (int64, per element).
+        """
         import gymnasium as gym
 
         obs = {}
+        if not isinstance(observation_space, gym.spaces.Dict):
+            observation_space = gym.spaces.Dict({BARE_OBS_KEY: observation_space})
+            attrs = {BARE_OBS_ATTR: BARE_OBS_KEY, **attrs}
         for key, space in observation_space.spaces.items():
             if isinstance(space, gym.spaces.Box):
                 bounded = np.all(np.isfinite(space.low)) and np.all(np.isfinite(space.high))
@@ -185,7 +248,16 @@ class StoreSchema:
                 obs[key] = ArraySpec("int64", (), int(space.start), int(space.start + space.n - 1))
             else:
                 raise ValueError(f"observation {key!r}: unsupported space {space}")
-        act = ArraySpec(action_space.dtype.name, action_space.shape, action_space.low.tolist(), action_space.high.tolist())
+        if isinstance(action_space, gym.spaces.Box):
+            act = ArraySpec(action_space.dtype.name, action_space.shape, action_space.low.tolist(), action_space.high.tolist())
+        elif isinstance(action_space, gym.spaces.Discrete):
+            act = ArraySpec("int64", (), int(action_space.start), int(action_space.start + action_space.n - 1))
+        elif isinstance(action_space, gym.spaces.MultiDiscrete):
+            start = np.asarray(action_space.start, dtype=np.int64)
+            high = start + np.asarray(action_space.nvec, dtype=np.int64) - 1
+            act = ArraySpec("int64", action_space.shape, start.tolist(), high.tolist())
+        else:
+            raise ValueError(f"action space {action_space} unsupported: use a Box, Discrete or MultiDiscrete")
         return cls(observations=obs, action=act, attrs=attrs)
 
 

@@ -3,13 +3,11 @@
 Layout on disk::
 
     ROOT/store.json                      schema (+ schema_version)
-    ROOT/shards/<client>/data/           zarr v3 group: obs/<key>, action, step (sharded;
-                                         see chunks.py)
-    ROOT/shards/<client>/pending/        only in stores made before sharding: raw rows of
-                                         each array's partly filled last chunk
+    ROOT/shards/<client>/data/           zarr v3 group: obs/<key>, action, step,
+                                         extras/<name> (sharded; see chunks.py)
     ROOT/shards/<client>/episodes.jsonl  one JSON record per episode
     ROOT/shards/<client>/commit.bin      {episodes, steps, meta_bytes}: what is committed
-                                         (see commit.py; commit.json in older shards)
+                                         (see commit.py)
     ROOT/snapshots/<id>.json             shard -> committed counts, to reopen a snapshot
     ROOT/policies/v000001/               policy registry (see registry.py)
 """
@@ -32,10 +30,12 @@ from robo_post.store.schema import (
     StoreNotFoundError,
     StoreSchema,
     check_name,
+    infer_role,
 )
 from robo_post.store.chunks import read_rows
 from robo_post.store.commit import read_commit
 from robo_post.store.writer import ShardWriter, write_json_atomic
+
 
 @dataclass(frozen=True)
 class EpisodeInfo:
@@ -55,9 +55,9 @@ class EpisodeInfo:
     start_time: float
     end_time: float
     attrs: dict
-    checksum: int  # over every stored array of the episode, see ``writer.episode_checksum``
-    checksum_kind: str  # "crc32c", or "crc32" in records of older stores
+    checksum: int  # CRC32C over every stored array of the episode, see ``writer.episode_checksum``
     ret: float
+    role: str  # one of ``ROLES``; inferred from the shard's name in records written without one
 
     @property
     def key(self) -> str:
@@ -66,11 +66,10 @@ class EpisodeInfo:
 
     @classmethod
     def from_record(cls, r: dict[str, Any]) -> "EpisodeInfo":
-        kind = "crc32c" if "crc32c" in r else "crc32"
         return cls(
             r["client_id"], r["episode"], r["task_id"], r["instruction"], r["seed"], r["success"], r["length"],
             r["step_start"], r["obs_start"], r["policy_version"], r["terminated"], r["start_time"], r["end_time"],
-            r["attrs"], r[kind], kind, r["return"],
+            r["attrs"], r["crc32c"], r["return"], r.get("role") or infer_role(r["client_id"]),
         )
 
 
@@ -94,7 +93,7 @@ class Store:
             if not exist_ok:
                 raise StoreError(f"a store already exists at {root}")
             store = cls.open(root)
-            if store.schema.to_json() != schema.to_json():
+            if not store.schema.same_layout(schema):
                 raise StoreError(f"store at {root} has a different schema than requested")
             return store
         for sub in ("shards", "snapshots", "policies"):
@@ -209,13 +208,15 @@ class Snapshot:
         success: bool | None = None,
         since: float | None = None,
         until: float | None = None,
+        role: str | Iterable[str] | None = None,
     ) -> list[EpisodeInfo]:
-        """Episodes matching every given filter (times compare against ``end_time``)."""
+        """Episodes matching every given filter (times compare against ``end_time``;
+        ``role``: one of ``ROLES`` or several)."""
 
         def _set(x):
             return None if x is None else ({x} if isinstance(x, (str, int)) else set(x))
 
-        tasks, clients, versions = _set(task), _set(client), _set(policy_version)
+        tasks, clients, versions, roles = _set(task), _set(client), _set(policy_version), _set(role)
         return [
             e
             for e in self._episodes
@@ -226,6 +227,7 @@ class Snapshot:
             and (success is None or e.success == success)
             and (since is None or e.end_time >= since)
             and (until is None or e.end_time <= until)
+            and (roles is None or e.role in roles)
         ]
 
     def new_since(self, previous: "Snapshot | None") -> list[EpisodeInfo]:
@@ -240,7 +242,8 @@ class Snapshot:
             if shard not in self.counts:
                 raise InvalidNameError(f"shard {shard!r} is not in snapshot {self.id}")
             group = zarr.open_group(os.path.join(self.store.root, "shards", shard, "data"), mode="r")
-            names = [f"obs/{k}" for k in self.store.schema.observations] + ["action", "step"]
+            schema = self.store.schema
+            names = [f"obs/{k}" for k in schema.observations] + ["action", "step"] + [f"extras/{k}" for k in schema.extras]
             self._arrays[shard] = {n: group[n] for n in names}
         return self._arrays[shard]
 
@@ -249,25 +252,28 @@ class Snapshot:
         arr = self._shard_arrays(shard)[name]  # typed error for a shard outside the snapshot
         c = self.counts[shard]
         end = c["steps"] + c["episodes"] if name.startswith("obs/") else c["steps"]
-        return read_rows(arr, os.path.join(self.store.root, "shards", shard, "pending"), lo, hi, end)
+        return read_rows(arr, lo, hi, end)
 
     def load(self, episode: EpisodeInfo) -> dict[str, Any]:
         """Load one episode as numpy arrays.
 
         Returns a dict with ``obs`` (key -> (T + 1, ...); row T is the final
-        observation), ``action`` (T, ...), one (T,) array per step column
-        (``reward``, ``terminated``, ``truncated``, ``policy_version``,
-        ``intervention``, ``timestamp``, ``behavior_logprob``) and ``info``.
+        observation), ``action`` (T, ...), ``extras`` (name -> (T, ...); empty when
+        the schema declares none), one (T,) array per step column (``reward``,
+        ``terminated``, ``truncated``, ``policy_version``, ``intervention``,
+        ``timestamp``, ``behavior_logprob``) and ``info``.
         """
         shard, T, s0, o0 = episode.client_id, episode.length, episode.step_start, episode.obs_start
         out: dict[str, Any] = {"obs": {k: self._read(shard, f"obs/{k}", o0, o0 + T + 1) for k in self.store.schema.observations}}
         out["action"] = self._read(shard, "action", s0, s0 + T)
+        out["extras"] = {k: self._read(shard, f"extras/{k}", s0, s0 + T) for k in self.store.schema.extras}
         out.update(_split_table(self._read(shard, "step", s0, s0 + T)))
         out["info"] = episode
         return out
 
     def load_shard(self, shard: str) -> dict[str, Any]:
-        """Every committed row of a shard in one read: ``obs``, ``action``, ``step`` table."""
+        """Every committed row of a shard in one read: ``obs``, ``action``, ``step`` table,
+        ``extras`` (name -> rows; empty when the schema declares none)."""
         self._shard_arrays(shard)  # typed error for a shard outside the snapshot
         c = self.counts[shard]
         n_obs = c["steps"] + c["episodes"]
@@ -275,6 +281,7 @@ class Snapshot:
             "obs": {k: self._read(shard, f"obs/{k}", 0, n_obs) for k in self.store.schema.observations},
             "action": self._read(shard, "action", 0, c["steps"]),
             "step": self._read(shard, "step", 0, c["steps"]),
+            "extras": {k: self._read(shard, f"extras/{k}", 0, c["steps"]) for k in self.store.schema.extras},
         }
 
     def __iter__(self) -> Iterator[EpisodeInfo]:

@@ -35,7 +35,6 @@ import json
 import os
 import threading
 import time
-import zlib
 from typing import TYPE_CHECKING, Any, Mapping
 
 import crc32c
@@ -50,6 +49,7 @@ from robo_post.store.schema import (
     EpisodeValidationError,
     ShardLockedError,
     check_name,
+    check_role,
     stack_field,
     validate_array,
 )
@@ -81,17 +81,13 @@ def time_chunk(spec: ArraySpec) -> int:
     return int(np.clip(CHUNK_BYTES // max(spec.step_nbytes, 1), 16, 1024))
 
 
-def episode_checksum(arrays: Mapping[str, np.ndarray], kind: str = "crc32c") -> int:
-    """Checksum over every stored array of an episode, in a fixed key order.
-
-    ``kind`` is ``"crc32c"`` (what the writer records: the ``crc32c`` package's SSE4.2
-    code, 0.1 ms per 64x64 camera episode, 3x faster than google-crc32c's wheel and
-    9x faster than zlib) or ``"crc32"`` (zlib, in records of older stores).
-    """
+def episode_checksum(arrays: Mapping[str, np.ndarray]) -> int:
+    """CRC32C over every stored array of an episode (observations, action, step table,
+    extras), in a fixed key order: the ``crc32c`` package's SSE4.2 code, 0.1 ms per 64x64
+    camera episode, 3x faster than google-crc32c's wheel and 9x faster than zlib."""
     crc = 0
     for key in sorted(arrays):
-        data = np.ascontiguousarray(arrays[key]).reshape(-1).view(np.uint8)
-        crc = crc32c.crc32c(data, crc) if kind == "crc32c" else zlib.crc32(data, crc)
+        crc = crc32c.crc32c(np.ascontiguousarray(arrays[key]).reshape(-1).view(np.uint8), crc)
     return crc
 
 
@@ -124,8 +120,15 @@ class ShardWriter:
         except BlockingIOError:
             os.close(self._lock_fd)
             raise ShardLockedError(f"shard {self.client_id!r} is already open for writing by another process") from None
-        self._recover()
-        self._meta_fd = os.open(os.path.join(self.path, "episodes.jsonl"), os.O_WRONLY)
+        self._columns = {}
+        try:
+            self._recover()
+            self._meta_fd = os.open(os.path.join(self.path, "episodes.jsonl"), os.O_WRONLY)
+        except BaseException:  # e.g. a shard this version refuses: release it for the next try
+            for column in self._columns.values():
+                column.close()
+            os.close(self._lock_fd)
+            raise
         self._steps: list[dict[str, Any]] = []
 
     # --- recovery -----------------------------------------------------------
@@ -137,17 +140,17 @@ class ShardWriter:
         with open(meta_path, "ab") as f:  # creates the file on first open
             f.truncate(self._meta_bytes)
         root = zarr.open_group(os.path.join(self.path, "data"), mode="a")
-        self._columns = {}
         specs = {f"obs/{k}": s for k, s in self.schema.observations.items()}
         specs["action"] = self.schema.action
         specs["step"] = ArraySpec("float64", (len(STEP_COLUMNS),))
+        specs.update({f"extras/{k}": s for k, s in self.schema.extras.items()})
         for name, spec in specs.items():
             if name in root:
                 arr = root[name]
             else:
                 arr = new_array(root, name, spec.dtype, spec.shape, time_chunk(spec))
             end = self.n_steps + self.n_episodes if name.startswith("obs/") else self.n_steps
-            self._columns[name] = open_appender(arr, os.path.join(self.path, "pending"), end, self.fsync)
+            self._columns[name] = open_appender(arr, end, self.fsync)
         self._commit = CommitRecord(self.path, commit, self.fsync)
         if self.fsync:
             self._sync_layout(root)
@@ -179,12 +182,15 @@ class ShardWriter:
         intervention: bool = False,
         timestamp: float | None = None,
         behavior_logprob: float | None = None,
+        extras: Mapping[str, Any] | None = None,
     ) -> None:
-        """Buffer one step: ``obs`` is the observation the ``action`` was taken in."""
+        """Buffer one step: ``obs`` is the observation the ``action`` was taken in;
+        ``extras`` gives a value for every extra the schema declares (name -> value)."""
         self._steps.append(
             {
                 "obs": obs,
                 "action": action,
+                "extras": extras or {},
                 "step": (
                     reward,
                     terminated,
@@ -206,7 +212,7 @@ class ShardWriter:
         """Drop the buffered steps of the current episode."""
         self._steps = []
 
-    def commit(self, final_obs: Mapping[str, Any] | None = None, **meta: Any) -> int:
+    def commit(self, final_obs: Mapping[str, Any] | None = None, *, role: str = "other", **meta: Any) -> int:
         """Validate and atomically append the buffered episode; return its index in the shard.
 
         Durable against power loss only with ``fsync=True`` (see the class docstring).
@@ -214,6 +220,7 @@ class ShardWriter:
         Args:
             final_obs: the observation after the last action (used to bootstrap
                 truncated episodes). Defaults to the last step's observation.
+            role: where the episode came from, one of ``ROLES``.
             **meta: per-episode metadata, see ``write_episode``.
         """
         steps, self._steps = self._steps, []
@@ -223,13 +230,17 @@ class ShardWriter:
         for i, s in enumerate(steps):
             if set(s["obs"]) != obs_keys:
                 raise _key_error("obs", set(s["obs"]), obs_keys, i)
+            _check_extra_names(s["extras"], self.schema.extras, i)
         obs_rows = [s["obs"] for s in steps] + [final_obs if final_obs is not None else steps[-1]["obs"]]
         observations = {
             k: stack_field(f"obs/{k}", [o[k] for o in obs_rows], spec) for k, spec in self.schema.observations.items()
         }
         actions = stack_field("action", [s["action"] for s in steps], self.schema.action)
+        extras = {
+            k: stack_field(f"extras/{k}", [s["extras"][k] for s in steps], spec) for k, spec in self.schema.extras.items()
+        }
         table = np.array([s["step"] for s in steps], dtype=np.float64)
-        return self.write_episode(observations, actions, table=table, **meta)
+        return self.write_episode(observations, actions, table=table, extras=extras, role=role, **meta)
 
     # --- whole-episode API ------------------------------------------------------
     def write_episode(
@@ -253,6 +264,8 @@ class ShardWriter:
         start_time: float | None = None,
         end_time: float | None = None,
         attrs: Mapping[str, Any] | None = None,
+        extras: Mapping[str, np.ndarray] | None = None,
+        role: str = "other",
     ) -> int:
         """Validate and atomically append one whole episode of T steps (durable against
         power loss only with ``fsync=True``).
@@ -266,6 +279,9 @@ class ShardWriter:
             policy_versions: (T,) or one int for every step.
             task_id, instruction, seed, success, policy_version, start_time,
             end_time, attrs: per-episode metadata (``attrs`` must be JSON-serialisable).
+            extras: name -> (T, ...) array for every extra the schema declares.
+            role: where the episode came from, one of ``ROLES`` (``Snapshot.episodes``
+                filters on it).
 
         Raises:
             EpisodeValidationError: naming the field and step; nothing is written.
@@ -290,12 +306,20 @@ class ShardWriter:
             observations[key] = arr.astype(spec.dtype, copy=False)
         validate_array("action", actions, self.schema.action, T)
         actions = actions.astype(self.schema.action.dtype, copy=False)
+        extras = dict(extras or {})
+        _check_extra_names(extras, self.schema.extras, None)
+        for key, spec in self.schema.extras.items():
+            arr = np.asarray(extras[key])
+            validate_array(f"extras/{key}", arr, spec, T)
+            extras[key] = arr.astype(spec.dtype, copy=False)
         self._validate_table(table, T)
         meta = self._episode_meta(T, table, task_id, instruction, seed, success, policy_version, start_time, end_time, attrs)
+        meta["role"] = check_role(role)
 
         arrays = {f"obs/{k}": v for k, v in observations.items()}
         arrays["action"] = actions
         arrays["step"] = table
+        arrays.update({f"extras/{k}": v for k, v in extras.items()})
         meta["crc32c"] = episode_checksum(arrays)
         line = (json.dumps(meta, allow_nan=False) + "\n").encode()
 
@@ -411,6 +435,16 @@ class ShardWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_extra_names(given: Mapping[str, Any], declared: Mapping[str, ArraySpec], step: int | None) -> None:
+    """Raise naming the first declared extra missing from ``given``, or the first unknown one."""
+    for name in declared:
+        if name not in given:
+            raise EpisodeValidationError(f"extras/{name}", "missing: the schema declares it for every step", step)
+    for name in given:
+        if name not in declared:
+            raise EpisodeValidationError(f"extras/{name}", f"not declared in the schema (extras: {sorted(declared)})", step)
 
 
 def _key_error(field: str, got: set, want: set, step: int | None) -> EpisodeValidationError:
