@@ -210,7 +210,7 @@ def push_latency(parent: str, n: int, publishes: int, episode_steps: int, seed: 
     store = fresh_store(parent, "latency", env, "reach")
     registry = PolicyRegistry(store.root)
     configs = [
-        ClientConfig(store=store.root, client_id=f"c{i}", episodes=10_000, env=env, policy={"kind": "random"})
+        ClientConfig(store=store.root, client_id=f"c{i}", episodes=10_000, env=env, tasks=["reach"], policy={"kind": "random"})
         for i in range(n)
     ]
     launcher = LocalLauncher(configs, max_restarts=0)

@@ -1,4 +1,4 @@
-"""Simulated environments (tabletop MuJoCo tasks, driving)."""
+"""Simulated environments (tabletop MuJoCo tasks, driving) and the env registry (``env_spec``)."""
 
 import gymnasium as gym
 
@@ -22,3 +22,28 @@ gym.register(
     entry_point="robo_post.envs.reacher:SparseReacherEnv",
     max_episode_steps=50,
 )
+
+# After the gymnasium ids above: the registry's entries refer to them.
+from robo_post.envs.registry import (  # noqa: E402
+    EnvRegistryError,
+    EnvSpec,
+    NoExpertError,
+    UnknownEnvError,
+    UnknownTaskError,
+    UnsupportedSpaceError,
+    env_spec,
+    register_env,
+    spec_for_env,
+)
+
+__all__ = [
+    "EnvRegistryError",
+    "EnvSpec",
+    "NoExpertError",
+    "UnknownEnvError",
+    "UnknownTaskError",
+    "UnsupportedSpaceError",
+    "env_spec",
+    "register_env",
+    "spec_for_env",
+]

@@ -22,6 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from gymnasium import spaces
+
+from robo_post.envs.registry import EnvRegistryError, EnvSpec, env_spec
 from robo_post.fleet.policies import ExpertPolicy, Policy, build_policy
 from robo_post.store import EpisodeValidationError, PolicyRegistry, Store, StoreSchema
 from robo_post.store.writer import write_json_atomic
@@ -38,8 +41,9 @@ class ClientConfig:
         store: store root directory (must exist; launchers create it).
         client_id: shard name of this client.
         episodes: stop once the shard holds this many committed episodes.
-        env: env name (``tabletop`` | ``driving``) and constructor kwargs.
-        tasks: tasks (tabletop) or scenarios (driving) cycled episode by episode.
+        env: ``name`` (an alias or gymnasium id, see ``robo_post.envs.env_spec``) and
+            constructor kwargs.
+        tasks: the env's tasks cycled episode by episode; empty: its default tasks.
         policy: artifact config used until the registry has a version (version 0).
         follow_registry: load the newest registry version at every episode boundary.
         overseer: ``{"enabled", "stall_steps", "stall_tol", "takeover_steps", "deadline"}``
@@ -53,13 +57,16 @@ class ClientConfig:
         layout_repeats: episodes per layout: each layout (and task) is run this many times
             in a row with different policy sampling seeds, so a critic sees several actions
             from the very same start state (GRPO-style groups; simulation only).
+        role: what the episodes are for (a store role: demo, play, deploy, online, eval,
+            other), recorded with each episode.
+        device: torch device learned policies run on.
     """
 
     store: str
     client_id: str
     episodes: int
-    env: dict[str, Any] = field(default_factory=lambda: {"name": "tabletop"})
-    tasks: list[str] = field(default_factory=lambda: ["reach"])
+    env: dict[str, Any]
+    tasks: list[str] = field(default_factory=list)
     policy: dict[str, Any] = field(default_factory=lambda: {"kind": "expert"})
     follow_registry: bool = True
     overseer: dict[str, Any] = field(default_factory=lambda: {"enabled": False})
@@ -68,29 +75,49 @@ class ClientConfig:
     policy_store: str | None = None
     policy_version: int | None = None
     layout_repeats: int = 1
+    role: str = "other"
+    device: str = "cpu"
 
 
-def make_env(env_cfg: dict[str, Any], task: str):
-    """Build the env named in ``env_cfg`` for one task/scenario."""
-    kwargs = {k: v for k, v in env_cfg.items() if k != "name"}
-    if env_cfg["name"] == "tabletop":
-        from robo_post.envs.tabletop import TabletopEnv
-
-        return TabletopEnv(task=task, **kwargs)
-    if env_cfg["name"] == "driving":
-        from robo_post.envs.driving import DrivingEnv
-
-        return DrivingEnv(scenario=task, **kwargs)
-    raise ValueError(f"unknown env {env_cfg['name']!r}; expected 'tabletop' or 'driving'")
+def make_env(env_cfg: dict[str, Any], task: str | None):
+    """Build the env named in ``env_cfg`` (through the env registry) for one task."""
+    return env_spec(env_cfg["name"]).make(task, **{k: v for k, v in env_cfg.items() if k != "name"})
 
 
-def store_schema(env_cfg: dict[str, Any], task: str) -> StoreSchema:
-    """The store schema matching an env's observation and action spaces."""
+def store_schema(env_cfg: dict[str, Any], task: str | None) -> StoreSchema:
+    """The store schema matching an env's observation and action spaces; the
+    schema's ``env`` attr is the env's registry key (alias, else gymnasium id)."""
     env = make_env(env_cfg, task)
     try:
-        return StoreSchema.from_spaces(env.observation_space, env.action_space, env=env_cfg["name"])
+        return StoreSchema.from_spaces(env.observation_space, env.action_space, env=env_spec(env_cfg["name"]).key)
     finally:
         env.close()
+
+
+class InvalidActionError(ValueError):
+    """A policy produced an action outside the env's action space (or a non-finite one)."""
+
+
+def executable_action(action: Any, space: spaces.Space) -> np.ndarray:
+    """The action as the env and the store take it: a Box action cast to the space's
+    dtype and clipped to its bounds; an integer (e.g. Discrete) action kept integer and
+    checked, never clipped or cast to float.
+
+    Raises:
+        InvalidActionError: non-finite, or outside an integer space.
+    """
+    if isinstance(space, spaces.Box):
+        a = np.asarray(action, dtype=space.dtype)
+        if not np.isfinite(a).all():
+            raise InvalidActionError(f"non-finite action {a}")
+        return np.clip(a, space.low, space.high)
+    a = np.asarray(action)
+    if a.dtype.kind not in "iub":
+        raise InvalidActionError(f"action {a} of dtype {a.dtype} for the integer space {space}")
+    a = a.astype(space.dtype).reshape(space.shape)
+    if not space.contains(a):
+        raise InvalidActionError(f"action {a} outside the action space {space}")
+    return a
 
 
 def episode_seed(seed: int, client_id: str, episode: int) -> int:
@@ -101,17 +128,22 @@ def episode_seed(seed: int, client_id: str, episode: int) -> int:
 class Overseer:
     """Scripted stand-in for a human supervisor (HG-DAgger style).
 
-    When the policy stalls (proprio moved less than ``stall_tol`` over the last
-    ``stall_steps`` steps) the expert takes over for ``takeover_steps`` steps. With
+    When the policy stalls (the observation the env's registry entry names,
+    ``spec.overseer_key``, moved less than ``stall_tol`` over the last
+    ``stall_steps`` steps) the env's expert takes over for ``takeover_steps`` steps. With
     ``deadline`` set, an episode still running after that fraction of its step limit
-    is rescued: the expert takes over until it ends (a supervisor who stops waiting
+    is rescued (the limit is ``spec.step_limit``): the expert takes over until it ends (a supervisor who stops waiting
     for a slow attempt). Taken-over steps are recorded with ``intervention=True``.
     """
 
-    def __init__(self, stall_steps: int = 10, stall_tol: float = 1e-3, takeover_steps: int = 10,
+    def __init__(self, spec: EnvSpec, stall_steps: int = 10, stall_tol: float = 1e-3, takeover_steps: int = 10,
                  deadline: float | None = None, **_: Any):
         if deadline is not None and not 0.0 < deadline <= 1.0:
             raise ValueError(f"overseer.deadline must be a fraction of the step limit in (0, 1], got {deadline}")
+        if not spec.supports_overseer:
+            raise OverseerUnsupportedError(
+                f"env {spec.key!r} has no overseer (it needs a scripted expert and an observation to watch)")
+        self.spec = spec
         self.stall_steps, self.stall_tol, self.takeover_steps = stall_steps, stall_tol, takeover_steps
         self.deadline = deadline
         self.expert = ExpertPolicy()
@@ -124,9 +156,9 @@ class Overseer:
         self.history, self.remaining, self.steps = [], 0, 0
         self.deadline_step = None
         if self.deadline is not None:
-            limit = getattr(env.unwrapped, "max_steps", None)
+            limit = self.spec.step_limit(env)
             if limit is None:
-                raise ValueError(f"overseer.deadline needs an env with a step limit (max_steps); {env.unwrapped!r} has none")
+                raise ValueError(f"overseer.deadline needs an env with a step limit; {self.spec.key!r} has none")
             self.deadline_step = int(self.deadline * limit)
 
     def filter(self, obs: dict[str, Any], action: np.ndarray, env: Any) -> tuple[np.ndarray, bool]:
@@ -134,7 +166,7 @@ class Overseer:
         self.steps += 1
         if self.deadline_step is not None and self.steps > self.deadline_step:
             return self.expert.act(obs, env), True
-        state = np.asarray(obs["proprio"] if "proprio" in obs else obs["state"], dtype=np.float64)
+        state = np.asarray(obs[self.spec.overseer_key], dtype=np.float64)
         self.history = (self.history + [state])[-(self.stall_steps + 1) :]
         if self.remaining == 0 and len(self.history) > self.stall_steps:
             if np.abs(self.history[-1] - self.history[0]).max() < self.stall_tol:
@@ -147,6 +179,10 @@ class Overseer:
         return action, False
 
 
+class OverseerUnsupportedError(EnvRegistryError):
+    """The overseer was enabled for an env whose registry entry does not support one."""
+
+
 def run_client(cfg: ClientConfig) -> dict[str, Any]:
     """Run episodes until the shard holds ``cfg.episodes``; returns the final status."""
     torch.set_num_threads(1)  # one core per client; the fleet scales by processes
@@ -154,16 +190,19 @@ def run_client(cfg: ClientConfig) -> dict[str, Any]:
     registry = PolicyRegistry(cfg.policy_store or store.root)
     status_path = os.path.join(store.root, "fleet", f"{cfg.client_id}.json")
     os.makedirs(os.path.dirname(status_path), exist_ok=True)
-    overseer = Overseer(**cfg.overseer) if cfg.overseer.get("enabled") else None
+    spec = env_spec(cfg.env["name"])
+    tasks = cfg.tasks or list(spec.default_tasks())
+    overseer = Overseer(spec, **cfg.overseer) if cfg.overseer.get("enabled") else None
     envs: dict[str, Any] = {}
-    version, policy = 0, build_policy({}, cfg.policy)
+    version, policy = 0, build_policy({}, cfg.policy, cfg.device)
     if cfg.policy_version is not None:
-        version, policy = cfg.policy_version, build_policy(*registry.load(cfg.policy_version))
+        version, policy = cfg.policy_version, build_policy(*registry.load(cfg.policy_version), cfg.device)
     t_start, steps_run, rejected_in_a_row = time.perf_counter(), 0, 0
     with store.writer(cfg.client_id) as writer:
         done = store.shard_episodes(cfg.client_id)  # counters survive restarts: start from what is committed
         status = {"client_id": cfg.client_id, "pid": os.getpid(), "episodes": len(done),
                   "steps": sum(e.length for e in done), "successes": sum(bool(e.success) for e in done),
+                  "judged": sum(e.success is not None for e in done),
                   "rejected": 0, "interventions": 0, "steps_per_s": 0.0, "policy_version": 0, "last_error": None,
                   "state": "running", "target": cfg.episodes}
         write_json_atomic(status_path, status, fsync=False)
@@ -171,40 +210,47 @@ def run_client(cfg: ClientConfig) -> dict[str, Any]:
             if cfg.follow_registry and cfg.policy_version is None:
                 latest = registry.latest()
                 if latest is not None and latest != version:  # hot-swap only between episodes
-                    policy, version = build_policy(*registry.load(latest)), latest
+                    policy, version = build_policy(*registry.load(latest), cfg.device), latest
             index = writer.n_episodes
             group = index // cfg.layout_repeats  # episodes of one group share the task and the layout
-            task = cfg.tasks[group % len(cfg.tasks)]
+            task = tasks[group % len(tasks)]
             env = envs.get(task) or envs.setdefault(task, make_env(cfg.env, task))
             seed = episode_seed(cfg.seed, cfg.seed_key or cfg.client_id, group)
             obs, info = env.reset(seed=seed)
             policy.reset(env, episode_seed(cfg.seed, cfg.seed_key or cfg.client_id, index))  # = seed when not grouped
             if overseer:
                 overseer.reset(env, seed)
-            low, high = env.action_space.low, env.action_space.high
             t0, n_interventions = time.time(), 0
+            infos = []  # per-step infos, for the env's per-episode metrics
             while True:
-                action = np.asarray(policy.act(obs, env), dtype=np.float32)
-                if not np.isfinite(action).all():
-                    raise FloatingPointError(f"policy {policy_name(cfg, version)} produced a non-finite action {action}")
-                action = np.clip(action, low, high)
+                try:
+                    action = executable_action(policy.act(obs, env), env.action_space)
+                except InvalidActionError as e:
+                    raise InvalidActionError(f"policy {policy_name(cfg, version)}: {e}") from None
                 intervened = False
                 if overseer:
                     action, intervened = overseer.filter(obs, action, env)
                     n_interventions += intervened
                 next_obs, reward, terminated, truncated, info = env.step(action)
                 writer.add(obs, action, reward, terminated, truncated, policy_version=version, intervention=intervened)
+                if spec.metrics is not None:
+                    infos.append(info)
                 obs = next_obs
                 if terminated or truncated:
                     break
             steps = writer.pending_steps
+            success = spec.success(info)
+            attrs = {"interventions": n_interventions, "policy": policy_name(cfg, version)}
+            metrics = spec.episode_metrics(infos)
+            if metrics:
+                attrs["metrics"] = metrics
             try:
                 writer.commit(
-                    final_obs=obs, task_id=task, instruction=str(info.get("instruction", env.unwrapped.instruction)),
-                    seed=seed, success=bool(info.get("success", False)), policy_version=version, start_time=t0,
-                    end_time=time.time(), attrs={"interventions": n_interventions, "policy": policy_name(cfg, version)},
+                    final_obs=obs, task_id=task, instruction=spec.instruction(env), seed=seed, success=success,
+                    policy_version=version, start_time=t0, end_time=time.time(), attrs=attrs, role=cfg.role,
                 )
-                status["successes"] += bool(info.get("success", False))
+                status["judged"] += success is not None
+                status["successes"] += bool(success)
                 status["interventions"] += n_interventions
                 rejected_in_a_row = 0
             except EpisodeValidationError as e:  # one bad episode must not stop the fleet...

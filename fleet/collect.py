@@ -10,6 +10,20 @@ from omegaconf import DictConfig, OmegaConf
 from robo_post.fleet.client import ClientConfig, store_schema
 from robo_post.fleet.launcher import LocalLauncher, RayLauncher
 from robo_post.store import Store
+from robo_post.store.schema import infer_role
+
+
+def env_config(cfg: DictConfig) -> tuple[dict[str, Any], list[str]]:
+    """``(env, tasks)`` of a config's ``env`` group: the ``ClientConfig.env`` dict and the
+    tasks (``[]`` when ``env.tasks`` is null: the env's default tasks)."""
+    env = {"name": cfg.env.name, **(OmegaConf.to_container(cfg.env.kwargs, resolve=True) or {})}
+    return env, list(cfg.env.tasks or [])
+
+
+def fleet_role(fleet: DictConfig) -> str:
+    """``fleet.role``, else the role the client prefix names (``demo``, ``play``, ``deploy``,
+    ``online``, ``eval``), else ``other``."""
+    return fleet.get("role") or infer_role(f"{fleet.client_prefix}-")
 
 
 def client_configs(cfg: DictConfig, store: Store) -> list[ClientConfig]:
@@ -17,7 +31,8 @@ def client_configs(cfg: DictConfig, store: Store) -> list[ClientConfig]:
     fleet = cfg.fleet
     if fleet.layout_repeats < 1:
         raise ValueError(f"fleet.layout_repeats must be >= 1, got {fleet.layout_repeats}")
-    env = {"name": cfg.env.name, **OmegaConf.to_container(cfg.env.kwargs, resolve=True)}
+    env, tasks = env_config(cfg)
+    role = fleet_role(fleet)
     per_client = math.ceil(cfg.episodes / fleet.n_clients)
     configs = []
     for i in range(fleet.n_clients):
@@ -29,12 +44,13 @@ def client_configs(cfg: DictConfig, store: Store) -> list[ClientConfig]:
                 client_id=client_id,
                 episodes=already + min(per_client, max(cfg.episodes - i * per_client, 0)),
                 env=env,
-                tasks=list(cfg.env.tasks),
+                tasks=tasks,
                 policy=OmegaConf.to_container(cfg.policy, resolve=True),
                 follow_registry=fleet.follow_registry,
                 layout_repeats=fleet.layout_repeats,
                 overseer=OmegaConf.to_container(fleet.overseer, resolve=True),
                 seed=cfg.seed,
+                role=role,
             )
         )
     return configs
@@ -54,8 +70,8 @@ def collect(cfg: DictConfig) -> list[dict[str, Any]]:
     Raises:
         FleetError: a client did not reach its target.
     """
-    env = {"name": cfg.env.name, **OmegaConf.to_container(cfg.env.kwargs, resolve=True)}
-    store = Store.create(cfg.store, store_schema(env, cfg.env.tasks[0]), exist_ok=True)
+    env, tasks = env_config(cfg)
+    store = Store.create(cfg.store, store_schema(env, tasks[0] if tasks else None), exist_ok=True)
     statuses = make_launcher(cfg, client_configs(cfg, store)).run(show=cfg.show)
     failed = {s["client_id"]: (s.get("last_error") or s.get("state")) for s in statuses if s.get("state") != "done"}
     if failed:

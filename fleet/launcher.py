@@ -179,7 +179,8 @@ def status_table(statuses: list[dict[str, Any]]):
     table = Table("client", "state", "episodes", "success", "steps/s", "policy", "restarts", "last error")
     for s in statuses:
         n = s.get("episodes", 0)
-        rate = f"{s['successes'] / n:.0%}" if n and "successes" in s else "-"
+        judged = s.get("judged", 0)  # episodes whose env defines success
+        rate = f"{s['successes'] / judged:.0%}" if judged else "-"
         err = (s.get("last_error") or "").strip().splitlines()
         table.add_row(
             s["client_id"], s.get("state", "?"), f"{n}/{s.get('target', '?')}", rate,

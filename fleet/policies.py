@@ -2,15 +2,18 @@
 
 A policy artifact in the registry is ``(weights, config)``; ``config["kind"]``
 picks the builder. Scripted and random policies are artifacts too (with no
-weights), so the fleet runs, records and hot-swaps before any learning exists.
+weights), so the fleet runs, records and hot-swaps before any learning exists; so
+are stable-baselines3 agents (``sb3``: a zip path in the config).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
+from gymnasium import spaces
 
 
 class Policy(Protocol):
@@ -23,25 +26,31 @@ class Policy(Protocol):
 
 
 class RandomPolicy:
-    """Uniform random actions from the env's action space (seeded per episode)."""
+    """Random actions from the env's action space (any space), seeded per episode.
+
+    Samples from a private copy of the space, so the env's own space RNG is untouched.
+    """
 
     def __init__(self, **_: Any):
-        self.rng = np.random.default_rng(0)
+        self.space: Any = None
 
     def reset(self, env: Any, seed: int) -> None:
-        self.rng = np.random.default_rng(seed)
+        self.space = copy.deepcopy(env.action_space)
+        self.space.seed(seed)
 
     def act(self, obs: dict[str, Any], env: Any) -> np.ndarray:
-        space = env.action_space
-        return self.rng.uniform(space.low, space.high).astype(space.dtype)
+        return np.asarray(self.space.sample())
 
 
 class ExpertPolicy:
-    """The env's scripted expert for the episode's task.
+    """The env's scripted expert (from its registry entry) for the episode's task.
 
     Args:
         noise: Gaussian action-noise std.
-        mode: ``"expert"`` or ``"near_miss"`` (plausible failures).
+        mode: ``"expert"`` or ``"near_miss"`` (plausible failures), where the env's expert has it.
+
+    Raises (at ``reset``):
+        NoExpertError: the env's registry entry has no expert.
     """
 
     def __init__(self, noise: float = 0.0, mode: str = "expert", **_: Any):
@@ -49,53 +58,94 @@ class ExpertPolicy:
         self._act: Callable[[dict[str, Any]], np.ndarray] | None = None
 
     def reset(self, env: Any, seed: int) -> None:
-        unwrapped = env.unwrapped
-        if hasattr(unwrapped, "task"):  # tabletop: one expert per task, fed obs + privileged state
-            from robo_post.envs.experts import make_expert
+        from robo_post.envs.registry import spec_for_env
 
-            expert = make_expert(unwrapped.task, noise=self.noise, mode=self.mode, seed=seed)
-            expert.reset(unwrapped)
-            self._act = lambda obs: expert.act(obs, unwrapped)
-        else:  # driving: the expert reads the simulator directly
-            from robo_post.envs.driving import make_driving_expert
-
-            expert = make_driving_expert(noise=self.noise, seed=seed)
-            self._act = lambda obs: expert(unwrapped)
+        self._act = spec_for_env(env).make_expert(env, noise=self.noise, mode=self.mode, seed=seed)
 
     def act(self, obs: dict[str, Any], env: Any) -> np.ndarray:
         return np.asarray(self._act(obs), dtype=np.float32)
 
 
-def _flow_policy(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> Policy:
+class SB3Policy:
+    """A stable-baselines3 agent loaded with SB3's own ``load``.
+
+    Config: ``{"kind": "sb3", "path": "agent.zip", "algo": "PPO", "deterministic": true}``;
+    ``algo`` is the SB3 class name (``PPO``, ``SAC``, ``A2C``, ``DQN``, ...).
+
+    Only load zips from a trusted source: SB3 zips may contain pickled Python objects,
+    which run code when loaded. (Nothing robo-post writes is pickled.)
+
+    Our flat dict observation is mapped back to what the model expects: a model with a
+    Dict observation space gets the dict; any other model gets the dict's single entry
+    (``{"observation": o}`` -> ``o``, as the env registry wraps bare observations).
+    """
+
+    def __init__(self, path: str, algo: str, deterministic: bool = True, device: str = "cpu", **_: Any):
+        import stable_baselines3
+
+        cls = getattr(stable_baselines3, algo, None)
+        if not (isinstance(cls, type) and hasattr(cls, "load")):
+            raise ValueError(f"unknown stable-baselines3 algorithm {algo!r} (e.g. PPO, SAC, A2C, DQN, TD3)")
+        self.model = cls.load(path, device=device)
+        self.deterministic = deterministic
+        self._dict_obs = isinstance(self.model.observation_space, spaces.Dict)
+
+    def reset(self, env: Any, seed: int) -> None:
+        if not self.deterministic:  # SB3 samples from torch's global RNG
+            self.model.set_random_seed(seed)
+
+    def act(self, obs: dict[str, Any], env: Any) -> np.ndarray:
+        if self._dict_obs:
+            model_obs: Any = obs
+        elif len(obs) == 1:
+            model_obs = next(iter(obs.values()))
+        else:
+            raise ValueError(f"SB3 model expects one array; the env observes several keys {sorted(obs)}")
+        action, _ = self.model.predict(model_obs, deterministic=self.deterministic)
+        return np.asarray(action)
+
+
+def _flow_policy(weights: dict[str, torch.Tensor], config: dict[str, Any], device: str) -> Policy:
     from robo_post.models.flow import FlowPolicy, FlowPolicyRunner
 
-    return FlowPolicyRunner(FlowPolicy.from_artifact(weights, config))
+    return FlowPolicyRunner(FlowPolicy.from_artifact(weights, config), device=device)
 
 
-def _ranked_flow_policy(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> Policy:
+def _ranked_flow_policy(weights: dict[str, torch.Tensor], config: dict[str, Any], device: str) -> Policy:
     from robo_post.models.flow import FlowPolicyRunner
     from robo_post.models.ranked import RankedFlowPolicy
 
-    return FlowPolicyRunner(RankedFlowPolicy.from_artifact(weights, config))
+    return FlowPolicyRunner(RankedFlowPolicy.from_artifact(weights, config), device=device)
 
 
-Builder = Callable[[dict[str, torch.Tensor], dict[str, Any]], Policy]
+def _sb3_policy(weights: dict[str, torch.Tensor], config: dict[str, Any], device: str) -> Policy:
+    missing = {"path", "algo"} - config.keys()
+    if missing:
+        raise ValueError(f"sb3 policy config lacks {sorted(missing)}; e.g. {{kind: sb3, path: agent.zip, algo: PPO}}")
+    return SB3Policy(**{k: v for k, v in config.items() if k in ("path", "algo", "deterministic")}, device=device)
+
+
+# (weights, config, device) -> policy
+Builder = Callable[[dict[str, torch.Tensor], dict[str, Any], str], Policy]
 POLICY_KINDS: dict[str, Builder] = {
-    "random": lambda weights, config: RandomPolicy(**config),
-    "expert": lambda weights, config: ExpertPolicy(**{k: v for k, v in config.items() if k in ("noise", "mode")}),
+    "random": lambda weights, config, device: RandomPolicy(**config),
+    "expert": lambda weights, config, device: ExpertPolicy(
+        **{k: v for k, v in config.items() if k in ("noise", "mode")}),
     "flow": _flow_policy,
     "flow_ranked": _ranked_flow_policy,
+    "sb3": _sb3_policy,
 }
 
 
 def register_policy_kind(kind: str, builder: Builder) -> None:
-    """Teach clients a new artifact kind (learned models register themselves here)."""
+    """Teach clients a new artifact kind (learned models register themselves here);
+    ``builder(weights, config, device)`` returns the policy."""
     POLICY_KINDS[kind] = builder
 
 
-def build_policy(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> Policy:
-    """Turn a registry artifact into a runnable policy."""
+def build_policy(weights: dict[str, torch.Tensor], config: dict[str, Any], device: str = "cpu") -> Policy:
+    """Turn a registry artifact into a runnable policy on ``device``."""
     kind = config.get("kind")
     if kind not in POLICY_KINDS:
         raise ValueError(f"unknown policy kind {kind!r}; known: {sorted(POLICY_KINDS)}")
-    return POLICY_KINDS[kind](weights, config)
+    return POLICY_KINDS[kind](weights, config, device)

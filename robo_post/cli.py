@@ -8,6 +8,7 @@ path (``store info PATH``) take ordinary flags.
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import json
 import sys
 from typing import Callable
@@ -155,6 +156,11 @@ def _hydra_job(config_name: str, run: Callable[[DictConfig], object]) -> Callabl
             return 0
         from hydra.errors import HydraException
 
+        from robo_post.envs.registry import expand_env_override
+
+        env_groups = [p.name[:-5] for p in (importlib.resources.files("robo_post.configs") / "env").iterdir()
+                      if p.name.endswith(".yaml")]
+        overrides = expand_env_override(overrides, env_groups)  # env=<any gymnasium id>
         try:
             cfg = compose(config_name, overrides)
         except HydraException as e:

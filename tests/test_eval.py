@@ -21,6 +21,7 @@ from robo_post.envs.tabletop import PROPRIO_DIM
 from robo_post.eval import EVAL_SEED, evaluate, load_results, wilson_interval, write_report
 from robo_post.eval import report as report_mod
 from robo_post.fleet.client import episode_seed, store_schema
+from robo_post.models.features import state_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
 from robo_post.store import PolicyRegistry, Store
 
@@ -57,7 +58,7 @@ def evals(tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("eval")
     store = Store.create(str(root / "store"), store_schema(ENV, "reach"))
     model = FlowPolicy(FlowPolicyConfig(
-        proprio_dim=PROPRIO_DIM, action_dim=4, horizon=4, use_text=False, embed_dim=16, hidden_dim=32,
+        features=state_features(PROPRIO_DIM, "proprio"), action_dim=4, horizon=4, use_text=False, embed_dim=16, hidden_dim=32,
         flow_steps=2, action_low=[-1.0] * 4, action_high=[1.0] * 4,
     ))
     registry = PolicyRegistry(store.root)

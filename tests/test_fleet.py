@@ -33,6 +33,7 @@ from robo_post.store import PolicyRegistry, Snapshot, Store
 from robo_post.store.integrity import validate_store
 
 ENV: dict[str, Any] = {"name": "tabletop", "render_images": False}
+TASKS = ["reach"]
 DEADLINE_S = 90.0  # only turns a hung fleet into a failure; never a performance bound
 
 
@@ -66,7 +67,7 @@ def test_hot_swap_happens_only_between_episodes(tmp_path):
     store = make_store(str(tmp_path / "store"))
     registry = PolicyRegistry(store.root)
     registry.publish({}, {"kind": "random"})  # v1: 40-step episodes, so v2 lands mid-episode
-    cfg = ClientConfig(store=store.root, client_id="swap", episodes=12, env=ENV)
+    cfg = ClientConfig(store=store.root, client_id="swap", episodes=12, env=ENV, tasks=TASKS)
     result: dict[str, Any] = {}
     client = threading.Thread(target=lambda: result.update(run_client(cfg)))
     client.start()
@@ -97,7 +98,7 @@ def test_local_launcher_restarts_a_killed_client_without_losing_episodes(tmp_pat
     # right after a status update lands mid-episode, not inside a commit.
     env = {**ENV, "max_steps": 100}
     configs = [
-        ClientConfig(store=store.root, client_id=f"c{i}", episodes=5, env=env, policy={"kind": "random"})
+        ClientConfig(store=store.root, client_id=f"c{i}", episodes=5, env=env, tasks=TASKS, policy={"kind": "random"})
         for i in range(2)
     ]
     launcher = LocalLauncher(configs, max_restarts=2)
@@ -132,7 +133,7 @@ def test_local_launcher_restarts_a_killed_client_without_losing_episodes(tmp_pat
 
 def test_ray_launcher_runs_two_clients(tmp_path):
     store = make_store(str(tmp_path / "store"))
-    configs = [ClientConfig(store=store.root, client_id=f"ray{i}", episodes=3, env=ENV) for i in range(2)]
+    configs = [ClientConfig(store=store.root, client_id=f"ray{i}", episodes=3, env=ENV, tasks=TASKS) for i in range(2)]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         launcher = RayLauncher(configs)
@@ -187,11 +188,11 @@ def replay_with_expert(snap: Snapshot, ep, env: TabletopEnv) -> list[tuple[np.nd
 
 def test_overseer_takes_over_a_stalled_policy_with_expert_actions(tmp_path, monkeypatch):
     monkeypatch.setattr(policies, "POLICY_KINDS", dict(policies.POLICY_KINDS))  # keep "zero" local to this test
-    register_policy_kind("zero", lambda weights, config: ZeroPolicy())
+    register_policy_kind("zero", lambda weights, config, device: ZeroPolicy())
     store = make_store(str(tmp_path / "store"))
     overseer = {"enabled": True, "stall_steps": 5, "stall_tol": 1e-3, "takeover_steps": 20}
     for client_id, ovs in (("on", overseer), ("off", {**overseer, "enabled": False})):
-        run_client(ClientConfig(store=store.root, client_id=client_id, episodes=3, env=ENV,
+        run_client(ClientConfig(store=store.root, client_id=client_id, episodes=3, env=ENV, tasks=TASKS,
                                 policy={"kind": "zero"}, follow_registry=False, overseer=ovs))
 
     snap = store.snapshot()
@@ -223,10 +224,10 @@ class WanderPolicy:
 
 def test_overseer_deadline_rescues_the_rest_of_a_slow_episode(tmp_path, monkeypatch):
     monkeypatch.setattr(policies, "POLICY_KINDS", dict(policies.POLICY_KINDS))
-    register_policy_kind("wander", lambda weights, config: WanderPolicy())
+    register_policy_kind("wander", lambda weights, config, device: WanderPolicy())
     store = make_store(str(tmp_path / "store"))
     overseer = {"enabled": True, "stall_steps": 5, "stall_tol": 0.0, "takeover_steps": 5, "deadline": 0.5}
-    run_client(ClientConfig(store=store.root, client_id="c", episodes=2, env=ENV, policy={"kind": "wander"},
+    run_client(ClientConfig(store=store.root, client_id="c", episodes=2, env=ENV, tasks=TASKS, policy={"kind": "wander"},
                             follow_registry=False, overseer=overseer))
     snap = store.snapshot()
     env = make_env(ENV, "reach")
@@ -238,7 +239,7 @@ def test_overseer_deadline_rescues_the_rest_of_a_slow_episode(tmp_path, monkeypa
         for recorded, expert in replay_with_expert(snap, ep, env):
             np.testing.assert_allclose(recorded, expert, atol=1e-6)
     with pytest.raises(ValueError, match="overseer.deadline"):
-        run_client(ClientConfig(store=store.root, client_id="bad", episodes=1, env=ENV, policy={"kind": "wander"},
+        run_client(ClientConfig(store=store.root, client_id="bad", episodes=1, env=ENV, tasks=TASKS, policy={"kind": "wander"},
                                 follow_registry=False, overseer={**overseer, "deadline": 1.5}))
     assert len(store.snapshot().episodes()) == 2  # nothing lost, nothing half-written
     env.close()
@@ -263,7 +264,7 @@ def test_same_config_and_seed_give_identical_episodes(tmp_path):
     for name in ("a", "b"):
         store = make_store(str(tmp_path / name))
         # Noise makes the actions depend on the per-episode seed, not only on the state.
-        run_client(ClientConfig(store=store.root, client_id="det", episodes=4, env=ENV,
+        run_client(ClientConfig(store=store.root, client_id="det", episodes=4, env=ENV, tasks=TASKS,
                                 policy={"kind": "expert", "noise": 0.3}, seed=7))
         snap = store.snapshot()
         runs.append([(ep, snap.load(ep)) for ep in snap])

@@ -1,10 +1,13 @@
 """Evaluation report: Markdown (+ a self-contained ``index.html``) with PNG plots.
 
 Sections: success rates per policy version and split (tables with 95% Wilson
-intervals and a bar chart), learning curves from training runs' ``metrics.jsonl``,
-and rollout strips (one success and one failure per task) from the eval store.
-Frames come from recorded ``image`` observations when the store has them;
-state-only stores are re-rendered by replaying each episode's seed and actions.
+intervals and a bar chart) where the env defines success, return, length and the
+env's metrics (tables with 95% intervals), learning curves from training runs'
+``metrics.jsonl``, and rollout strips (one success and one failure per task; for envs
+without success the best and the worst return) from the eval store. Frames come from a
+recorded camera (an RGB image observation) when the store has one; other stores are
+re-rendered through the env registry (``env.render()``) by replaying each episode's
+seed and actions.
 
 Plots use matplotlib's object API (``Figure``), never pyplot, so writing a report
 neither needs a display nor changes the caller's matplotlib backend.
@@ -27,7 +30,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
-from robo_post.eval.rollout import format_rate, load_results, pct as _pct
+from robo_post.envs.registry import env_spec
+from robo_post.eval.rollout import format_mean, format_metric, format_rate, load_results, pct as _pct
 from robo_post.store import EpisodeInfo, Snapshot, Store
 
 N_FRAMES = 8
@@ -61,10 +65,12 @@ def write_report(
     doc.paragraph(
         f"Generated {time.strftime('%Y-%m-%d %H:%M')}. Success rates are per task with 95% Wilson score "
         "intervals; the mean is the unweighted mean over tasks (its interval pools all episodes). "
+        "Returns, lengths and mean env metrics have 95% Student-t intervals, rate metrics Wilson intervals. "
         "Eval episodes use their own seeds and store, apart from the training data."
     )
     if results:
         _success_section(doc, out_dir, results, labels)
+        _returns_section(doc, results, labels)
     runs = list(run_dirs)
     if runs:
         _learning_section(doc, out_dir, runs)
@@ -167,16 +173,26 @@ def _tasks(results: list[dict[str, Any]]) -> list[str]:
 
 def _success_section(doc: _Doc, out_dir: str, results: list[dict[str, Any]], labels: list[str]) -> None:
     tasks = _tasks(results)
+    if all(r["mean_success_rate"] is None for r in results):
+        return  # no evaluated env defines success
     doc.heading(2, "Success rates")
     rows = []
     for r, label in zip(results, labels):
         per_task = [format_rate(r["tasks"][t]) if t in r["tasks"] else "–" for t in tasks]
-        lo, hi = r["overall"]["ci95"]
-        mean = f"**{_pct(r['mean_success_rate'])}** [{_pct(lo)}–{_pct(hi)}]"
+        if r["mean_success_rate"] is None:
+            mean = "–"
+        else:
+            lo, hi = r["overall"]["ci95"]
+            mean = f"**{_pct(r['mean_success_rate'])}** [{_pct(lo)}–{_pct(hi)}]"
         rows.append([label, str(r["episodes_per_task"]), *per_task, mean])
     doc.table(["policy · split", "episodes/task", *tasks, "mean"], rows)
     _bar_chart(os.path.join(out_dir, "success_rates.png"), results, labels, tasks)
     doc.image("success_rates.png", "success rate per task with 95% Wilson intervals")
+
+
+def _returns_section(doc: _Doc, results: list[dict[str, Any]], labels: list[str]) -> None:
+    """Per result: success, return, length and env metrics per task, with 95% intervals."""
+    doc.heading(2, "Returns, lengths and env metrics")
     for r, label in zip(results, labels):
         doc.heading(3, label)
         cfg = r["policy"]["config"]
@@ -185,13 +201,17 @@ def _success_section(doc: _Doc, out_dir: str, results: list[dict[str, Any]], lab
             f"Policy `{r['policy']['label']}` from `{r['policy']['store']}` ({provenance}). "
             f"{r['overall']['episodes']} episodes on {r['n_clients']} clients in {r['wall_s']:.0f} s, "
             f"base seed {r['seed']}; {r['train_seed_overlap']} eval layouts also occur in the training store. "
+            f"Env `{r['env']['name']}`; success: {r.get('success_rule', 'info[success]')}. "
             f"Results: `{r['results_path']}`."
         )
+        metrics = list(dict.fromkeys(m for s in r["tasks"].values() for m in s.get("metrics", {})))
         doc.table(
-            ["task", "episodes", "successes", "success rate", "95% CI", "mean length", "mean return"],
+            ["task", "episodes", "successes", "success rate [95% CI]", "mean return [95% CI]",
+             "mean length [95% CI]", *metrics],
             [
-                [t, s["episodes"], s["successes"], _pct(s["success_rate"]),
-                 f"{_pct(s['ci95'][0])}–{_pct(s['ci95'][1])}", f"{s['mean_length']:.1f}", f"{s['mean_return']:.2f}"]
+                [t, s["episodes"], s["successes"] if s["success_rate"] is not None else "–", format_rate(s),
+                 format_mean(s["mean_return"], s.get("return_ci95")), format_mean(s["mean_length"], s.get("length_ci95"), 1),
+                 *(format_metric(s["metrics"][m]) if m in s.get("metrics", {}) else "–" for m in metrics)]
                 for t, s in r["tasks"].items()
             ],
         )
@@ -208,9 +228,10 @@ def _bar_chart(path: str, results: list[dict[str, Any]], labels: list[str], task
     for i, (r, label) in enumerate(zip(results, labels)):
         stats = [r["tasks"].get(t) for t in tasks] + [{**r["overall"], "success_rate": r["mean_success_rate"]}]
         x = np.arange(len(groups)) + (i - (n - 1) / 2) * width
-        rate = np.array([s["success_rate"] if s else np.nan for s in stats])
-        lo = np.array([s["ci95"][0] if s else np.nan for s in stats])
-        hi = np.array([s["ci95"][1] if s else np.nan for s in stats])
+        defined = [s if s and s["success_rate"] is not None else None for s in stats]
+        rate = np.array([s["success_rate"] if s else np.nan for s in defined])
+        lo = np.array([s["ci95"][0] if s else np.nan for s in defined])
+        hi = np.array([s["ci95"][1] if s else np.nan for s in defined])
         # The edge keeps a 0% bar visible as a coloured line at the baseline.
         ax.bar(x, rate, width * 0.92, color=colors[i], edgecolor=colors[i], linewidth=1.5,
                label=f"{label} (n={r['episodes_per_task']}/task)", zorder=2)
@@ -329,7 +350,7 @@ def _rollout_section(
     doc.heading(2, "Rollouts")
     doc.paragraph(
         f"{N_FRAMES} evenly spaced frames of the first successful and the first failed eval episode "
-        "per task (front camera); `t` is the control step."
+        "per task (for envs without success: the highest and the lowest return); `t` is the control step."
     )
     snapshots: dict[str, Snapshot] = {}
     replayer = _Replayer()
@@ -354,10 +375,15 @@ def _rollout_section(
 
 
 def _first_of_each_outcome(episodes: list[EpisodeInfo], task: str) -> list[EpisodeInfo]:
-    """The first successful and the first failed episode of ``task``, those that exist."""
+    """The first successful and the first failed episode of ``task``, those that exist;
+    where success is undefined, the highest- and the lowest-return episode."""
+    mine = [e for e in episodes if e.task_id == task]
+    if mine and all(e.success is None for e in mine):
+        best, worst = max(mine, key=lambda e: e.ret), min(mine, key=lambda e: e.ret)
+        return [best] if best is worst else [best, worst]
     picked = []
     for outcome in (True, False):
-        match = next((e for e in episodes if e.task_id == task and bool(e.success) == outcome), None)
+        match = next((e for e in mine if e.success is not None and bool(e.success) == outcome), None)
         if match is not None:
             picked.append(match)
     return picked
@@ -374,31 +400,38 @@ def _frame_indices(length: int, n: int = N_FRAMES) -> np.ndarray:
 
 def _frames(snap: Snapshot, episode: EpisodeInfo, env_cfg: dict[str, Any], replayer: "_Replayer"
             ) -> tuple[np.ndarray, list[np.ndarray], str]:
-    """``(indices, frames, note)`` of one episode: recorded images, else a replay."""
+    """``(indices, frames, note)`` of one episode: a recorded camera, else a replay."""
     data = snap.load(episode)
     idx = _frame_indices(episode.length)
-    if "image" in data["obs"]:
-        return idx, [data["obs"]["image"][i] for i in idx], "recorded camera"
-    frames, final_proprio = replayer.replay(episode, env_cfg, data["action"], idx)
-    # MuJoCo is deterministic, so a replay ends where the recording did; say so if it does not.
-    same = np.allclose(final_proprio, data["obs"]["proprio"][-1], atol=1e-4)
+    camera = _camera_key(data["obs"])
+    if camera is not None:
+        return idx, [data["obs"][camera][i] for i in idx], f"recorded camera `{camera}`"
+    frames, final_obs = replayer.replay(episode, env_cfg, data["action"], idx)
+    # Simulators replay deterministically from seed + actions; say so if this one did not.
+    same = all(np.allclose(np.asarray(final_obs[k], dtype=np.float64), data["obs"][k][-1], atol=1e-4)
+               for k in data["obs"])
     return idx, frames, "replayed from seed + actions" + ("" if same else " (DIVERGED from recording)")
 
 
+def _camera_key(obs: dict[str, np.ndarray]) -> str | None:
+    """The first observation that is an RGB image stream: uint8 (T + 1, H, W, 3)."""
+    return next((k for k, v in obs.items() if v.dtype == np.uint8 and v.ndim == 4 and v.shape[-1] == 3), None)
+
+
 class _Replayer:
-    """Re-renders state-only episodes: reset with the recorded seed, step the recorded actions."""
+    """Re-renders episodes without a recorded camera: make the env through the registry
+    with its frame-rendering kwargs, reset with the recorded seed, step the recorded actions."""
 
     def __init__(self) -> None:
         self.envs: dict[str, Any] = {}
 
     def replay(self, episode: EpisodeInfo, env_cfg: dict[str, Any], actions: np.ndarray, idx: np.ndarray
-               ) -> tuple[list[np.ndarray], np.ndarray]:
-        from robo_post.envs.tabletop import TabletopEnv
-
-        kwargs = {k: v for k, v in env_cfg.items() if k not in ("name", "render_images")}
-        key = json.dumps([episode.task_id, kwargs], sort_keys=True)
-        if key not in self.envs:  # observation images never affect physics: skip rendering them
-            self.envs[key] = TabletopEnv(task=episode.task_id, render_images=False, render_mode="rgb_array", **kwargs)
+               ) -> tuple[list[np.ndarray], dict[str, Any]]:
+        spec = env_spec(env_cfg["name"])
+        kwargs = {**{k: v for k, v in env_cfg.items() if k != "name"}, **spec.render_kwargs}
+        key = json.dumps([spec.key, episode.task_id, kwargs], sort_keys=True)
+        if key not in self.envs:
+            self.envs[key] = spec.make(episode.task_id, **kwargs)
         env = self.envs[key]
         obs, _ = env.reset(seed=episode.seed)
         wanted, frames = set(idx.tolist()), []
@@ -407,7 +440,7 @@ class _Replayer:
                 frames.append(env.render())
             if t < len(actions):
                 obs, *_ = env.step(actions[t])
-        return frames, obs["proprio"]
+        return frames, obs
 
     def close(self) -> None:
         for env in self.envs.values():
@@ -420,9 +453,13 @@ def _plot_strip(path: str, title: str, rows: list[tuple[EpisodeInfo, np.ndarray,
     fig.suptitle(title, fontsize=15, fontweight="bold")
     subfigs = np.atleast_1d(fig.subfigures(len(rows), 1))
     for sub, (episode, idx, frames, note) in zip(subfigs, rows):
-        outcome, color = ("SUCCESS", SUCCESS_COLOR) if episode.success else ("FAILURE", FAILURE_COLOR)
-        sub.suptitle(f"{outcome}  ·  “{episode.instruction}”  ·  {episode.length} steps, seed {episode.seed}, "
-                     f"{note}", color=color, fontsize=11)
+        if episode.success is None:
+            outcome, color = f"RETURN {episode.ret:.1f}", "#333333"
+        else:
+            outcome, color = ("SUCCESS", SUCCESS_COLOR) if episode.success else ("FAILURE", FAILURE_COLOR)
+        said = f"“{episode.instruction}”  ·  " if episode.instruction else ""
+        sub.suptitle(f"{outcome}  ·  {said}{episode.length} steps, seed {episode.seed}, {note}",
+                     color=color, fontsize=11)
         axes = sub.subplots(1, ncols)
         for ax, i, frame in zip(np.atleast_1d(axes), idx, frames):
             ax.imshow(frame, interpolation="nearest")

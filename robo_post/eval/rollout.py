@@ -1,10 +1,16 @@
-"""Evaluate one policy version on tabletop tasks with a fleet of pinned-version clients.
+"""Evaluate one policy version on any env's tasks with a fleet of pinned-version clients.
 
 Eval episodes go to their own store (``out_store``), never the training store, so
 evaluation cannot leak into training data. Each evaluation writes its own shards,
 named after a digest of everything that determines the episodes (policy weights,
 tasks, split, counts, env, seed): re-running an identical evaluation resumes or
 reuses those shards instead of recording again, and any change records afresh.
+
+Per task the results hold the success rate with a 95% Wilson interval where the env
+defines success (its registry entry's success rule; ``None`` otherwise), mean return
+and mean length with 95% intervals, and the env's per-episode metrics (recorded by the
+fleet in each episode's ``attrs["metrics"]``): rates (boolean metrics, e.g. driving's
+collision) with Wilson intervals, means (e.g. mean speed) with t intervals.
 
 Results are a JSON-ready dict (see ``evaluate``), saved to
 ``OUT_STORE/evals/<tag>.json``; ``load_results`` reads them back.
@@ -22,6 +28,7 @@ from typing import Any, Iterable, Literal
 import numpy as np
 import safetensors.torch
 
+from robo_post.envs.registry import EnvSpec, NoExpertError, env_spec
 from robo_post.fleet.client import ClientConfig, store_schema
 from robo_post.fleet.launcher import LocalLauncher
 from robo_post.store import EpisodeInfo, PolicyRegistry, Store
@@ -34,6 +41,7 @@ Split = Literal["train", "heldout"]
 EVAL_SEED = 1_000_003
 Z_95 = 1.959963984540054  # standard-normal quantile at 0.975
 RESULTS_DIR = "evals"
+EXPERT = {"kind": "expert"}
 
 
 def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, float]:
@@ -53,26 +61,58 @@ def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, flo
     return max(0.0, center - half), min(1.0, center + half)
 
 
+def mean_interval(values: Iterable[float], confidence: float = 0.95) -> list[float] | None:
+    """Two-sided Student-t interval of a mean (default: 95%); ``None`` for fewer than two values.
+
+    t rather than the normal quantile, since eval sets are often a handful of episodes
+    per task; it still assumes the mean is roughly normal (many episodes, or mild spread).
+    """
+    from scipy.stats import t
+
+    x = np.asarray(list(values), dtype=np.float64)
+    if len(x) < 2:
+        return None
+    half = float(t.ppf(0.5 + confidence / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
+    return [float(x.mean()) - half, float(x.mean()) + half]
+
+
 def pct(x: float | None) -> str:
     """A rate as a whole percentage, ``–`` when undefined."""
     return "–" if x is None or math.isnan(x) else f"{100 * x:.0f}%"
 
 
 def format_rate(stats: dict[str, Any]) -> str:
-    """``80% [49%–94%]``: success rate and 95% interval of one task's stats."""
+    """``80% [49%–94%]``: success rate and 95% interval of one task's stats (``–`` if undefined)."""
+    if stats.get("success_rate") is None:
+        return "–"
     lo, hi = stats["ci95"]
     return f"{pct(stats['success_rate'])} [{pct(lo)}–{pct(hi)}]"
 
 
-def policy_label(version: int | None) -> str:
-    """Display name of an evaluated policy: ``v3``, or ``expert`` for version 0/None."""
-    return f"v{version}" if version else "expert"
+def format_mean(value: float | None, ci: list[float] | None, digits: int = 2) -> str:
+    """``12.30 [10.10–14.50]``; ``–`` when undefined, no interval below two episodes."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:.{digits}f}" + (f" [{ci[0]:.{digits}f}–{ci[1]:.{digits}f}]" if ci else "")
+
+
+def format_metric(stats: dict[str, Any]) -> str:
+    """One env metric's stats (a rate or a mean) with its interval."""
+    if "rate" in stats:
+        lo, hi = stats["ci95"]
+        return f"{pct(stats['rate'])} [{pct(lo)}–{pct(hi)}]"
+    return format_mean(stats["mean"], stats["ci95"])
+
+
+def policy_label(version: int | None, kind: str = "expert") -> str:
+    """Display name of an evaluated policy: ``v3``, or the policy kind (``expert``) for version 0/None."""
+    return f"v{version}" if version else kind
 
 
 def evaluate(
     policy_store: str,
     version: int | None,
-    tasks: Iterable[str],
+    tasks: Iterable[str] | None,
     episodes_per_task: int,
     split: Split = "train",
     n_clients: int = 2,
@@ -80,68 +120,82 @@ def evaluate(
     out_store: str | None = None,
     seed: int = EVAL_SEED,
     show: bool = False,
+    *,
+    env: str | None = None,
+    policy: dict[str, Any] | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """Run one policy version on every task and return success rates with 95% CIs.
+    """Run one policy version on every task and return its stats with 95% CIs.
 
     Args:
         policy_store: store whose registry holds the policy (also the training store).
         version: registry version to evaluate, pinned (no hot-swap). ``0`` or ``None``
-            runs the scripted expert instead (a sanity check of the eval pipeline).
-        tasks: tabletop task names.
+            runs ``policy`` instead.
+        tasks: the env's tasks; ``None``/empty: its default tasks (an env without tasks
+            has one, its id).
         episodes_per_task: episodes per task, spread over the clients.
-        split: instruction phrasings: ``train`` or ``heldout`` (unseen wording).
+        split: instruction phrasings: ``train`` or ``heldout`` (unseen wording), for
+            envs with instruction splits; others only have ``train``.
         n_clients: parallel client processes.
-        env_kwargs: ``TabletopEnv`` kwargs. ``None`` infers them from the policy:
-            camera images at the policy's ``image_size`` if it reads images, else
-            state-only. ``instruction_split`` is always taken from ``split``.
+        env_kwargs: env constructor kwargs. ``None``: what the env's registry entry
+            infers from the policy (tabletop: camera images at the policy's
+            ``image_size`` if it reads images, else state-only), else none.
         out_store: eval store (created if missing); default ``<policy_store>-eval``.
         seed: base seed of eval episodes; keep it apart from training seeds.
         show: live per-client progress table.
+        env: env alias or gymnasium id; ``None``: the env the policy store was recorded in.
+        policy: artifact config run for version 0/None (default: the env's scripted
+            expert), e.g. ``{"kind": "random"}`` or an ``sb3`` agent.
+        device: torch device the policy runs on.
 
     Returns:
         A JSON-ready dict, also saved at its ``results_path``:
 
-        - ``policy``: ``version`` (0 = expert), ``label``, ``store``, ``config`` (provenance).
-        - ``tasks``: task -> ``episodes``, ``successes``, ``success_rate``, ``ci95``
-          (Wilson ``[low, high]``), ``mean_length``, ``mean_return``.
-        - ``mean_success_rate``: unweighted mean over tasks; ``overall``: the same
-          stats over all episodes pooled.
-        - ``episodes``: one row per episode (key, task, seed, success, length, ...).
+        - ``policy``: ``version`` (0 = ``policy``), ``label``, ``store``, ``config`` (provenance).
+        - ``tasks``: task -> ``episodes``, ``successes``, ``judged`` (episodes with a
+          defined success), ``success_rate`` and ``ci95`` (Wilson ``[low, high]``; both
+          ``None`` when the env defines no success), ``mean_return``, ``return_ci95``,
+          ``mean_length``, ``length_ci95`` (t intervals, ``None`` below two episodes),
+          ``metrics`` (name -> ``{"rate", "ci95"}`` or ``{"mean", "ci95"}``, plus ``episodes``).
+        - ``mean_success_rate``: unweighted mean over tasks (``None`` if undefined);
+          ``overall``: the same stats over all episodes pooled.
+        - ``episodes``: one row per episode (key, task, seed, success, length, return, metrics, ...).
         - ``train_seed_overlap``: eval episodes whose seed also occurs in the policy store.
-        - ``split``, ``env``, ``seed``, ``eval_store``, ``shards``, ``tag``, ``wall_s``, ``created``.
+        - ``success_rule``, ``split``, ``env``, ``seed``, ``eval_store``, ``shards``, ``tag``, ``wall_s``, ``created``.
     """
-    tasks = list(tasks)
-    if not tasks or episodes_per_task < 1 or n_clients < 1:
-        raise ValueError("need at least one task, one episode per task and one client")
+    if episodes_per_task < 1 or n_clients < 1:
+        raise ValueError("need at least one episode per task and one client")
     if split not in ("train", "heldout"):
         raise ValueError(f"unknown split {split!r}; expected 'train' or 'heldout'")
     policy_store = os.path.abspath(policy_store)
     out_store = os.path.abspath(out_store or policy_store.rstrip("/") + "-eval")
     if out_store == policy_store:
         raise ValueError("out_store must differ from policy_store so eval episodes never become training data")
+    spec = env_spec(env or _recorded_env(policy_store))
+    tasks = list(tasks or spec.default_tasks())
     version = version or None
-    policy_config, weights_digest = _policy_identity(policy_store, version)
-    env = {"name": "tabletop", **(env_kwargs if env_kwargs is not None else _infer_env_kwargs(policy_config))}
-    env["instruction_split"] = split
-    needed = _infer_env_kwargs(policy_config)  # fail here, not as crash-looping clients
-    has_images = env.get("render_images", True) and env.get("image_size", 64) == needed.get("image_size")
-    if needed["render_images"] and not has_images:
-        raise ValueError(f"policy v{version} reads {needed['image_size']}px camera images; env_kwargs lack them")
+    baseline = dict(policy or EXPERT)
+    if version is None and baseline.get("kind") == "expert" and spec.expert is None:
+        raise NoExpertError(f"env {spec.key!r} has no scripted expert: evaluate a registry version, or pass "
+                            "a policy for version 0 (e.g. {'kind': 'random'})")
+    policy_config, weights_digest = _policy_identity(policy_store, version, baseline)
+    env_cfg = {"name": spec.key, **_env_kwargs(spec, policy_config, env_kwargs, split)}
 
-    spec = {"policy_store": policy_store, "version": version, "weights": weights_digest, "tasks": tasks,
-            "episodes_per_task": episodes_per_task, "n_clients": n_clients, "env": env, "seed": seed}
-    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
-    tag = f"{policy_label(version)}-{split}-{digest}"
-    store = Store.create(out_store, store_schema(env, tasks[0]), exist_ok=True)
+    identity = {"policy_store": policy_store, "version": version, "weights": weights_digest, "tasks": tasks,
+                "episodes_per_task": episodes_per_task, "n_clients": n_clients, "env": env_cfg, "seed": seed}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:10]
+    label = policy_label(version, baseline.get("kind", "expert"))
+    tag = f"{label}-{split}-{digest}"
+    store = Store.create(out_store, store_schema(env_cfg, tasks[0]), exist_ok=True)
 
     # Client i runs k_i episodes of every task (tasks cycle episode by episode), so
     # each task gets exactly episodes_per_task episodes and the work is balanced.
     per_client = [episodes_per_task // n_clients + (i < episodes_per_task % n_clients) for i in range(n_clients)]
     configs = [
         ClientConfig(
-            store=store.root, client_id=f"eval-{tag}-c{i}", episodes=k * len(tasks), env=env, tasks=tasks,
-            policy={"kind": "expert"}, follow_registry=False, seed=seed, seed_key=f"eval-c{i}",  # same layouts for every version
-            policy_store=policy_store if version else None, policy_version=version,
+            store=store.root, client_id=f"eval-{tag}-c{i}", episodes=k * len(tasks), env=env_cfg, tasks=tasks,
+            policy=baseline, follow_registry=False, seed=seed, seed_key=f"eval-c{i}",  # same layouts for every version
+            policy_store=policy_store if version else None, policy_version=version, role="eval", device=device,
         )
         for i, k in enumerate(per_client)
         if k > 0
@@ -159,10 +213,11 @@ def evaluate(
     episodes = [e for c in configs for e in snap.episodes(client=c.client_id)[: c.episodes]]
     result = _summarise(episodes, tasks)
     result.update(
-        policy={"version": version or 0, "label": policy_label(version), "store": policy_store,
+        policy={"version": version or 0, "label": label, "store": policy_store,
                 "config": _provenance(policy_config)},
-        split=split, env=env, seed=seed, n_clients=n_clients, episodes_per_task=episodes_per_task,
-        eval_store=store.root, snapshot=snap.id, shards=[c.client_id for c in configs], tag=tag,
+        success_rule=spec.success_rule, split=split, env=env_cfg, seed=seed, n_clients=n_clients,
+        episodes_per_task=episodes_per_task, eval_store=store.root, snapshot=snap.id,
+        shards=[c.client_id for c in configs], tag=tag,
         train_seed_overlap=_seed_overlap(policy_store, episodes), wall_s=time.perf_counter() - t0,
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         results_path=os.path.join(store.root, RESULTS_DIR, f"{tag}.json"),
@@ -173,38 +228,56 @@ def evaluate(
 
 
 def in_process_success(model: Any, tasks: Iterable[str], episodes_per_task: int, seed: int = EVAL_SEED,
-                       outcomes: list[bool] | None = None) -> dict[str, float]:
+                       outcomes: list[bool] | None = None, env: str | None = None) -> dict[str, float]:
     """Success rate per task of a flow policy rolled out in this process (no store).
 
     Cheap periodic evaluation during training; the fleet-based ``evaluate`` is the
     reported number. Episodes use ``episode_seed(seed, task, i)`` layouts. If given,
     ``outcomes`` gets each episode's success appended, task by task, as it ends.
+
+    Returns ``success/<task>`` and ``success/mean``; for an env that defines no success,
+    ``return/<task>`` and ``return/mean`` (mean episode return) instead.
+
+    Args:
+        env: env alias or gymnasium id; ``None``: the one of robo-post's envs whose
+            default tasks include every task.
     """
-    from robo_post.envs.tabletop import TabletopEnv
     from robo_post.fleet.client import episode_seed
     from robo_post.models.flow import FlowPolicyRunner
 
+    spec = env_spec(env) if env is not None else _env_of_tasks(list(tasks))
+    config = {"model": model.config.to_json()}  # as in the policy's artifact
+    env_kwargs = spec.policy_env_kwargs(config) if spec.policy_env_kwargs else {}
     was_training = model.training
     runner = FlowPolicyRunner(model, device=str(model.device))
-    out = {}
+    out: dict[str, float] = {}
     for task in tasks:
-        env = TabletopEnv(task=task, render_images=model.config.image_size is not None,
-                          image_size=model.config.image_size or 64)
-        wins = 0
+        instance = spec.make(task, **env_kwargs)
+        successes, returns = [], []
         for i in range(episodes_per_task):
             s = episode_seed(seed, task, i)
-            obs, info = env.reset(seed=s)
-            runner.reset(env, s)
-            done = False
+            obs, info = instance.reset(seed=s)
+            runner.reset(instance, s)
+            done, ret = False, 0.0
             while not done:
-                obs, _, terminated, truncated, info = env.step(runner.act(obs, env))
+                obs, reward, terminated, truncated, info = instance.step(runner.act(obs, instance))
+                ret += float(reward)
                 done = terminated or truncated
-            wins += bool(info["success"])
-            if outcomes is not None:
-                outcomes.append(bool(info["success"]))
-        env.close()
-        out[f"success/{task}"] = wins / episodes_per_task
-    out["success/mean"] = float(np.mean(list(out.values())))
+            returns.append(ret)
+            success = spec.success(info)
+            if success is not None:
+                successes.append(success)
+                if outcomes is not None:
+                    outcomes.append(success)
+        instance.close()
+        if successes:
+            out[f"success/{task}"] = float(np.mean(successes))
+        else:
+            out[f"return/{task}"] = float(np.mean(returns))
+    for kind in ("success", "return"):
+        values = [v for k, v in out.items() if k.startswith(f"{kind}/")]
+        if values:
+            out[f"{kind}/mean"] = float(np.mean(values))
     model.train(was_training)
     return out
 
@@ -212,8 +285,9 @@ def in_process_success(model: Any, tasks: Iterable[str], episodes_per_task: int,
 def eval_from_config(cfg: Any) -> list[dict[str, Any]]:
     """`robo-post eval`: evaluate every ``cfg.version`` x ``cfg.split`` and print a table.
 
-    ``version`` is a registry version, ``latest``, or 0/null for the scripted expert;
-    ``version`` and ``split`` may be lists.
+    ``version`` is a registry version, ``latest``, or 0/null for ``cfg.policy`` (the
+    env's scripted expert when null); ``version`` and ``split`` may be lists. The env
+    is ``cfg.env.name``; tasks are ``cfg.tasks``, else ``cfg.env.tasks``, else the env's.
     """
     from omegaconf import OmegaConf
     from rich.console import Console
@@ -223,21 +297,32 @@ def eval_from_config(cfg: Any) -> list[dict[str, Any]]:
     splits = cfg.split if OmegaConf.is_list(cfg.split) else [cfg.split]
     registry = PolicyRegistry(Store.open(cfg.store).root)
     env_kwargs = None if cfg.env_kwargs is None else OmegaConf.to_container(cfg.env_kwargs, resolve=True)
+    policy = None if cfg.policy is None else OmegaConf.to_container(cfg.policy, resolve=True)
+    tasks = list(cfg.tasks or cfg.env.tasks or env_spec(cfg.env.name).default_tasks())
     results = []
     for version in versions:
         if version == "latest":
-            version = registry.latest()  # None (expert) while nothing is published
+            version = registry.latest()  # None (cfg.policy) while nothing is published
         for split in splits:
             results.append(evaluate(
-                cfg.store, version, list(cfg.tasks), cfg.episodes_per_task, split=split, n_clients=cfg.n_clients,
+                cfg.store, version, tasks, cfg.episodes_per_task, split=split, n_clients=cfg.n_clients,
                 env_kwargs=env_kwargs, out_store=cfg.out_store, seed=cfg.seed, show=cfg.show,
+                env=cfg.env.name, policy=policy, device=cfg.device,
             ))
-    table = Table("policy", "split", *cfg.tasks, "mean", title="success rate [95% Wilson CI]")
-    for r in results:
-        lo, hi = r["overall"]["ci95"]
-        table.add_row(r["policy"]["label"], r["split"], *(format_rate(r["tasks"][t]) for t in cfg.tasks),
-                      f"{pct(r['mean_success_rate'])} [{pct(lo)}–{pct(hi)}]")
     console = Console()
+    table = Table("policy", "split", *tasks, "mean", title="success rate [95% Wilson CI]")
+    for r in results:
+        table.add_row(r["policy"]["label"], r["split"], *(format_rate(r["tasks"][t]) for t in tasks),
+                      format_rate({**r["overall"], "success_rate": r["mean_success_rate"]}))
+    console.print(table)
+    table = Table("policy", "split", "task", "return [95% CI]", "length [95% CI]", "env metrics [95% CI]",
+                  title="return, length and env metrics")
+    for r in results:
+        for t in tasks:
+            s = r["tasks"][t]
+            metrics = ", ".join(f"{k} {format_metric(v)}" for k, v in s["metrics"].items()) or "–"
+            table.add_row(r["policy"]["label"], r["split"], t, format_mean(s["mean_return"], s["return_ci95"]),
+                          format_mean(s["mean_length"], s["length_ci95"], 1), metrics)
     console.print(table)
     for r in results:
         console.print(f"results: {r['results_path']}")
@@ -257,49 +342,100 @@ def load_results(eval_store: str) -> list[dict[str, Any]]:
     return sorted(results, key=lambda r: r["created"])
 
 
-def _policy_identity(policy_store: str, version: int | None) -> tuple[dict[str, Any], str]:
+def _recorded_env(policy_store: str) -> str:
+    """The env a store's episodes were recorded in (its schema's ``env`` attr)."""
+    name = Store.open(policy_store).schema.attrs.get("env")
+    if not name:
+        raise ValueError(f"store {policy_store} does not record its env; pass env=")
+    return name
+
+
+def _env_of_tasks(tasks: list[str]) -> EnvSpec:
+    from robo_post.envs.registry import registered_specs
+
+    for spec in registered_specs():
+        if set(tasks) <= set(spec.default_tasks()):
+            return spec
+    raise ValueError(f"no registered env has the tasks {tasks}; pass env=")
+
+
+def _env_kwargs(spec: EnvSpec, policy_config: dict[str, Any], env_kwargs: dict[str, Any] | None,
+                split: str) -> dict[str, Any]:
+    """Env kwargs of an eval: given, else inferred from the policy by the env's entry; checked
+    against what the policy needs; the split passed on where the env has instruction splits."""
+    needed = spec.policy_env_kwargs(policy_config) if spec.policy_env_kwargs else {}
+    kwargs = dict(needed if env_kwargs is None else env_kwargs)
+    missing = {k: v for k, v in needed.items() if v and kwargs.get(k) != v}
+    if missing:  # fail here, not as crash-looping clients
+        raise ValueError(f"the policy needs env kwargs {missing}; env_kwargs {env_kwargs} lack them")
+    if spec.split_kwarg is not None:
+        kwargs[spec.split_kwarg] = split
+    elif split != "train":
+        raise ValueError(f"env {spec.key!r} has no instruction splits; split must be 'train', got {split!r}")
+    return kwargs
+
+
+def _policy_identity(policy_store: str, version: int | None, baseline: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """The policy's config and a digest of its weights (so a retrained store never
-    reuses stale eval shards). The expert has no registry entry."""
+    reuses stale eval shards). Version 0 runs ``baseline``: its digest covers its
+    config and, for a policy loaded from a file (``path``), the file's bytes."""
     if version is None:
-        return {"kind": "expert"}, "expert"
+        h = hashlib.sha256(json.dumps(baseline, sort_keys=True).encode())
+        if "path" in baseline:
+            with open(baseline["path"], "rb") as f:
+                h.update(f.read())
+        return baseline, h.hexdigest()
     weights, config = PolicyRegistry(policy_store).load(version)
     return config, hashlib.sha256(safetensors.torch.save(weights)).hexdigest()
 
 
-def _infer_env_kwargs(policy_config: dict[str, Any]) -> dict[str, Any]:
-    image_size = policy_config.get("model", {}).get("image_size")
-    if image_size:
-        return {"render_images": True, "image_size": int(image_size)}
-    return {"render_images": False}  # state-only policies (and the expert) skip rendering: much faster
-
-
 def _provenance(policy_config: dict[str, Any]) -> dict[str, Any]:
     """The small, human-relevant part of a policy config (not the full training config)."""
-    keys = ("kind", "algorithm", "parent_version", "snapshot", "episodes", "updates", "noise", "mode")
+    keys = ("kind", "algorithm", "parent_version", "snapshot", "episodes", "updates", "noise", "mode", "algo", "path")
     return {k: policy_config[k] for k in keys if k in policy_config}
 
 
+def _metric_stats(values: list[bool | float]) -> dict[str, Any]:
+    """A boolean metric as a rate with a Wilson interval, a numeric one as a mean with a t interval."""
+    if all(isinstance(v, bool) for v in values):
+        k = sum(values)
+        return {"rate": k / len(values), "ci95": list(wilson_interval(k, len(values))), "episodes": len(values)}
+    return {"mean": float(np.mean(values)), "ci95": mean_interval(values), "episodes": len(values)}
+
+
 def _task_stats(episodes: list[EpisodeInfo]) -> dict[str, Any]:
-    n, k = len(episodes), sum(bool(e.success) for e in episodes)
+    n = len(episodes)
+    judged = [e for e in episodes if e.success is not None]
+    k = sum(bool(e.success) for e in judged)
+    metrics: dict[str, list] = {}
+    for e in episodes:
+        for name, value in e.attrs.get("metrics", {}).items():
+            metrics.setdefault(name, []).append(value)
     return {
         "episodes": n,
         "successes": k,
-        "success_rate": k / n if n else float("nan"),
-        "ci95": list(wilson_interval(k, n)),
-        "mean_length": float(np.mean([e.length for e in episodes])) if n else float("nan"),
-        "mean_return": float(np.mean([e.ret for e in episodes])) if n else float("nan"),
+        "judged": len(judged),
+        "success_rate": k / len(judged) if judged else None,
+        "ci95": list(wilson_interval(k, len(judged))) if judged else None,
+        "mean_length": float(np.mean([e.length for e in episodes])) if n else None,
+        "length_ci95": mean_interval(e.length for e in episodes),
+        "mean_return": float(np.mean([e.ret for e in episodes])) if n else None,
+        "return_ci95": mean_interval(e.ret for e in episodes),
+        "metrics": {name: _metric_stats(values) for name, values in metrics.items()},
     }
 
 
 def _summarise(episodes: list[EpisodeInfo], tasks: list[str]) -> dict[str, Any]:
     per_task = {t: _task_stats([e for e in episodes if e.task_id == t]) for t in tasks}
+    rates = [s["success_rate"] for s in per_task.values() if s["success_rate"] is not None]
     return {
         "tasks": per_task,
-        "mean_success_rate": float(np.mean([s["success_rate"] for s in per_task.values()])),
+        "mean_success_rate": float(np.mean(rates)) if rates else None,
         "overall": _task_stats(episodes),
         "episodes": [
             {"key": e.key, "task": e.task_id, "seed": e.seed, "success": e.success, "length": e.length,
-             "policy_version": e.policy_version, "instruction": e.instruction}
+             "return": e.ret, "metrics": e.attrs.get("metrics", {}), "policy_version": e.policy_version,
+             "instruction": e.instruction}
             for e in episodes
         ],
     }

@@ -185,7 +185,9 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         from robo_post.eval.rollout import in_process_success
 
         tasks = sorted({e.task_id for e in episodes})
-        evaluate = lambda update: in_process_success(method.policy, tasks, cfg.eval.episodes_per_task)  # noqa: E731
+        env = store.schema.attrs.get("env")
+        evaluate = lambda update: in_process_success(method.policy, tasks, cfg.eval.episodes_per_task,  # noqa: E731
+                                                     env=env)
     t0 = time.perf_counter()
     logged = train_loop(method, lambda: add_imitation(sampler.sample(cfg.batch_size), imitation, cfg.batch_size),
                         run_dir, cfg.updates, rngs, log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every,

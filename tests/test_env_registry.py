@@ -1,0 +1,219 @@
+"""Environments by id: registry lookups, observation flattening, and the fleet and
+eval on plain gymnasium envs (InvertedPendulum-v5 with a random policy, CartPole-v1
+with a stable-baselines3 PPO agent) and on driving (per-scenario metrics).
+
+Episodes are capped at a few dozen steps so every test stays well under 20 s.
+"""
+
+import os
+
+os.environ.setdefault("MUJOCO_GL", "egl")  # headless rendering; must precede importing mujoco
+
+import subprocess
+import sys
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+from robo_post.envs import (
+    NoExpertError,
+    UnknownEnvError,
+    UnknownTaskError,
+    UnsupportedSpaceError,
+    env_spec,
+)
+from robo_post.envs.registry import expand_env_override, generic_success
+from robo_post.eval import evaluate, write_report
+from robo_post.eval.rollout import mean_interval, wilson_interval
+from robo_post.fleet.client import (
+    ClientConfig,
+    InvalidActionError,
+    OverseerUnsupportedError,
+    executable_action,
+    run_client,
+    store_schema,
+)
+from robo_post.fleet.policies import ExpertPolicy, build_policy
+from robo_post.store import Store
+from robo_post.store.integrity import validate_store
+
+PENDULUM = {"name": "InvertedPendulum-v5", "max_episode_steps": 15}
+
+
+def test_alias_and_id_find_the_same_spec():
+    for alias, env_id in (("tabletop", "robo_post/Tabletop-v0"), ("driving", "robo_post/Driving-v0")):
+        spec = env_spec(alias)
+        assert env_spec(env_id) is spec and spec.key == alias and spec.id == env_id
+    assert env_spec("tabletop").default_tasks() == ("reach", "push", "pick", "place")
+    assert env_spec("driving").default_tasks() == ("highway-fast", "merge", "roundabout")
+    assert (env_spec("tabletop").execute_steps, env_spec("tabletop").horizon) == (4, 8)
+    assert env_spec("tabletop").language and env_spec("tabletop").supports_overseer
+
+
+def test_a_plain_gymnasium_id_gets_a_generic_spec():
+    spec = env_spec("CartPole-v1")
+    assert spec.key == "CartPole-v1" and spec.default_tasks() == ("CartPole-v1",)
+    assert spec.execute_steps == 1 and not spec.language and not spec.supports_overseer
+    env = spec.make()
+    try:
+        assert list(env.observation_space.spaces) == ["observation"]  # the store's key for bare observations
+        obs, _ = env.reset(seed=0)
+        assert obs["observation"].shape == (4,) and isinstance(env.action_space, spaces.Discrete)
+    finally:
+        env.close()
+    with pytest.raises(UnknownTaskError, match="CartPole-v1"):
+        spec.make("balance")
+    with pytest.raises(NoExpertError, match="CartPole-v1"):
+        spec.make_expert(env)
+
+
+def test_unknown_id_names_our_envs_and_gymnasium():
+    with pytest.raises(UnknownEnvError) as err:
+        env_spec("NoSuchEnv-v0")
+    message = str(err.value)
+    assert "tabletop" in message and "driving" in message and "not a registered gymnasium id" in message
+    assert isinstance(err.value, ValueError)
+
+
+class _NestedObsEnv(gym.Env):
+    observation_space = spaces.Dict({"arm": spaces.Dict({"q": spaces.Box(-1, 1, (2,))}), "t": spaces.Discrete(3)})
+    action_space = spaces.Box(-1, 1, (1,))
+
+
+class _TupleObsEnv(_NestedObsEnv):
+    observation_space = spaces.Tuple((spaces.Discrete(2), spaces.Discrete(2)))
+
+
+@pytest.mark.parametrize("cls, what", [(_NestedObsEnv, "'arm'"), (_TupleObsEnv, "Tuple")])
+def test_nested_observation_spaces_are_refused(cls, what):
+    env_id = f"test_registry/{cls.__name__}-v0"
+    gym.register(env_id, entry_point=cls)
+    try:
+        with pytest.raises(UnsupportedSpaceError, match=what):
+            env_spec(env_id).make()
+    finally:
+        del gym.registry[env_id]
+
+
+def test_generic_success_rule():
+    assert generic_success({"is_success": 1.0, "success": False}) is True  # is_success first
+    assert generic_success({"success": False}) is False
+    assert generic_success({"x_position": 3.0}) is None  # undefined, not a failure
+
+
+def test_env_override_for_an_id_without_a_config_file():
+    assert expand_env_override(["env=Hopper-v5", "episodes=3"], ["tabletop", "driving", "gym"]) == [
+        "env=gym", "env.name=Hopper-v5", "episodes=3"]
+    assert expand_env_override(["env=driving", "env.kwargs.x=1"], ["driving"]) == ["env=driving", "env.kwargs.x=1"]
+
+
+def test_integer_actions_are_checked_not_clipped_or_cast():
+    discrete = spaces.Discrete(3, start=1)
+    action = executable_action(np.int64(3), discrete)
+    assert action.dtype == np.int64 and int(action) == 3
+    with pytest.raises(InvalidActionError, match="outside"):
+        executable_action(4, discrete)
+    with pytest.raises(InvalidActionError, match="dtype"):
+        executable_action(1.7, discrete)
+    box = spaces.Box(-1.0, 1.0, (2,), np.float32)
+    np.testing.assert_array_equal(executable_action([2.0, -0.5], box), np.array([1.0, -0.5], np.float32))
+    with pytest.raises(InvalidActionError, match="non-finite"):
+        executable_action([np.nan, 0.0], box)
+
+
+def test_expert_and_overseer_need_an_env_that_has_them(tmp_path):
+    env = env_spec("InvertedPendulum-v5").make()
+    with pytest.raises(NoExpertError):
+        ExpertPolicy().reset(env, 0)
+    env.close()
+    store = Store.create(str(tmp_path / "s"), store_schema(PENDULUM, None))
+    with pytest.raises(OverseerUnsupportedError, match="InvertedPendulum-v5"):
+        run_client(ClientConfig(store=store.root, client_id="c", episodes=1, env=PENDULUM,
+                                policy={"kind": "random"}, overseer={"enabled": True}))
+
+
+def test_collect_and_eval_a_gymnasium_env_with_a_random_policy(tmp_path):
+    root = str(tmp_path / "store")
+    cli = os.path.join(os.path.dirname(sys.executable), "robo-post")
+    proc = subprocess.run(
+        [cli, "collect", f"store={root}", "env=gym", "env.name=InvertedPendulum-v5", "+env.kwargs.max_episode_steps=15",
+         "policy=random", "episodes=3", "fleet.n_clients=1", "fleet.client_prefix=play", "show=false"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert validate_store(root)[1] == []
+    store = Store.open(root)
+    assert store.schema.attrs["env"] == "InvertedPendulum-v5" and list(store.schema.observations) == ["observation"]
+    played = store.snapshot().episodes()
+    assert len(played) == 3 and {(e.role, e.task_id, e.success, e.instruction) for e in played} == {
+        ("play", "InvertedPendulum-v5", None, "")}
+
+    # The env comes from the store's schema; version 0 runs the given policy.
+    r = evaluate(root, None, None, 4, n_clients=1, env_kwargs={"max_episode_steps": 15},
+                 out_store=str(tmp_path / "eval"), policy={"kind": "random"})
+    assert r["policy"]["label"] == "random" and r["env"]["name"] == "InvertedPendulum-v5"
+    episodes = Store.open(r["eval_store"]).snapshot().episodes(client=r["shards"])
+    assert {e.role for e in episodes} == {"eval"}
+    s = r["tasks"]["InvertedPendulum-v5"]
+    assert (s["episodes"], s["judged"], s["success_rate"], s["ci95"]) == (4, 0, None, None)
+    assert r["mean_success_rate"] is None and "undefined" in r["success_rule"]
+    returns, lengths = [e.ret for e in episodes], [e.length for e in episodes]
+    assert len(set(lengths)) > 1  # random episodes differ, so the intervals have width
+    assert s["mean_return"] == pytest.approx(np.mean(returns)) and s["mean_length"] == pytest.approx(np.mean(lengths))
+    lo, hi = s["return_ci95"]
+    half = 3.182446305284263 * np.std(returns, ddof=1) / 2  # t(0.975, df=3) * s / sqrt(4)
+    assert (lo, hi) == pytest.approx((np.mean(returns) - half, np.mean(returns) + half))
+    assert s["length_ci95"] == pytest.approx(mean_interval(lengths))
+
+    md = open(write_report(str(tmp_path / "report"), [r])).read()
+    assert "| InvertedPendulum-v5 | 4 | – | – |" in md and "## Success rates" not in md
+    assert "rollouts_random-train_InvertedPendulum-v5.png" in md
+    assert os.path.getsize(tmp_path / "report" / "rollouts_random-train_InvertedPendulum-v5.png") > 10_000
+
+
+def test_driving_eval_reports_metrics_per_scenario(tmp_path):
+    env = {"name": "driving", "duration": 8}
+    store = Store.create(str(tmp_path / "store"), store_schema(env, "highway-fast"))
+    scenarios = ["highway-fast", "merge"]
+    r = evaluate(store.root, None, scenarios, 2, n_clients=1, env_kwargs={"duration": 8},
+                 out_store=str(tmp_path / "eval"))
+    episodes = Store.open(r["eval_store"]).snapshot().episodes(client=r["shards"])
+    for scenario in scenarios:
+        s = r["tasks"][scenario]
+        mine = [e for e in episodes if e.task_id == scenario]
+        assert s["episodes"] == len(mine) == 2 and s["success_rate"] == 1.0  # the expert drives safely
+        assert set(s["metrics"]) == {"collision", "off_road", "mean_speed"}
+        for rate in ("collision", "off_road"):
+            assert s["metrics"][rate]["rate"] == 0.0
+            assert s["metrics"][rate]["ci95"] == pytest.approx(list(wilson_interval(0, 2)))
+        speeds = [e.attrs["metrics"]["mean_speed"] for e in mine]
+        assert all(15.0 < v < 35.0 for v in speeds)
+        assert s["metrics"]["mean_speed"]["mean"] == pytest.approx(np.mean(speeds))
+        assert s["metrics"]["mean_speed"]["ci95"] == pytest.approx(mean_interval(speeds))
+
+
+def test_fleet_records_a_cartpole_sb3_agent_with_integer_actions(tmp_path):
+    from stable_baselines3 import PPO
+
+    agent = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, n_epochs=1, seed=0, device="cpu")
+    agent.learn(total_timesteps=256)
+    path = str(tmp_path / "agent.zip")
+    agent.save(path)
+    env = {"name": "CartPole-v1", "max_episode_steps": 30}
+    store = Store.create(str(tmp_path / "store"), store_schema(env, None))
+    assert store.schema.action.dtype == "int64"
+    policy = {"kind": "sb3", "path": path, "algo": "PPO", "deterministic": True}
+    status = run_client(ClientConfig(store=store.root, client_id="deploy-0", episodes=3, env=env, policy=policy,
+                                     role="deploy"))
+    assert status["state"] == "done" and status["judged"] == 0
+    assert validate_store(store.root)[1] == []
+    snap = store.snapshot()
+    loaded = build_policy({}, policy)
+    for ep in snap.episodes():
+        data = snap.load(ep)
+        assert ep.role == "deploy" and data["action"].dtype == np.int64 and set(data["action"]) <= {0, 1}
+        expected = [int(loaded.act({"observation": o}, None)) for o in data["obs"]["observation"][:-1]]
+        assert data["action"].tolist() == expected  # the agent's own greedy actions, unchanged
+    with pytest.raises(ValueError, match="stable-baselines3"):
+        build_policy({}, {**policy, "algo": "NotAnAlgo"})
