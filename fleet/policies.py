@@ -125,6 +125,13 @@ def _sb3_policy(weights: dict[str, torch.Tensor], config: dict[str, Any], device
     return SB3Policy(**{k: v for k, v in config.items() if k in ("path", "algo", "deterministic")}, device=device)
 
 
+def _sb3_agent(weights: dict[str, torch.Tensor], config: dict[str, Any], device: str) -> Policy:
+    """An agent published by ``algo=sb3`` (safetensors + JSON, no pickle)."""
+    from robo_post.algos.sb3_agent import SB3Agent, SB3AgentRunner
+
+    return SB3AgentRunner(SB3Agent.from_artifact(weights, config, device=device))
+
+
 # (weights, config, device) -> policy
 Builder = Callable[[dict[str, torch.Tensor], dict[str, Any], str], Policy]
 POLICY_KINDS: dict[str, Builder] = {
@@ -134,6 +141,7 @@ POLICY_KINDS: dict[str, Builder] = {
     "flow": _flow_policy,
     "flow_ranked": _ranked_flow_policy,
     "sb3": _sb3_policy,
+    "sb3_agent": _sb3_agent,
 }
 
 
