@@ -51,6 +51,7 @@ def test_minari_dataset_to_trained_policies_evaluated_by_gymnasium_id(tmp_path, 
     assert r.returncode != 0 and "--success-from" in r.stderr and "Traceback" not in r.stderr
     _cli("store", "import-minari", "pendulum/mixed-v0", store, "--minari-root", minari_root,
          "--success-from", "truncation")  # the pendulum falls = termination; surviving to the limit = success
+    assert Store.open(store).schema.attrs["env"] == ENV_ID  # the dataset's env, found by id at eval
     info = json.loads(_cli("store", "info", store, "--json").stdout)
     assert info["episodes"] == 8 and 0 < info["success_rate"] < 1
 
@@ -65,7 +66,7 @@ def test_minari_dataset_to_trained_policies_evaluated_by_gymnasium_id(tmp_path, 
     assert divl["value_range"][1] > 5.0
 
     for version in (1, 2):
-        _cli("eval", f"store={store}", f"env={ENV_ID}", f"version={version}", "episodes_per_task=2", "n_clients=1",
+        _cli("eval", f"store={store}", f"version={version}", "episodes_per_task=2", "n_clients=1",
              "show=false", "+env_kwargs.max_episode_steps=60")
     results = [json.load(open(os.path.join(store + "-eval", "evals", f)))
                for f in sorted(os.listdir(os.path.join(store + "-eval", "evals")))]

@@ -287,7 +287,7 @@ def eval_from_config(cfg: Any) -> list[dict[str, Any]]:
 
     ``version`` is a registry version, ``latest``, or 0/null for ``cfg.policy`` (the
     env's scripted expert when null); ``version`` and ``split`` may be lists. The env
-    is ``cfg.env.name``; tasks are ``cfg.tasks``, else ``cfg.env.tasks``, else the env's.
+    is ``cfg.env.name``, else the one the store was recorded in; tasks are ``cfg.tasks``, else ``cfg.env.tasks``, else the env's.
     """
     from omegaconf import OmegaConf
     from rich.console import Console
@@ -295,10 +295,14 @@ def eval_from_config(cfg: Any) -> list[dict[str, Any]]:
 
     versions = cfg.version if OmegaConf.is_list(cfg.version) else [cfg.version]
     splits = cfg.split if OmegaConf.is_list(cfg.split) else [cfg.split]
-    registry = PolicyRegistry(Store.open(cfg.store).root)
+    store = Store.open(cfg.store)
+    registry = PolicyRegistry(store.root)
+    env_name = cfg.env.name or store.schema.attrs.get("env")
+    if env_name is None:
+        raise ValueError(f"the store at {store.root} does not say which env it was recorded in; pass env=NAME or a gymnasium id")
     env_kwargs = None if cfg.env_kwargs is None else OmegaConf.to_container(cfg.env_kwargs, resolve=True)
     policy = None if cfg.policy is None else OmegaConf.to_container(cfg.policy, resolve=True)
-    tasks = list(cfg.tasks or cfg.env.tasks or env_spec(cfg.env.name).default_tasks())
+    tasks = list(cfg.tasks or cfg.env.tasks or env_spec(env_name).default_tasks())
     results = []
     for version in versions:
         if version == "latest":
@@ -307,7 +311,7 @@ def eval_from_config(cfg: Any) -> list[dict[str, Any]]:
             results.append(evaluate(
                 cfg.store, version, tasks, cfg.episodes_per_task, split=split, n_clients=cfg.n_clients,
                 env_kwargs=env_kwargs, out_store=cfg.out_store, seed=cfg.seed, show=cfg.show,
-                env=cfg.env.name, policy=policy, device=cfg.device,
+                env=env_name, policy=policy, device=cfg.device,
             ))
     console = Console()
     table = Table("policy", "split", *tasks, "mean", title="success rate [95% Wilson CI]")

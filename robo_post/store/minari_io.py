@@ -31,6 +31,7 @@ an explicit success rule (``SUCCESS_RULES``); it is recorded in each episode's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -337,6 +338,9 @@ def import_minari(
         raise StoreError(f"no Minari dataset {dataset_id!r} at {path}")
     dataset = minari.MinariDataset(path)
     schema = _schema_from_spaces(dataset_id, dataset.observation_space, dataset.action_space)
+    env_spec = dataset.spec.env_spec
+    if env_spec is not None:  # the env the data came from: eval and chunk defaults find it by id
+        schema = dataclasses.replace(schema, attrs={**schema.attrs, "env": env_spec.id})
     exported = dataset.storage.metadata.get(META_KEY)
     if exported is not None:
         schema = StoreSchema.from_json(exported["schema"])
