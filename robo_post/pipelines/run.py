@@ -49,13 +49,14 @@ def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, 
     done = sum(1 for e in store.snapshot() if e.client_id.startswith(f"{prefix}-")) if store else 0
     if done >= episodes:
         return
-    collect(_compose("collect", {
+    collect_cfg = _compose("collect", {
         "store": store_root, "episodes": episodes - done, "seed": cfg.seed, "show": cfg.show if show is None else show,
-        "env": {"tasks": list(cfg.env.tasks), "kwargs": OmegaConf.to_container(cfg.env.kwargs)},
         "policy": policy,
         "fleet": {"n_clients": cfg.fleet.n_clients, "client_prefix": prefix, "follow_registry": follow_registry,
                   "layout_repeats": layout_repeats, **({"overseer": overseer} if overseer else {})},
-    }))
+    })
+    collect_cfg.env = cfg.env  # replaced whole: another env's kwargs must not merge in
+    collect(collect_cfg)
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -112,10 +113,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             if fleet_error:
                 raise fleet_error[0]
 
+    from robo_post.envs.registry import env_spec
+
+    # Held-out instruction phrasings exist only for envs with language splits.
+    splits = [s for s in cfg.eval.splits if s == "train" or env_spec(cfg.env.name).split_kwarg is not None]
     results = []
     versions = [v for v in registry.versions() if v >= cfg.eval.from_version]
     for version in versions:
-        for split in cfg.eval.splits:
+        for split in splits:
             results.append(evaluate(
                 store_root, version, list(cfg.env.tasks), cfg.eval.episodes_per_task, split=split,
                 n_clients=cfg.fleet.n_clients, out_store=eval_store, seed=cfg.eval.seed, show=cfg.show,
