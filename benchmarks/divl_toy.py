@@ -1,4 +1,4 @@
-"""E2 DIVL value toy (docs/specs/lwd_divl_qam.md §2.6): does the distributional value behave as specified?
+"""E2 DIVL value toy (docs/methods.md, "Demonstrations: E2"): does the distributional value behave as described?
 
 MDP: a chain of 30 one-hot states, goal at 29 (terminal, reward 1). A primitive
 action a in [-1, 1] selects a move: a <= 0 "play" (-1 if a < -0.5, else stay;
@@ -13,8 +13,8 @@ store and ``WindowSampler`` (n-step chunk returns, termination).
 
 Arms, each with n in {1, 5} chunk steps: IQL expectile 0.7 and 0.9, DIVL with
 constant tau = 0.6, DIVL with adaptive tau (tau_base 0.6, alpha 0.3, clip
-[0.4, 0.9], the LWD-reimpl-B clip under which LWD's observed tau range is
-unclipped, §2.8 #1). Toy settings: EMA rate 0.02 (LWD 0.005) so values propagate
+[0.4, 0.9], the clip of the third-party LWD port ``HaoyunT/lwd_wall_repo``, under
+which LWD's observed tau range is unclipped). Toy settings: EMA rate 0.02 (LWD 0.005) so values propagate
 along the chain within the budget. Baselines: the Monte-Carlo value of the
 behaviour data and the in-support optimum V*(0) = gamma^28 (careful all the way).
 
@@ -106,7 +106,7 @@ def proposition_1_gap(divl: DIVL, sampler: WindowSampler, steps: int, tau: float
     """|Quant_tau of a categorical head - pinball scalar head| per state, in dz (check e).
 
     Both heads are fitted afresh on the same frozen encoder features and target-critic
-    labels, so only the value loss differs (Proposition 1, §2.2.11).
+    labels, so only the value loss differs (LWD's Proposition 1; docs/methods.md, "DIVL: relation to IQL").
     """
     h, K = CRITIC.hidden_dim, len(divl.atoms)
     cat_head, pin_head = mlp([h, h, h, K], layer_norm=True), mlp([h, h, h, 1], layer_norm=True)

@@ -1,4 +1,4 @@
-"""FreshPER CPU-scale demonstration (docs/specs/craft_poe_drest.md §D2.6): a drifting bandit.
+"""FreshPER CPU-scale demonstration (docs/methods.md, "Demonstrations: FreshPER drifting bandit").
 
 Env: a 10-armed Gaussian bandit, arm means a permutation of linspace(0, 1, 10), reward
 noise sd 0.3. At step T/2 the means are permuted again (per seed: a random permutation
@@ -26,8 +26,8 @@ every step (paper defaults); rewards never change, so priorities are not updated
 Printed per arm (mean ± std over seeds): pseudo-regret sum_t (mu*_t - mu_t(a_t)), total and
 after the drift; recovery time (defined in the output); mean age of the sampled items over
 the second half, at the drift and at the end; ESS/B of the replay IS weights w and of the
-full per-item weight w * clipped ratio. Then the spec's "Expected" statements with
-PASS/MISS (never fails; exit 0).
+full per-item weight w * clipped ratio. Then the expected outcomes (docs/methods.md,
+"Demonstrations: FreshPER drifting bandit") with PASS/MISS (never fails; exit 0).
 
 Run: ``python benchmarks/freshper_bandit.py [--quick] [--seeds N] [--workers N]``
 (full: 5 seeds, ~200 CPU-s in 2 worker processes: ~2 min on 2 idle cores, 6.5 min measured at
@@ -179,7 +179,7 @@ def main() -> int:
         v = np.array([r[key] for r in by_arm[arm]], dtype=float)
         return (fmt + " ± " + fmt).format(v.mean(), v.std())
 
-    print(f"FreshPER drifting-bandit demo (spec §D2.6): K={K} arms, T={T} updates, drift at t={T // 2}, "
+    print(f"FreshPER drifting-bandit demo: K={K} arms, T={T} updates, drift at t={T // 2}, "
           f"{n_seeds} seeds, batch {BATCH}, alpha {ALPHA}, beta 0.4->1.0; {time.time() - t0:.0f} s")
     print(f"recovery = steps after the drift until the trailing {RECOVERY_WINDOW}-step mean of mu_t(a_t) "
           f">= {RECOVERY_FRAC:.0%} of the new optimum (incl. the window; censored at {T // 2} = never)")
@@ -202,7 +202,7 @@ def main() -> int:
     mean = {arm: {k: float(np.mean([r[k] for r in by_arm[arm]])) for k in by_arm[arm][0]} for arm in arms}
     per, onp = "PER |r| (tau=inf)", "on-policy"
     fresh = [a for a in arms if a.startswith("FreshPER")]
-    print("\nExpected (spec §D2.6, design-choice acceptance targets; means over seeds):")
+    print("\nExpected (design-choice targets; means over seeds):")
 
     def line(ok: bool, text: str) -> None:
         print(f"  [{'PASS' if ok else 'MISS'}] {text}")

@@ -1,4 +1,4 @@
-"""E3 (docs/specs/lwd_divl_qam.md §4.6): sparse-reward Reacher, offline -> online, DIVL+QAM vs baselines.
+"""E3 (docs/methods.md, "Demonstrations: E3"): sparse-reward Reacher, offline -> online, DIVL+QAM vs baselines.
 
 What: does DIVL + QAM beat BC and the other critic-based methods offline, and keep
 improving online, on a sparse-reward reach task with an LWD-style data mix?
@@ -19,7 +19,7 @@ How, per seed:
 3. Critic methods (``ActorCritic``), same offline update budget, batch and data
    (all 300 episodes): FQL (alpha 10; ``fql_a100`` adds alpha 100), IQL (expectile
    0.9) + QAM, DIVL (K = 51 on [-0.1, 1.1], tau_base 0.6, alpha 0.3) + QAM; QAM
-   inverse temperature kappa = 3 (spec: {1, 3}; Q in [0, 1]). The first 25% of the
+   inverse temperature kappa = 3 (planned: {1, 3}; Q in [0, 1]). The first 25% of the
    offline updates train only the critic (all methods alike), so the actors do
    not climb an untrained critic.
 4. Acting (evaluation and online): the critic methods act as they would be published,
@@ -48,10 +48,11 @@ How, per seed:
    critics, max weight 100). Offline only: d3rlpy's ``fit_online`` appends to one
    replay buffer with its own episode loop, not the 1:1 offline/online mix above.
 
-Scale (design choice, measured): the spec's 8k offline updates + 8k online env steps
-for 4-5 methods x 3 seeds does not fit a shared 2-core CPU (QAM updates cost
-~0.1 s), so the default is 3000 + 800 with batch 128 and 128-unit MLPs, ~12-14 min with
-two worker processes of one thread each. The spec's scale is reachable by flags.
+Scale (design choice, measured): the planned 8k offline updates + 8k online env steps
+(docs/methods.md, "Demonstrations: E3") for 4-5 methods x 3 seeds does not fit a shared
+2-core CPU (QAM updates cost ~0.1 s), so the default is 3000 + 800 with batch 128 and
+128-unit MLPs, ~12-14 min with two worker processes of one thread each. The planned
+scale is reachable by flags.
 
 Measured (default run, 3 seeds, 12 min wall; results/offline_to_online.json): offline
 at u=3000, BC 0.83, DIVL+QAM 0.90, IQL+QAM 0.91, FQL 0.86, d3rlpy IQL 0.54; online
@@ -399,7 +400,7 @@ def main() -> None:
     parser.add_argument("--methods", default="fql_a10,iql_qam,divl_qam,d3rlpy_iql",
                         help="methods besides BC (which always runs): fql_a10, fql_a100, iql_qam, divl_qam, "
                              "d3rlpy_iql (external peer, offline only; needs the bench extra)")
-    parser.add_argument("--offline-updates", type=int, default=3000, help="spec: 8000")
+    parser.add_argument("--offline-updates", type=int, default=3000, help="the planned scale: 8000")
     parser.add_argument("--online-steps", type=int, default=800, help="env steps = updates (UTD 1); spec: 8000")
     parser.add_argument("--bc-updates", type=int, default=8000,
                         help="BC pre-training of the shared reference (to convergence: at 2000 the BC baseline "
@@ -411,9 +412,9 @@ def main() -> None:
                         help="critic methods act by the best of N chunks under their target critic (1 = plain sampling)")
     parser.add_argument("--eval-episodes", type=int, default=50)
     parser.add_argument("--episodes", type=int, default=300, help="offline episodes per seed")
-    parser.add_argument("--batch-size", type=int, default=128, help="spec: 256")
-    parser.add_argument("--hidden", type=int, default=128, help="MLP width of policy and critic (spec: 128-256)")
-    parser.add_argument("--kappa", type=float, default=3.0, help="QAM inverse temperature (spec: 1 or 3)")
+    parser.add_argument("--batch-size", type=int, default=128, help="the planned scale: 256")
+    parser.add_argument("--hidden", type=int, default=128, help="MLP width of policy and critic (planned scale: 128-256)")
+    parser.add_argument("--kappa", type=float, default=3.0, help="QAM inverse temperature (planned: 1 or 3)")
     parser.add_argument("--critic-warmup", type=float, default=0.25,
                         help="share of the offline updates that train only the critic")
     parser.add_argument("--workers", type=int, default=2)
@@ -500,7 +501,7 @@ def main() -> None:
             ("DIVL+QAM online final > its offline final", divl_online > divl, f"{divl_online:.2f} vs {divl:.2f}"),
         ]
         info = f"{divl:.2f} vs {final['bc_noise0'][0]:.2f}"
-    print("\ntargets (issue / spec §4.6):")
+    print("\ntargets (docs/methods.md, "Demonstrations: E3"):")
     for text, ok, detail in checks:
         print(f"  {'PASS' if ok else 'MISS'}  {text}: {detail}")
     if checks:

@@ -1,4 +1,4 @@
-"""E1 tilt bandit (docs/specs/lwd_divl_qam.md §3.6): does QAM produce pi_beta * exp(kappa Q)?
+"""E1 tilt bandit (docs/methods.md, "Demonstrations: E1"): does QAM produce pi_beta * exp(kappa Q)?
 
 One constant state, 2-D actions. Behaviour data: 4 Gaussians at (+-0.6, +-0.6), std
 0.08, equal weights. A BC flow pi_beta is trained on it, then fine-tuned per critic
@@ -7,7 +7,7 @@ and inverse temperature kappa by
 - QAM (path_source fine, the default, and reference),
 - FQL one-step distillation (alpha in {1, 10, 100}; critic kappa * Q),
 - BAM: backpropagation through the N-step memoryless SDE on the SOC cost
-  E[sum_i h ||u_i||^2 / 2 - kappa Q(X_1)] (§3.2.4),
+  E[sum_i h ||u_i||^2 / 2 - kappa Q(X_1)] (docs/methods.md, "QAM: memoryless SDE"),
 
 and compared with the ground truth: self-normalised importance resampling of base
 samples with weights exp(kappa Q). The BC base itself is the baseline row.
@@ -19,7 +19,8 @@ Acceptance (design choice): QAM (fine) occupancy error < 0.05 at every kappa.
 
 Known limit (measured): with N = 10 flow steps and the well-trained (sharp, std
 0.08) base of the full run, QAM under-tilts the mode weights at kappa >= 2. The
-explicit backward Euler step of the lean adjoint (QAM's discretisation, §3.3.1)
+explicit backward Euler step of the lean adjoint (QAM's discretisation; docs/methods.md,
+"QAM: paths and the time grid")
 decays far faster than the exact adjoint where the base velocity is stiff
 (k(w) ~ -6 near w = 1 for std 0.08; h = 0.1 gives step factors 1 + h(2k - 1/w) < 0),
 so little mode-selection signal reaches early flow times. The error shrinks with
@@ -207,7 +208,7 @@ def job(spec: tuple) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps, critics, methods and samples (~1 min)")
-    parser.add_argument("--flow-steps", type=int, default=10, help="N of the base, QAM grid and sampling (spec: 10)")
+    parser.add_argument("--flow-steps", type=int, default=10, help="N of the base, QAM grid and sampling (planned: 10)")
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -16,7 +16,7 @@ gym.register(
     kwargs={"scenario": "highway-fast"},
 )
 
-# Sparse-reward Reacher-v5 of demonstration E3 (docs/specs/lwd_divl_qam.md §4.6).
+# Sparse-reward Reacher-v5 of demonstration E3 (docs/methods.md, "Demonstrations: E3").
 gym.register(
     id="robo_post/SparseReacher-v0",
     entry_point="robo_post.envs.reacher:SparseReacherEnv",

@@ -1,4 +1,4 @@
-"""Sparse-reward Reacher and its scripted controllers (docs/specs/lwd_divl_qam.md §4.6, demonstration E3).
+"""Sparse-reward Reacher and its scripted controllers (docs/methods.md, "Demonstrations: E3").
 
 ``SparseReacherEnv`` wraps gymnasium's ``Reacher-v5`` (MuJoCo, 2-link planar arm,
 torque control in [-1, 1]^2):

@@ -154,7 +154,7 @@ def test_online_phase_with_fresh_prioritized_replay(bc_store, tmp_path):
     store = Store.open(bc_store)
     demos = min((store.snapshot(f[:-5]) for f in os.listdir(os.path.join(bc_store, "snapshots"))), key=len)
     assert len(demos) == 5
-    cfg = compose("run", ["recipe=none"]).lwd  # the spec's frozen reference
+    cfg = compose("run", ["recipe=none"]).lwd  # QAM's frozen BC reference
     OmegaConf.set_struct(cfg, False)
     cfg = OmegaConf.merge(cfg, {
         "algo": "divl_qam", "device": "cpu", "show": False, "batch_size": 8, "log_every": 2, "checkpoint_every": 4,

@@ -1,4 +1,4 @@
-"""DIVL invariants of docs/specs/lwd_divl_qam.md §2.7 (items 1-6) and §4.7 (items 17-18)."""
+"""DIVL properties listed in docs/methods.md, "DIVL: what the tests check"."""
 
 import math
 

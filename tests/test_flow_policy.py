@@ -20,7 +20,7 @@ MU, S = 0.3, 0.5
 
 
 def exact_velocity(x, w, mu=MU, s=S):
-    """Spec invariant 7: velocity of the linear path from N(0,1) to N(mu, s^2)."""
+    """The velocity of the linear path from N(0,1) to N(mu, s^2)."""
     d = (1 - w) ** 2 + w**2 * s**2
     k = (w * s**2 - (1 - w)) / d
     return mu + k * (x - w * mu)
@@ -56,7 +56,7 @@ def test_flow_matching_recovers_gaussian_velocity():
         pred = model.velocity(model.encode({"proprio": torch.zeros(len(w), 1)}), x, w).squeeze()
     target = exact_velocity(x.squeeze(), w, MU / 3, S / 3)
     rel = (pred - target).norm() / target.norm()
-    # The spec's 5% is a design choice for longer training; 1500 CPU steps reach ~10%,
+    # A 5% error needs longer training; 1500 CPU steps reach ~10%,
     # an untrained field is at ~100%.
     assert rel.item() < 0.15, rel
     model.config.flow_steps = 200  # 10 Euler steps shrink this narrow target's std to ~0.37 even with the exact field

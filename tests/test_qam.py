@@ -1,10 +1,10 @@
-"""QAM invariants of docs/specs/lwd_divl_qam.md §3.7 (items 7-15) and §4.7 (items 19-20).
+"""QAM properties listed in docs/methods.md, "QAM: what the tests check".
 
-Gaussian closed forms (§3.7 item 7): data N(mu, s^2) with an independent coupling has
+Gaussian closed forms: data N(mu, s^2) with an independent coupling has
 the flow velocity v(x, w) = mu + k(w) (x - w mu), k(w) = (w s^2 - (1 - w)) / D(w),
 D(w) = (1 - w)^2 + w^2 s^2. End-to-end checks run in normalised action units
-(bounds [-1, 1]) on N(0.15, 0.25^2), the spec's N(0.3, 0.5^2) halved so no mass is
-clipped.
+(bounds [-1, 1]) on N(0.15, 0.25^2), the closed-form checks' N(0.3, 0.5^2) halved so no
+mass is clipped.
 """
 
 import copy
@@ -37,7 +37,7 @@ MU, S = 0.15, 0.25  # base of the end-to-end checks (normalised units)
 
 
 def gauss_velocity(mu: float, s: float):
-    """Exact flow-matching velocity of N(mu, s^2) (§3.7 item 7)."""
+    """Exact flow-matching velocity of N(mu, s^2) (see the module docstring)."""
     def v(x, w):
         D = (1 - w) ** 2 + w * w * s * s
         return mu + (w * s * s - (1 - w)) / D * (x - w * mu)
@@ -114,7 +114,7 @@ def test_flow_matching_mlp_approaches_the_exact_velocity(base_policy):
 # --- 8. memoryless SDE --------------------------------------------------------------------
 def test_memoryless_sde_preserves_marginals_and_the_lwd_schedule_does_not():
     # N = 500, 1e5 samples: Euler bias (exact moment recursion) +5e-4 mean, +2e-3 std;
-    # sampling error 1.6e-3 / 1.1e-3. Tolerance 5e-3 (spec).
+    # sampling error 1.6e-3 / 1.1e-3. Tolerance 5e-3.
     torch.manual_seed(0)
     v = gauss_velocity(0.3, 0.5)
     grid = time_grid(500)
@@ -122,7 +122,7 @@ def test_memoryless_sde_preserves_marginals_and_the_lwd_schedule_does_not():
     assert x.mean().item() == pytest.approx(0.3, abs=5e-3)
     assert x.std().item() == pytest.approx(0.5, abs=5e-3)
     w = grid.t_drift
-    lwd = dataclasses.replace(grid, sigma=torch.sqrt(2 * w * (1 - w)))  # as transcribed from LWD (§3.2.8)
+    lwd = dataclasses.replace(grid, sigma=torch.sqrt(2 * w * (1 - w)))  # as transcribed from LWD's text
     x = sample_path(v, v, torch.randn(100_000), lwd, keep_path=False)
     assert x.std().item() == pytest.approx(0.334, abs=0.01)
 
@@ -240,7 +240,7 @@ def test_qam_tilts_along_c_monotonically_in_kappa(base_policy):
         results[kappa] = (*sample_moments(qam.fine), metrics["kl_path"])
     # E[Q] = c E[a] and KL(pi_theta || pi_beta) grow with kappa (kappa = 0: the base, KL 0).
     assert m0 < results[0.5][0] < results[2.0][0] and 0 < results[0.5][2] < results[2.0][2]
-    # End-to-end AM fit: the tilt of the learned base is N(m0 + kappa s0^2 c, s0^2) (§3.7 item 10).
+    # End-to-end AM fit: the tilt of the learned base is N(m0 + kappa s0^2 c, s0^2).
     for kappa, (mean, std, _) in results.items():
         assert mean == pytest.approx(m0 + kappa * s0**2 * c, abs=0.03)
         assert std == pytest.approx(s0, abs=0.03)

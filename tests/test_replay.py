@@ -1,4 +1,4 @@
-"""FreshPER (docs/specs/craft_poe_drest.md §D2): the §D2.7 invariants plus sum-tree checks."""
+"""FreshPER: the properties listed in docs/methods.md, "Online data: what the tests check", plus sum-tree checks."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def test_config_defaults_and_signals():
         FreshPER(4, on_full="drop")
 
 
-# ------------------------------------------------------------------ invariant 1: limits
+# ------------------------------------------------------------------ limits
 def test_inv1_tau_inf_is_standard_per_exactly():
     rng = np.random.default_rng(0)
     base = rng.random(64) * 3
@@ -177,7 +177,7 @@ def test_inv1_general_leaf_formula_and_half_life():
     assert math.exp(-cfg.alpha * h / cfg.tau) == pytest.approx(0.5, rel=1e-12)
 
 
-# ------------------------------------------------------------------ invariant 2: fresh samples
+# ------------------------------------------------------------------ fresh samples
 def test_inv2_new_items_have_decay_one_and_positive_priority():
     cfg = FreshPERConfig(tau=100.0, alpha=0.6)
     buf = FreshPER(16, cfg)
@@ -198,7 +198,7 @@ def test_inv2_new_items_have_decay_one_and_positive_priority():
     assert np.all(np.isfinite(w)) and np.all(w > 0)
 
 
-# ------------------------------------------------------------------ invariant 3: IS weights
+# ------------------------------------------------------------------ IS weights
 def test_inv3_weights_in_unit_interval_max_one():
     rng = np.random.default_rng(5)
     buf = _filled(FreshPERConfig(tau=200.0), rng.random(300) * 5, rng.integers(0, 1000, 300))
@@ -239,7 +239,7 @@ def test_ess():
     assert FreshPER.ess(np.ones(3)) == pytest.approx(3.0)
 
 
-# ------------------------------------------------------------------ invariant 4: tree consistency
+# ------------------------------------------------------------------ tree consistency
 def test_inv4_root_equals_leaf_sum_and_refresh_is_deterministic():
     rng = np.random.default_rng(8)
     buf = _filled(FreshPERConfig(tau=50.0), rng.random(1000) * 10, np.sort(rng.integers(0, 3000, 1000)),
@@ -268,7 +268,7 @@ def test_refresh_interval_controls_auto_refresh():
     np.testing.assert_allclose(buf.tree.leaves([0]), ((1 + cfg.eps) * math.exp(-1.5)) ** cfg.alpha, rtol=1e-12)
 
 
-# ------------------------------------------------------------------ invariant 5: age source
+# ------------------------------------------------------------------ age source
 def test_inv5_age_from_stored_step_not_update_or_sample_step():
     cfg = FreshPERConfig(tau=100.0, alpha=0.6)
     buf = _filled(cfg, [1.0, 1.0, 1.0], [0, 0, 400])

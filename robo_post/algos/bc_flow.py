@@ -1,4 +1,4 @@
-"""Flow-matching behaviour cloning of action chunks (docs/specs/lwd_divl_qam.md §3.2.2).
+"""Flow-matching behaviour cloning of action chunks (docs/methods.md, "Flow-matching BC").
 
 The BC policy is the reference policy that QAM later fine-tunes, and the
 baseline every other method is compared with.

@@ -1,19 +1,21 @@
-"""DIVL: Distributional Implicit Value Learning (docs/specs/lwd_divl_qam.md §2).
+"""DIVL: Distributional Implicit Value Learning (docs/methods.md, "DIVL").
 
 DIVL fits, per state, a categorical distribution over the target-critic values
-of the *replay* actions (§2.2.1), reads a tau-quantile of it as the TD bootstrap
-(§2.2.7) and sets tau per bootstrap state from the distribution's normalised
-entropy (§2.2.8). Q stays a scalar trained with MSE (§2.2.9): this is not
-distributional RL, and no max over out-of-support actions is ever taken.
+of the *replay* actions, reads a tau-quantile of it as the TD bootstrap
+("DIVL: quantile read-out") and sets tau per bootstrap state from the
+distribution's normalised entropy ("DIVL: adaptive quantile bootstrap"). Q stays a
+scalar trained with MSE: this is not distributional RL, and no max over
+out-of-support actions is ever taken.
 
 Batches come from ``robo_post.store.sampler.WindowSampler``. The n-step chunk
-backup of §2.2.9 (Eq. 19) lives there: ``rewards`` is the discounted n-chunk
-reward and ``discounts`` is ``gamma^(nH) * alive_n`` (0 when the episode
+backup (docs/methods.md, "Chunked TD targets") lives there: ``rewards`` is the
+discounted n-chunk reward and ``discounts`` is ``gamma^(nH) * alive_n`` (0 when the episode
 terminated inside the window), so the critic target is always
 ``rewards + discounts * Quant_tau(V(next_obs))``. Chunks that run past the episode
 end keep the sampler's padding (last action repeated) as the critic input.
 
-The update skeleton (V step, TD target, Q step, target EMA; §2.3 and Algorithm 2)
+The update skeleton (V step, TD target, Q step, target EMA; LWD Algorithm 2 and
+docs/methods.md, "DIVL: critic target and the order of one learner step")
 is shared with the IQL baseline through ``ValueLearner``; DIVL and IQL differ
 only in the value loss and the bootstrap read-out.
 """
@@ -33,14 +35,15 @@ from robo_post.models.critic import CriticConfig, CriticNet, ema_update
 CriticFn = Callable[[dict[str, Any], torch.Tensor], torch.Tensor]
 
 
-# --- building blocks (§2.2) -------------------------------------------------------
+# --- building blocks (docs/methods.md, "DIVL") -------------------------------------
 def atom_support(v_min: float, v_max: float, num_atoms: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """K evenly spaced atoms z_1 < ... < z_K on [v_min, v_max] (§2.2.3)."""
+    """K evenly spaced atoms z_1 < ... < z_K on [v_min, v_max] (docs/methods.md, "DIVL: value support")."""
     return torch.linspace(v_min, v_max, num_atoms, device=device)
 
 
 def c51_project(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """Two-atom (C51) projection of scalars y (B,) onto atoms z (K,) -> (B, K) (§2.2.5, Eq. 20-21).
+    """Two-atom (C51) projection of scalars y (B,) onto atoms z (K,) -> (B, K) (LWD Eq. 20-21;
+    docs/methods.md, "DIVL: labels and the C51 projection").
 
     The mass splits linearly between the neighbouring atoms z_l <= y < z_{l+1}, which
     keeps the mean: sum_i m_i z_i = clip(y, z_1, z_K). Locating l by ``searchsorted``
@@ -57,7 +60,8 @@ def c51_project(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 
 
 def cat_quantile(p: torch.Tensor, z: torch.Tensor, tau: torch.Tensor | float, interp: str = "atom") -> torch.Tensor:
-    """tau-quantile (B,) of categorical p (B, K) on atoms z (K,); no gradient (§2.2.7).
+    """tau-quantile (B,) of categorical p (B, K) on atoms z (K,); no gradient (docs/methods.md,
+    "DIVL: quantile read-out").
 
     ``atom``: z_{j*}, j* = min{j : F(z_j) >= tau}. ``linear``: interpolate the CDF
     linearly between z_{j*-1} and z_{j*}.
@@ -81,22 +85,25 @@ def cat_quantile(p: torch.Tensor, z: torch.Tensor, tau: torch.Tensor | float, in
 
 
 def norm_entropy(p: torch.Tensor) -> torch.Tensor:
-    """Normalised entropy H~ = -sum p log p / log K in [0, 1] (§2.2.8)."""
+    """Normalised entropy H~ = -sum p log p / log K in [0, 1] (docs/methods.md, "DIVL: adaptive quantile bootstrap")."""
     return -(p * p.clamp_min(1e-12).log()).sum(-1) / math.log(p.shape[-1])
 
 
 def adaptive_tau(p: torch.Tensor, tau_base: float, alpha: float, tau_min: float, tau_max: float) -> torch.Tensor:
-    """tau(s') = clip(tau_base - alpha * H~(s'), tau_min, tau_max), stop-gradient (§2.2.8)."""
+    """tau(s') = clip(tau_base - alpha * H~(s'), tau_min, tau_max), stop-gradient (docs/methods.md,
+    "DIVL: adaptive quantile bootstrap")."""
     return (tau_base - alpha * norm_entropy(p.detach())).clamp(tau_min, tau_max)
 
 
 def asymmetric_loss(u: torch.Tensor, tau: float | torch.Tensor, power: int) -> torch.Tensor:
-    """rho_{tau,p}(u) = |tau - 1(u < 0)| |u|^p: p = 2 expectile (IQL), p = 1 pinball (§2.2.11)."""
+    """rho_{tau,p}(u) = |tau - 1(u < 0)| |u|^p: p = 2 expectile (IQL), p = 1 pinball (docs/methods.md,
+    "DIVL: relation to IQL")."""
     return (tau - (u < 0).to(u.dtype)).abs() * u.abs().pow(power)
 
 
 def twin_critic_fn(online: CriticNet, target: CriticNet, net: str) -> CriticFn:
-    """``critic_fn(obs, normalised_chunk) -> (2, B)`` from the ``online`` or ``target`` critic (§4.2)."""
+    """``critic_fn(obs, normalised_chunk) -> (2, B)`` from the ``online`` or ``target`` critic: what the
+    value learner hands to the actor (docs/methods.md, "QAM: lean adjoint")."""
     if net not in ("target", "online"):
         raise ValueError(f"net must be 'target' or 'online', got {net!r}")
     module = target if net == "target" else online
@@ -109,27 +116,29 @@ def weighted_mean(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor
 
 
 def td_target(rewards: torch.Tensor, discounts: torch.Tensor, v_next: torch.Tensor) -> torch.Tensor:
-    """Chunk TD target r + gamma^(nH) * alive * V(s_{t+nH}) (§2.2.9; the sampler folds alive into discounts)."""
+    """Chunk TD target r + gamma^(nH) * alive * V(s_{t+nH}); the sampler folds alive into discounts
+    (docs/methods.md, "Chunked TD targets")."""
     return rewards + discounts * v_next
 
 
 # --- shared learner skeleton -----------------------------------------------------
 @dataclass
 class ValueLearnerConfig:
-    """Optimisation settings shared by DIVL and IQL (§2.4, §2.8).
+    """Optimisation settings shared by DIVL and IQL (docs/methods.md, "DIVL: configuration").
 
     Attributes:
         lr: Adam learning rate of value and critic (LWD Appendix B2: 5e-4).
         lr_decay_steps: cosine-decay the learning rate to 0 over this many updates
             (LWD uses cosine decay); 0 keeps it constant.
-        ema_rate: target-network EMA rate rho (§2.2.10).
-        v_target: ``online`` bootstraps from the V just updated (Eq. 14, Algorithm 2);
-            ``ema`` from the EMA copy of encoder and value head (LWD-reimpl-A) (§2.8 #2).
+        ema_rate: target-network EMA rate rho.
+        v_target: ``online`` bootstraps from the V just updated (LWD Eq. 14, Algorithm 2);
+            ``ema`` from the EMA copy of encoder and value head (as the third-party LWD
+            port ``WenLongZhang888/openpi`` does).
         update_mode: ``sequential`` steps V, then builds the TD target from the
             updated V, then steps Q; the shared encoder lives only in the Q optimiser
             and is stepped once with the gradients of both losses. ``joint`` builds the
-            target from the previous V and steps everything once (§2.3, §2.8 #4).
-        q_head_reduce: ``sum`` or ``mean`` of the two heads' MSE (§2.8 #7).
+            target from the previous V and steps everything once.
+        q_head_reduce: ``sum`` or ``mean`` of the two heads' MSE (only rescales the loss).
     """
 
     lr: float = 5e-4
@@ -157,7 +166,7 @@ class ValueLearner:
         self.device = torch.device(device)
         self.net = CriticNet(critic, value_outputs).to(self.device)
         self.target = copy.deepcopy(self.net).requires_grad_(False)
-        # Shared encoder in exactly one optimiser (invariant 18).
+        # Shared encoder in exactly one optimiser, so one learner step steps it once.
         self.opt_v = torch.optim.Adam(self.net.value_head.parameters(), lr=config.lr)
         self.opt_q = torch.optim.Adam(self.net.encoder_parameters() + list(self.net.q_heads.parameters()), lr=config.lr)
         self.schedulers = [_cosine(opt, config.lr_decay_steps) for opt in (self.opt_v, self.opt_q)]
@@ -178,13 +187,14 @@ class ValueLearner:
         """``offline`` or ``online``; only DIVL has per-stage settings."""
 
     def update(self, batch: dict[str, Any], next_chunks: Any = None) -> dict[str, float]:
-        """One learner step (§2.3 / §4.3 steps 1-4) on a sampler batch; returns metrics."""
+        """One learner step on a sampler batch; returns metrics (docs/methods.md, "DIVL: critic
+        target and the order of one learner step", steps 1-4)."""
         cfg, net = self.config, self.net
         chunk = net.normalize_actions(batch["actions"])
         rewards = batch["rewards"].to(self.device).float()
         discounts = batch["discounts"].to(self.device).float()
 
-        # 1. Value step on min-of-twin target-critic values of the replay actions (§2.2.4).
+        # 1. Value step on min-of-twin target-critic values of the replay actions.
         with torch.no_grad():
             q_label = self.target.q(self.target.encode(batch["obs"]), chunk).min(0).values
         z = net.encode(batch["obs"])
@@ -201,7 +211,7 @@ class ValueLearner:
             v_next, boot_metrics = self.bootstrap(src.value(src.encode(batch["next_obs"])))
             y = td_target(rewards, discounts, v_next)
 
-        # 3. Critic step: scalar MSE on both heads (Eq. 15), importance-weighted under prioritized replay.
+        # 3. Critic step: scalar MSE on both heads (LWD Eq. 15), importance-weighted under prioritized replay.
         q = net.q(z, chunk)
         per_head = weighted_mean((q - y).pow(2), batch.get("weights"))
         loss_q = per_head.sum() if cfg.q_head_reduce == "sum" else per_head.mean()
@@ -213,7 +223,7 @@ class ValueLearner:
             if s is not None:
                 s.step()
 
-        # 4. Target EMA (§2.2.10).
+        # 4. Target EMA.
         ema_update(self.target, net, cfg.ema_rate)
         self.steps += 1
         self.td_error = (y - q.detach().mean(0)).abs()  # (B,) base priorities for prioritized replay
@@ -231,10 +241,10 @@ class ValueLearner:
         return twin_critic_fn(self.net, self.target, net)(obs, chunk)
 
     def critic_fn(self, net: str = "target") -> CriticFn:
-        """``critic_fn(obs, normalised_chunk) -> (2, B)`` for QAM/FQL (§4.2).
+        """``critic_fn(obs, normalised_chunk) -> (2, B)`` for QAM/FQL (docs/methods.md, "QAM: lean adjoint").
 
         ``net`` is ``QAMConfig.q_net``. Only d/d(chunk) is ever taken, so the actor
-        update leaves critic parameters and their ``.grad`` untouched (invariant 19).
+        update leaves critic parameters and their ``.grad`` untouched (a tested property).
         """
         return twin_critic_fn(self.net, self.target, net)
 
@@ -248,22 +258,25 @@ def _cosine(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.
 # --- DIVL ------------------------------------------------------------------------
 @dataclass
 class DIVLConfig(ValueLearnerConfig):
-    """DIVL hyperparameters (§2.4; CPU-scale defaults, LWD values in brackets).
+    """DIVL hyperparameters (docs/methods.md, "DIVL: configuration"; CPU-scale defaults,
+    LWD values in brackets).
 
     The n-step chunk backup is set on the sampler, ``WindowSampler(n_step=...)``:
-    offline 1 for short tasks and up to 10 for long ones, online 1 (§2.2.9).
+    offline 1 for short tasks and up to 10 for long ones, online 1 (docs/methods.md,
+    "Chunked TD targets: choosing n").
 
     Attributes:
         num_atoms: K atoms of the categorical value (51; LWD 201).
         v_min / v_max: support of the atoms; [-0.1, 1.1] for binary success so the
-            two-atom projection is well defined at 0 and 1 (§2.2.3, §2.8 #6). The
+            two-atom projection is well defined at 0 and 1; rescale with the reward
+            (docs/methods.md, "DIVL: value support"). The
             learner sets them from the data's range of returns unless given.
         tau_base_offline: tau_base in the offline stage (0.6).
         tau_base_online: tau_base after ``set_stage("online")`` (0.9).
         alpha: entropy slope of the adaptive tau (0.3).
-        tau_min / tau_max: clip of tau (0.5 / 0.95; not given by LWD, §2.8 #1).
+        tau_min / tau_max: clip of tau (0.5 / 0.95; not given by LWD).
         adaptive_tau: ``False`` uses the constant tau = clip(tau_base) (alpha ignored).
-        quantile_interp: ``atom`` (paper) or ``linear`` read-out (§2.8 #3).
+        quantile_interp: ``atom`` (paper) or ``linear`` read-out.
     """
 
     num_atoms: int = 51
@@ -288,13 +301,13 @@ class DIVL(ValueLearner):
         self.tau_base = config.tau_base_offline
 
     def set_stage(self, stage: str) -> None:
-        """Switch tau_base between the ``offline`` and ``online`` stages (§2.4)."""
+        """Switch tau_base between the ``offline`` and ``online`` stages."""
         if stage not in ("offline", "online"):
             raise ValueError(f"stage must be 'offline' or 'online', got {stage!r}")
         self.tau_base = self.config.tau_base_offline if stage == "offline" else self.config.tau_base_online
 
     def value_loss(self, logits: torch.Tensor, q_label: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """Cross-entropy to the C51-projected labels (Eq. 12/21)."""
+        """Cross-entropy to the C51-projected labels (LWD Eq. 12/21)."""
         m = c51_project(q_label, self.atoms)
         loss = -(m * F.log_softmax(logits, -1)).sum(-1).mean()
         p = logits.detach().softmax(-1)
@@ -302,13 +315,13 @@ class DIVL(ValueLearner):
         return loss, {"value_entropy": norm_entropy(p).mean().item(), "edge_mass": (p[:, 0] + p[:, -1]).mean().item()}
 
     def tau(self, p: torch.Tensor) -> torch.Tensor:
-        """Per-state tau (B,) at the bootstrap state (§2.2.8)."""
+        """Per-state tau (B,) at the bootstrap state (docs/methods.md, "DIVL: adaptive quantile bootstrap")."""
         cfg = self.config
         alpha = cfg.alpha if cfg.adaptive_tau else 0.0
         return adaptive_tau(p, self.tau_base, alpha, cfg.tau_min, cfg.tau_max)
 
     def bootstrap(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """Quant_tau(V(s')) with tau from the normalised entropy at s' (Eq. 13/17/18)."""
+        """Quant_tau(V(s')) with tau from the normalised entropy at s' (LWD Eq. 13/17/18)."""
         p = logits.softmax(-1)
         tau = self.tau(p)
         v = cat_quantile(p, self.atoms, tau, self.config.quantile_interp)

@@ -1,4 +1,4 @@
-"""FQL: Flow Q-Learning policy extraction, the one-step baseline of QAM (spec §3.4, §3.6; FQL paper).
+"""FQL: Flow Q-Learning policy extraction, the one-step baseline of QAM (docs/methods.md, "FQL"; FQL paper).
 
 A one-step policy mu(s, eps) maps noise straight to an action chunk. It is
 distilled from the multi-step reference flow on the same noise and pushed up the
@@ -6,7 +6,7 @@ critic:
 
     L(mu) = alpha * E ||mu(s, eps) - clip(ODE_beta(s, eps))||^2 - E[Q(s, clip(mu(s, eps)))]
 
-By default the reference is the frozen BC flow, as for QAM in LWD (§4.2); ``base =
+By default the reference is the frozen BC flow, as for QAM in LWD; ``base =
 ema_cotrained`` co-trains a BC flow and distills from its EMA, as the FQL paper does.
 The actor reads its critic through the same ``critic_fn(obs, normalised_chunk) ->
 (E, B)`` hand-off as QAM, so it can sit on any critic; ``FQLCritic`` is FQL's own: plain TD whose bootstrap action is the
@@ -37,7 +37,7 @@ class FQLConfig:
 
     Attributes:
         alpha: distillation (behaviour-constraint) weight; FQL tunes it per domain
-            (10 to 1000 on OGBench, §3.4).
+            (10 to 1000 on OGBench).
         normalize_q_loss: divide the Q term by the batch mean |Q| (FQL code option).
         q_agg: ``mean`` or ``min`` over critic heads.
         lr: Adam learning rate (FQL: 3e-4).

@@ -1,4 +1,4 @@
-"""IQL value learning: the baseline DIVL replaces (docs/specs/lwd_divl_qam.md §2.2.2).
+"""IQL value learning: the baseline DIVL replaces (docs/methods.md, "IQL baseline").
 
 Same networks, data, update order and critic hand-off as DIVL (``ValueLearner``);
 only the value step differs: a scalar V regressed with the asymmetric loss
@@ -6,8 +6,8 @@ rho_{tau,p}(Q_target_min(s, a) - V(s)) on replay actions, and V(s') used as is i
 the TD target ``rewards + discounts * V(next_obs)``.
 
 ``loss_power = 2`` is IQL's expectile regression. ``loss_power = 1`` is the pinball
-loss, which by Proposition 1 (§2.2.11) has the same optimum as DIVL at a fixed tau
-(demonstration E2, check e).
+loss, which by LWD's Proposition 1 (docs/methods.md, "DIVL: relation to IQL") has the
+same optimum as DIVL at a fixed tau (docs/methods.md, "Demonstrations: E2", check e).
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ class IQL(ValueLearner):
         super().__init__(critic, config, 1, device)
 
     def value_loss(self, v_out: torch.Tensor, q_label: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """E[rho_{tau,p}(Q_target_min(s, a) - V(s))] (Eq. 3-4)."""
+        """E[rho_{tau,p}(Q_target_min(s, a) - V(s))] (LWD Eq. 3-4)."""
         v = v_out.squeeze(-1)
         loss = asymmetric_loss(q_label - v, self.config.expectile, self.config.loss_power).mean()
         return loss, {"v_mean": v.mean().item()}
 
     def bootstrap(self, v_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """V(s') itself (Eq. 5)."""
+        """V(s') itself (LWD Eq. 5)."""
         v = v_out.squeeze(-1)
         return v, {"v_next_mean": v.mean().item()}

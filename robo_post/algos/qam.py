@@ -1,16 +1,17 @@
-"""QAM: Q-learning with Adjoint Matching as policy extraction (docs/specs/lwd_divl_qam.md §3).
+"""QAM: Q-learning with Adjoint Matching as policy extraction (docs/methods.md, "QAM").
 
 QAM fine-tunes a flow policy v_theta towards pi_beta * exp(Q / lambda) without
-backpropagating through the sampler (§3.1):
+backpropagating through the sampler:
 
-1. sample a memoryless-SDE path x_0 .. x_N (stop-gradient; §3.2.3);
+1. sample a memoryless-SDE path x_0 .. x_N (stop-gradient; "QAM: memoryless SDE");
 2. integrate the lean adjoint backwards from -grad_a Q(s, x_N) / lambda with one
-   vector-Jacobian product of the *base* drift per step (§3.2.5);
-3. regress v_theta onto v_beta - (sigma^2 / 2) * adjoint (§3.2.6).
+   vector-Jacobian product of the *base* drift per step ("QAM: lean adjoint");
+3. regress v_theta onto v_beta - (sigma^2 / 2) * adjoint ("QAM: adjoint-matching loss").
 
-Flow time follows §1.2 (w = 0 noise, w = 1 action); chunks are normalised to
-[-1, 1] (§1.4). The critic is passed in as ``critic_fn(obs, normalised_chunk)
--> (E, B)`` Q values of E heads, e.g. ``DIVL.critic_fn(config.q_net)`` (§4.2).
+Flow time follows "Flow-matching BC: conventions" (w = 0 noise, w = 1 action);
+chunks are normalised to [-1, 1]. The critic is passed in as
+``critic_fn(obs, normalised_chunk) -> (E, B)`` Q values of E heads, e.g.
+``DIVL.critic_fn(config.q_net)``; only its action gradient is used.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ Velocity = Callable[[torch.Tensor, float], torch.Tensor]  # (x, w) -> v(s, x, w)
 # --- building blocks ------------------------------------------------------------
 @dataclass(frozen=True)
 class TimeGrid:
-    """Flow-time discretisation of the SDE, the adjoint and the AM loss (§3.3.1).
+    """Flow-time discretisation of the SDE, the adjoint and the AM loss (QAM's code;
+    docs/methods.md, "QAM: paths and the time grid").
 
     All fields are CPU float64 tensors of length N (``h`` is the step).
 
@@ -55,11 +57,12 @@ class TimeGrid:
 
 
 def time_grid(n: int, kind: str = "shifted", eps: float = 0.1) -> TimeGrid:
-    """Grid of ``n`` flow steps (§3.8 #5).
+    """Grid of ``n`` flow steps (``QAMConfig.time_grid``).
 
     ``shifted`` (QAM): t_i = i/N, with the drift, sigma and Jacobian evaluated at
     t_i + h, which avoids the w = 0 singularity of x / w and sigma_w.
-    ``eps`` (LWD-reimpl-A): a uniform grid on [eps, 1] that starts from N(0, I) at eps.
+    ``eps`` (the third-party LWD port ``WenLongZhang888/openpi``): a uniform grid on
+    [eps, 1] that starts from N(0, I) at eps.
     """
     i = torch.arange(n, dtype=torch.float64)
     if kind == "shifted":
@@ -75,7 +78,8 @@ def time_grid(n: int, kind: str = "shifted", eps: float = 0.1) -> TimeGrid:
 
 def sample_path(v_sde: Velocity, v_last: Velocity, x0: torch.Tensor, grid: TimeGrid,
                 keep_path: bool = True) -> torch.Tensor:
-    """Memoryless-SDE path (N + 1, *x0.shape), or only x_N if not ``keep_path`` (§3.2.3, §3.3.1 item 1).
+    """Memoryless-SDE path (N + 1, *x0.shape), or only x_N if not ``keep_path`` (docs/methods.md,
+    "QAM: memoryless SDE" and "QAM: paths and the time grid").
 
     Steps 0 .. N-2: Euler-Maruyama on dX = (2 v_sde - X / w) dw + sigma_w dB.
     Step N-1: a noiseless Euler step with ``v_last`` (the base; AM Appendix G.1).
@@ -96,7 +100,8 @@ def sample_path(v_sde: Velocity, v_last: Velocity, x0: torch.Tensor, grid: TimeG
 
 def terminal_adjoint(critic_fn: CriticFn, obs: Any, a1: torch.Tensor, inv_temp: float, clip: bool = True,
                      agg: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
-    """(adjoint at w = 1, Q) = (-inv_temp * grad_a Q(s, a1), Q(s, a1)) per sample (§3.2.5, §4.2).
+    """(adjoint at w = 1, Q) = (-inv_temp * grad_a Q(s, a1), Q(s, a1)) per sample (docs/methods.md,
+    "QAM: lean adjoint").
 
     ``clip``: evaluate Q at clip(a1, -1, 1), so saturated coordinates get a zero
     adjoint (``clip_adj``). ``agg`` reduces the E heads: ``mean`` or ``min``.
@@ -112,7 +117,7 @@ def terminal_adjoint(critic_fn: CriticFn, obs: Any, a1: torch.Tensor, inv_temp: 
 
 
 def adjoint_step(v_base: Velocity, x: torch.Tensor, adj: torch.Tensor, t: float, h: float) -> torch.Tensor:
-    """One backward Euler step of the lean adjoint ODE with a single VJP (§3.2.5).
+    """One backward Euler step of the lean adjoint ODE with a single VJP (docs/methods.md, "QAM: lean adjoint").
 
     adj_i = adj_{i+1} + h * [d/dx (2 v_beta(x, t) - x / t)]^T adj_{i+1}, at x = x_i.
     """
@@ -134,14 +139,14 @@ def lean_adjoint(v_base: Velocity, xs: torch.Tensor, adj_terminal: torch.Tensor,
 
 
 def am_target(v_base: torch.Tensor, adj: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """Velocity target v_beta - (sigma^2 / 2) * adjoint (§3.2.6)."""
+    """Velocity target v_beta - (sigma^2 / 2) * adjoint (docs/methods.md, "QAM: adjoint-matching loss")."""
     return v_base - 0.5 * sigma**2 * adj
 
 
 def am_loss(v_fine: torch.Tensor, v_base: torch.Tensor, adj: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     """Per-step adjoint-matching loss (N, B): (4 / sigma^2) ||v_theta - target||^2, summed over action dims.
 
-    Equal to ||2 (v_theta - v_beta) / sigma + sigma * adj||^2 (invariant 12); ``sigma``
+    Equal to ||2 (v_theta - v_beta) / sigma + sigma * adj||^2 (the two forms are tested equal); ``sigma``
     broadcasts against ``v_fine`` (N, B, ...).
     """
     return (4.0 / sigma**2 * (v_fine - am_target(v_base, adj, sigma)).pow(2)).flatten(2).sum(-1)
@@ -152,7 +157,7 @@ def control_cost(v_fine: torch.Tensor, v_base: torch.Tensor, sigma: torch.Tensor
 
     Inputs (N, B, ...); returns (B,). The last step is the uncontrolled base ODE step
     and is excluded. Along fine paths this estimates KL(pi_theta || pi_beta) of the
-    path laws, an upper bound on the KL of the actions (§3.2.4).
+    path laws, an upper bound on the KL of the actions (docs/methods.md, "QAM: memoryless SDE").
     """
     return (2.0 * h / sigma[:-1] ** 2 * (v_fine[:-1] - v_base[:-1]).pow(2)).flatten(2).sum(-1).sum(0)
 
@@ -165,29 +170,30 @@ def policy_velocity(policy: FlowPolicy, z: torch.Tensor) -> Velocity:
 # --- learner ----------------------------------------------------------------------
 @dataclass
 class QAMConfig:
-    """QAM hyperparameters (§3.4, §3.8, §4.2; CPU-scale defaults).
+    """QAM hyperparameters (docs/methods.md, "QAM: configuration"; CPU-scale defaults).
 
     Attributes:
         inv_temp: kappa = 1 / lambda of pi_beta * exp(kappa Q) (LWD lambda = 2 for Q in [0, 1]).
         path_source: ``fine`` samples paths from the current fine policy (QAM, AM: the
             fixed point is the exact tilt); ``reference`` from the frozen base (literal
-            LWD reading: a first-order approximation, §3.2.7).
+            LWD reading: a first-order approximation; "QAM: paths and the time grid").
         q_net: ``target`` or ``online`` critic for grad_a Q; read by the learner when it
-            builds ``critic_fn = value_learner.critic_fn(q_net)`` (§3.8 #2).
-        q_agg: ``mean`` or ``min`` over critic heads for grad_a Q (§3.8 #2).
+            builds ``critic_fn = value_learner.critic_fn(q_net)``.
+        q_agg: ``mean`` or ``min`` over critic heads for grad_a Q.
         base: ``frozen`` keeps pi_beta fixed (LWD); ``ema_cotrained`` trains a BC flow on
             the batch, or on its ``imitation`` part when the learner adds one
-            (``lwd.imitation``), and uses its EMA as pi_beta (QAM code) (§3.8 #3).
+            (``lwd.imitation``), and uses its EMA as pi_beta (QAM code).
         init: ``base`` starts pi_theta as a copy of pi_beta (LWD); ``random`` re-initialises
-            it (QAM code) (§3.8 #4).
-        time_grid: ``shifted`` (QAM h-offset) or ``eps`` (grid on [eps, 1]) (§3.8 #5).
+            it (QAM code).
+        time_grid: ``shifted`` (QAM h-offset) or ``eps`` (grid on [eps, 1]).
         eps: start of the ``eps`` grid.
-        quadrature: ``sum`` over steps (QAM) or ``dw`` weights h (LWD-reimpl-A); a
-            constant factor on a uniform grid (§3.8 #6).
-        clip_adj: evaluate the critic at clip(a_1, -1, 1) (§3.8 #7).
-        bc_weight: weight of an extra BC flow loss on pi_theta (LWD: 0, §4.8 #5).
-        lr: policy learning rate (§1.5 CPU scale 3e-4; LWD AdamW 2e-5 on a VLA).
-        weight_decay: AdamW weight decay (0 keeps a zero gradient a no-op, invariant 11).
+        quadrature: ``sum`` over steps (QAM) or ``dw`` weights h (third-party LWD port
+            ``WenLongZhang888/openpi``); a constant factor on a uniform grid.
+        clip_adj: evaluate the critic at clip(a_1, -1, 1).
+        bc_weight: weight of an extra BC flow loss on pi_theta (LWD: 0).
+        lr: policy learning rate (3e-4 for the small CPU networks; LWD AdamW 2e-5 on a VLA).
+        weight_decay: AdamW weight decay (0 keeps a zero gradient a no-op: a fine policy
+            equal to its base then does not move).
         lr_decay_steps: cosine-decay the learning rate to 0 over this many updates; 0 = constant.
         grad_clip: global gradient-norm clip (QAM and LWD: 1.0).
         ema_rate: EMA rate of pi_beta when ``base = ema_cotrained``.
@@ -260,7 +266,7 @@ class QAM:
         return self.fine.integrate(z, torch.randn(z.shape[0], c.horizon, c.action_dim, device=self.device))
 
     def update(self, batch: dict[str, Any], critic_fn: CriticFn) -> dict[str, float]:
-        """One actor update (§3.3.2) on a sampler batch; returns metrics.
+        """One actor update on a sampler batch; returns metrics.
 
         Uses ``batch["obs"]`` (and ``actions``/``action_mask`` only for BC terms).
         """
@@ -314,5 +320,6 @@ class QAM:
                 "adj0_abs": adjs[0].abs().mean().item(), "kl_path": kl.item(), "grad_norm": grad_norm.item(), **metrics}
 
     def act(self, obs: dict[str, Any], seed: int | None = None) -> torch.Tensor:
-        """Action chunks (B, H, A) in env units: Euler ODE of the fine policy, clipped (§3.3.1 item 5)."""
+        """Action chunks (B, H, A) in env units: Euler ODE of the fine policy, clipped
+        (docs/methods.md, "QAM: acting and best-of-N")."""
         return self.fine.sample(obs, seed=seed)

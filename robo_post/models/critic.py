@@ -1,7 +1,7 @@
 """Critic and value networks for in-sample value learning (DIVL, IQL).
 
-One module, ``CriticNet``, holds what docs/specs/lwd_divl_qam.md §1.3 calls the
-"critic and value backbone": a state encoder shared by
+One module, ``CriticNet``, holds LWD's "critic and value backbone" (docs/methods.md,
+"DIVL: networks"): a state encoder shared by
 
 - twin scalar heads ``Q_j(s, a)`` on ``concat(z, flattened normalised chunk)``
   with LayerNorm (clipped double-Q), and
@@ -9,7 +9,7 @@ One module, ``CriticNet``, holds what docs/specs/lwd_divl_qam.md §1.3 calls the
 
 The encoder mirrors ``FlowPolicy.encode`` (the same feature spec and optional
 instruction text) but has its own weights: the critic never shares parameters
-with the policy (§1.3 "Policy, critic and value are separate modules").
+with the policy (in LWD, policy, critic and value are separate modules).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class CriticConfig:
         use_text: encode ``obs["instruction"]`` with the frozen MiniLM encoder.
         embed_dim: width of each modality embedding.
         hidden_dim: width of the encoder and head MLPs.
-        action_low / action_high: env action bounds, mapped to [-1, 1] (§1.4).
+        action_low / action_high: env action bounds, mapped to [-1, 1] (as the policy's chunks).
     """
 
     features: dict[str, Feature]
@@ -82,7 +82,7 @@ class CriticNet(nn.Module):
         self.value_head = mlp([h, h, h, value_outputs], layer_norm=True) if value_outputs else None
         if self.value_head is not None:
             # Zero logits at init: uniform categorical, so H~ = 1 and tau starts at
-            # clip(tau_base - alpha) (spec §2.4 "Start of training").
+            # clip(tau_base - alpha) (docs/methods.md, "DIVL: adaptive quantile bootstrap").
             nn.init.zeros_(self.value_head[-1].weight)
             nn.init.zeros_(self.value_head[-1].bias)
         low = torch.tensor(c.action_low or [-1.0] * c.action_dim, dtype=torch.float32)
@@ -103,7 +103,7 @@ class CriticNet(nn.Module):
         self.encoder.set_state_stats(mean, std)
 
     def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
-        """(…, A) env units -> [-1, 1], the critic's input convention (§1.4)."""
+        """(…, A) env units -> [-1, 1], the critic's input convention (docs/methods.md, "Flow-matching BC: conventions")."""
         return 2.0 * (actions.to(self.device) - self.action_low) / (self.action_high - self.action_low) - 1.0
 
     def encode(self, obs: dict[str, Any]) -> torch.Tensor:

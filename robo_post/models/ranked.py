@@ -1,6 +1,6 @@
 """Best-of-N acting: sample N chunks from a flow policy, execute the one the critic rates highest.
 
-QAM's acting option ``best_of_n`` (docs/specs/lwd_divl_qam.md §3.3.1 item 5), the
+QAM's acting option ``best_of_n`` (docs/methods.md, "QAM: acting and best-of-N"), the
 rejection-sampling extraction of IDQL/IFQL: the critic only has to *rank* chunks the
 policy already proposes, so it is never queried far from the data. ``best_of_n = 1``
 is plain sampling. A ranked policy is published as its own artifact kind,

@@ -1,6 +1,6 @@
 """Freshness-Aware Prioritized Experience Replay (FreshPER).
 
-Implements ``docs/specs/craft_poe_drest.md`` §D2 (FreshPER; Ma et al., arXiv:2604.16918,
+Implements FreshPER (docs/methods.md, "Online data: FreshPER"; Ma et al., arXiv:2604.16918,
 reference code ``Vision-CAIR/Freshness-Aware-PER``, ``roll/agentic/replay_buffer/``)::
 
     base priority  p_i^base = |signal_i| + eps          signal: TD error | reward | advantage
@@ -11,33 +11,33 @@ reference code ``Vision-CAIR/Freshness-Aware-PER``, ``roll/agentic/replay_buffer
 
 Because alpha is applied after the decay, ``P(i) ∝ exp(-alpha * age_i / tau)`` for equal
 base priorities: the priority half-life is ``tau ln2`` (346.6 steps at tau = 500) and the
-sampling-probability half-life ``tau ln2 / alpha`` (577.6 steps at alpha = 0.6) (§D2.2,
-derived). ``tau = inf`` is standard PER.
+sampling-probability half-life ``tau ln2 / alpha`` (577.6 steps at alpha = 0.6) (derived
+from the equations above). ``tau = inf`` is standard PER.
 
 Items are integer ids (slots) ``0 .. capacity-1``; the caller maps them to data (e.g. window
-start rows in the trajectory store, whose ``stored_at_step`` and ``base_priority`` fields
-§E lists for this method). Ids are handed out in insertion order until the buffer is full;
-after that each ``add`` evicts (``on_full="evict"``, the spec's pseudo-code) and **reuses the
+start rows in the trajectory store, each with the step it was stored at and its base
+priority). Ids are handed out in insertion order until the buffer is full;
+after that each ``add`` evicts (``on_full="evict"``, the paper's eviction rule) and **reuses the
 evicted ids**, so the caller must overwrite its data for the returned ids. With
 ``on_full="error"`` a full buffer raises :class:`ReplayFullError` instead.
 
-Choices the spec leaves open or where the reference code differs, documented here:
+Choices the paper leaves open or where the reference code differs, documented here:
 
-* IS weights are normalised by the max over the *sampled batch* (spec §D2.3 pseudo-code
-  ``w / w.max()``; invariant 3 "maximum exactly 1"). The reference code
+* IS weights are normalised by the max over the *sampled batch* (``w / w.max()``, so the
+  batch maximum is exactly 1, a tested property). The reference code
   (``trajectory_buffer.py::compute_importance_weights``) instead divides by the largest
   weight any item in the buffer could get (from the minimum leaf), so its weights are
   <= 1 but the batch max is usually < 1; ``sample(..., normalize="buffer")`` gives that.
-* New items enter with decay factor 1 and their own base priority (spec §D2.3); the
+* New items enter with decay factor 1 and their own base priority; the
   reference code enters them at the running max priority (classic PER convention).
-* The eviction score uses the effective priority ``p_i`` of the spec equation; the reference
+* The eviction score uses the effective priority ``p_i`` of the equation above; the reference
   code uses the tree leaf ``p_i^alpha`` and multiplies by ``1 + log1p(sample_count)/10``.
   Ties (e.g. every score 0 when tau = inf) evict the oldest item first, i.e. FIFO.
 * The refresh is synchronous (the reference code runs it on a background CPU thread). With
   ``tau = inf`` every decay factor is 1, so the automatic refresh inside :meth:`sample` is
   skipped (``add``/``update_priorities`` keep the leaves exact).
 * Leaves are computed in log space and floored at the smallest normal float64, so a valid
-  item's leaf never underflows to 0 (priorities stay > 0, invariant 2) and IS weights stay
+  item's leaf never underflows to 0 (priorities stay > 0) and IS weights stay
   finite. The reference code floors the effective priority at 1e-8 instead; our floor only
   acts once ``alpha * age / tau`` exceeds ~700.
 * Magnitudes are taken (``|signal|``) in ``add``/``update_priorities``, so raw TD errors,
@@ -195,26 +195,26 @@ class SumTree:
 
 @dataclass
 class FreshPERConfig:
-    """FreshPER hyperparameters (Hydra group ``replay.*``, spec §D2.4 / §E)."""
+    """FreshPER hyperparameters (Hydra group ``replay.*``; docs/methods.md, "Online data: configuration")."""
 
     alpha: float = 0.6
     """Priority exponent (``priority_exponent``), applied after the decay. Paper default 0.6."""
     tau: float = 500.0
     """Age-decay time constant in learner steps; ``float('inf')`` = standard PER.
     Paper default 500 (1000 for FrozenLake). Rescale if a learner step differs from a
-    training iteration of the reference code (§D2.8 #3)."""
+    training iteration of the reference code."""
     beta0: float = 0.4
     """IS-correction exponent at step 0. Paper default 0.4."""
     beta1: float = 1.0
     """IS-correction exponent after annealing. Paper default 1.0."""
     beta_steps: int = 10000
     """Learner steps over which beta goes linearly from beta0 to beta1 (design choice: the
-    spec gives only the endpoints; 0 means beta1 from the start)."""
+    paper gives only the endpoints; 0 means beta1 from the start)."""
     eps: float = 1e-6
     """Added to every base priority so priorities are > 0. Paper default 1e-6."""
     refresh_interval: int = 1
     """Learner steps between O(N) age-decay refreshes done by ``sample``. Paper default 1;
-    raise it if the refresh is too slow at large capacity (§D2.8 #2)."""
+    raise it if the refresh is too slow at large capacity."""
     priority: str = "td"
     """Base-priority signal: ``td`` (|TD error|, critic-based learners; the recommended
     default), ``reward`` (|R|, critic-free) or ``advantage`` (|A|, PPO). All three are in the
@@ -240,7 +240,7 @@ class FreshPERConfig:
 
 
 class FreshPER:
-    """Prioritized replay whose priorities decay as ``exp(-age / tau)`` (spec §D2).
+    """Prioritized replay whose priorities decay as ``exp(-age / tau)`` (docs/methods.md, "Online data: FreshPER").
 
     Typical learner loop::
 
@@ -277,7 +277,7 @@ class FreshPER:
         Finite tau: ``exp(k_i - alpha step / tau)`` with ``k_i = alpha (log base_i + stored_at_i
         / tau)`` (log space, in place, floored at the smallest normal float). If ``step``
         precedes a stored step, the age is clipped at 0 as in the reference code.
-        tau = inf: exactly ``base**alpha`` (standard PER, invariant 1).
+        tau = inf: exactly ``base**alpha`` (standard PER).
         """
         c = self.config
         if math.isinf(c.tau):
@@ -373,7 +373,7 @@ class FreshPER:
         """Stratified sample of ``batch_size`` ids with P(i) = leaf_i / total, and IS weights.
 
         ``w_i = (N P(i))^(-beta(step))``, N = number of stored items, divided by the batch max
-        (``normalize="batch"``, spec pseudo-code: max exactly 1) or by the largest weight any
+        (``normalize="batch"``: max exactly 1) or by the largest weight any
         stored item could get (``normalize="buffer"``, reference code). Refreshes the decay
         first when ``refresh_interval`` steps have passed since the last refresh (skipped
         when tau = inf). Returns (int64 ids, float32 weights).
@@ -403,7 +403,8 @@ class FreshPER:
     def update_priorities(self, ids, base_priority, step: int | None = None) -> None:
         """Set new base priorities (|base_priority| + eps, e.g. |TD error| after a learner step)
         and refresh those leaves with their current decay. The age is measured from the
-        item's *stored* step (§D2.7 invariant 5); ``step`` defaults to the latest step seen.
+        item's *stored* step, not from when it was last sampled or updated; ``step`` defaults
+        to the latest step seen.
         """
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:

@@ -28,7 +28,7 @@ key                shape             meaning
                                      declares no extras)
 =================  ================  ===========================================
 
-This is the chunk TD target of ``docs/specs/lwd_divl_qam.md`` §2.2.9: the critic
+This is the chunk TD target of docs/methods.md, "Chunked TD targets": the critic
 target is ``rewards + discounts * V(next_obs)``.
 """
 
@@ -273,7 +273,7 @@ class ImitationSampler:
 
 
 class PrioritizedSampler:
-    """FreshPER (docs/specs/craft_poe_drest.md §D2) over the windows of a ``WindowSampler``.
+    """FreshPER (docs/methods.md, "Online data: FreshPER") over the windows of a ``WindowSampler``.
 
     Every window start is one replay item, stored at the learner step its episode
     reached the learner; ``add_windows`` registers the windows of episodes just added
