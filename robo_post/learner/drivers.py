@@ -55,7 +55,10 @@ def select_episodes(snap: Snapshot, data: DictConfig) -> list[EpisodeInfo]:
     if data.get("clients"):
         episodes = [e for e in episodes if any(e.client_id.startswith(f"{p}-") for p in data.clients)]
     if not episodes:
-        raise ValueError(f"no episodes in snapshot {snap.id} match the data filter {OmegaConf.to_container(data)}")
+        unjudged = sum(e.success is None for e in snap.episodes())
+        hint = (f"; {unjudged} episodes have no success label (their env or import rule defines none): "
+                "data.success=null trains on them" if data.success is not None and unjudged else "")
+        raise ValueError(f"no episodes in snapshot {snap.id} match the data filter {OmegaConf.to_container(data)}{hint}")
     return episodes
 
 
