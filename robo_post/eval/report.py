@@ -268,7 +268,7 @@ def _read_jsonl(path: str) -> list[dict[str, Any]]:
 
 def _numeric_columns(rows: list[dict[str, Any]]) -> list[str]:
     cols = dict.fromkeys(k for row in rows for k, v in row.items()
-                         if k != "update" and isinstance(v, (int, float)) and not isinstance(v, bool))
+                         if k not in ("update", "time") and isinstance(v, (int, float)) and not isinstance(v, bool))
     return list(cols)
 
 

@@ -277,7 +277,7 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
 
         def _on_rollout_end(self) -> None:
             episodes = list(self.model.ep_info_buffer)
-            row = {"update": self.num_timesteps, **self.train_metrics,
+            row = {"update": self.num_timesteps, "time": time.time(), **self.train_metrics,
                    "steps_per_s": self.model.n_envs * self.locals.get("n_rollout_steps", 0) / max(time.perf_counter() - self.t, 1e-9)}
             if episodes:
                 row.update(episode_return=float(np.mean([e["r"] for e in episodes])),

@@ -2,15 +2,21 @@
 
 The loop is method-agnostic: a method exposes ``modules``, ``optimizers`` and
 ``update(batch) -> metrics``. The loop logs metric windows to
-``RUN/metrics.jsonl``, checkpoints to ``RUN/checkpoint`` (resume continues
-bit-for-bit) and shows progress; drivers (``robo_post.learner.drivers``) publish.
+``RUN/metrics.jsonl`` (with a wall-clock ``time``), saves ``RUN/run_metadata.json``,
+checkpoints to ``RUN/checkpoint`` (resume continues bit-for-bit) and shows progress;
+drivers (``robo_post.learner.drivers``) publish.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+import socket
+import subprocess
+import sys
 import time
+from importlib import metadata
 from typing import Any, Callable
 
 import numpy as np
@@ -24,6 +30,46 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+# Packages whose versions are saved with every run (what a result depends on).
+TRACKED_PACKAGES = ("robo-post", "torch", "numpy", "zarr", "gymnasium", "mujoco", "highway-env", "minari",
+                    "stable-baselines3", "hydra-core")
+
+
+def _git_commit(path: str) -> str | None:
+    """The commit of the checkout holding ``path`` (``+dirty`` with uncommitted changes); None outside git."""
+    try:
+        head = subprocess.run(["git", "-C", path, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode:
+            return None
+        dirty = subprocess.run(["git", "-C", path, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def write_run_metadata(run_dir: str, device: torch.device | str, seeds: dict[str, Any]) -> dict[str, Any]:
+    """Save what a run's results depend on beside them: ``RUN/run_metadata.json``
+    (code commit, package versions, device, host, seeds, command line)."""
+    versions = {}
+    for name in TRACKED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    device = torch.device(device)
+    meta = {
+        "started": time.time(), "git_commit": _git_commit(os.path.dirname(os.path.abspath(__file__))),
+        "packages": versions, "python": platform.python_version(), "host": socket.gethostname(),
+        "platform": platform.platform(), "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or None,
+        "torch_threads": torch.get_num_threads(), "seeds": seeds, "argv": sys.argv,
+    }
+    with open(os.path.join(run_dir, "run_metadata.json"), "w") as f:
+        json.dump(meta, f, indent=1, default=str)
+    return meta
 
 
 def truncate_log(path: str, last_update: int) -> None:
@@ -57,6 +103,8 @@ def train_loop(
     """
     os.makedirs(run_dir, exist_ok=True)
     ckpt, log_path = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "metrics.jsonl")
+    device = next((p.device for m in algo.modules.values() for p in m.parameters()), torch.device("cpu"))
+    write_run_metadata(run_dir, device, {"torch_initial_seed": torch.initial_seed()})
     start = 0
     if has_checkpoint(ckpt):
         start = load_checkpoint(ckpt, algo.modules, algo.optimizers, rngs)["update"]
@@ -79,7 +127,7 @@ def train_loop(
                 after_update(update)
             if update % log_every == 0 or update == updates:
                 elapsed = time.perf_counter() - t_window
-                row = {"update": update, **{k: float(np.mean(v)) for k, v in window.items()}}
+                row = {"update": update, "time": time.time(), **{k: float(np.mean(v)) for k, v in window.items()}}
                 row.update(updates_per_s=len(next(iter(window.values()))) / elapsed, data_wait=wait / elapsed)
                 if evaluate and eval_every and (update % eval_every == 0 or update == updates):
                     row.update({f"eval/{k}": v for k, v in evaluate(update).items()})
@@ -87,7 +135,7 @@ def train_loop(
                 log.flush()
                 logged.append(row)
                 window, t_window, wait = {}, time.perf_counter(), 0.0
-                first = next(k for k in row if k != "update")
+                first = next(k for k in row if k not in ("update", "time"))
                 progress.update(task, info=f"{first} {row[first]:.4f}  {row['updates_per_s']:.1f} upd/s")
             if update % checkpoint_every == 0 or update == updates:
                 save_checkpoint(ckpt, algo.modules, algo.optimizers, rngs, {"update": update})

@@ -131,8 +131,10 @@ def aggregate_heads(qs: torch.Tensor, agg: str) -> torch.Tensor:
 
 @torch.no_grad()
 def ema_update(target: nn.Module, online: nn.Module, rate: float) -> None:
-    """target <- (1 - rate) * target + rate * online, parameters only (buffers are copied)."""
-    for pt, p in zip(target.parameters(), online.parameters()):
-        pt.lerp_(p, rate)
-    for bt, b in zip(target.buffers(), online.buffers()):
-        bt.copy_(b)
+    """target <- (1 - rate) * target + rate * online, parameters only (buffers are copied).
+
+    One fused ``_foreach`` kernel per list instead of a Python loop of small ones."""
+    torch._foreach_lerp_(list(target.parameters()), list(online.parameters()), rate)
+    targets, sources = list(target.buffers()), list(online.buffers())
+    if targets:
+        torch._foreach_copy_(targets, sources)
