@@ -132,7 +132,7 @@ class ActorCritic:
         """``offline`` or ``online``: DIVL switches tau_base; the others have no stage settings."""
         self.value.set_stage(stage)
 
-    def update(self, batch: dict[str, Any]) -> dict[str, float]:
+    def update(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         self.updates += 1
         metrics = self.value.update(batch, self.actor.next_chunks)
         if self.updates > self.critic_warmup:

@@ -50,7 +50,7 @@ def c51_project(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     instead of floor((y - v_min) / dz) makes y exactly on an atom (float atoms from
     linspace included) a one-hot, so the ``l == u`` mass-loss case cannot arise.
     """
-    y = y.clamp(z[0], z[-1])
+    y = y.to(z.dtype).clamp(z[0], z[-1])  # in the atoms' precision (fp32 under bf16 autocast)
     lo = (torch.searchsorted(z, y.contiguous(), right=True) - 1).clamp(0, len(z) - 2)
     frac = (y - z[lo]) / (z[lo + 1] - z[lo])
     m = torch.zeros(*y.shape, len(z), device=y.device, dtype=y.dtype)
@@ -167,8 +167,9 @@ class ValueLearner:
         self.net = CriticNet(critic, value_outputs).to(self.device)
         self.target = copy.deepcopy(self.net).requires_grad_(False)
         # Shared encoder in exactly one optimiser, so one learner step steps it once.
-        self.opt_v = torch.optim.Adam(self.net.value_head.parameters(), lr=config.lr)
-        self.opt_q = torch.optim.Adam(self.net.encoder_parameters() + list(self.net.q_heads.parameters()), lr=config.lr)
+        self.opt_v = torch.optim.Adam(self.net.value_head.parameters(), lr=config.lr, fused=True)
+        self.opt_q = torch.optim.Adam(self.net.encoder_parameters() + list(self.net.q_heads.parameters()), lr=config.lr,
+                                      fused=True)
         self.schedulers = [_cosine(opt, config.lr_decay_steps) for opt in (self.opt_v, self.opt_q)]
         self.steps = 0
         self.td_error: torch.Tensor | None = None  # |TD error| (B,) of the last update
@@ -177,16 +178,16 @@ class ValueLearner:
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
         return {"value": self.opt_v, "critic": self.opt_q}
 
-    def value_loss(self, v_out: torch.Tensor, q_label: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def value_loss(self, v_out: torch.Tensor, q_label: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError
 
-    def bootstrap(self, v_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def bootstrap(self, v_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError
 
     def set_stage(self, stage: str) -> None:
         """``offline`` or ``online``; only DIVL has per-stage settings."""
 
-    def update(self, batch: dict[str, Any], next_chunks: Any = None) -> dict[str, float]:
+    def update(self, batch: dict[str, Any], next_chunks: Any = None) -> dict[str, torch.Tensor]:
         """One learner step on a sampler batch; returns metrics (docs/methods.md, "DIVL: critic
         target and the order of one learner step", steps 1-4)."""
         cfg, net = self.config, self.net
@@ -227,8 +228,8 @@ class ValueLearner:
         ema_update(self.target, net, cfg.ema_rate)
         self.steps += 1
         self.td_error = (y - q.detach().mean(0)).abs()  # (B,) base priorities for prioritized replay
-        return {"loss_v": loss_v.item(), "loss_q": loss_q.item(), "q_mean": q.mean().item(),
-                "q_label_mean": q_label.mean().item(), "td_target_mean": y.mean().item(),
+        return {"loss_v": loss_v.detach(), "loss_q": loss_q.detach(), "q_mean": q.mean().detach(),
+                "q_label_mean": q_label.mean().detach(), "td_target_mean": y.mean().detach(),
                 **metrics, **boot_metrics}
 
     @torch.no_grad()
@@ -306,13 +307,13 @@ class DIVL(ValueLearner):
             raise ValueError(f"stage must be 'offline' or 'online', got {stage!r}")
         self.tau_base = self.config.tau_base_offline if stage == "offline" else self.config.tau_base_online
 
-    def value_loss(self, logits: torch.Tensor, q_label: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def value_loss(self, logits: torch.Tensor, q_label: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Cross-entropy to the C51-projected labels (LWD Eq. 12/21)."""
         m = c51_project(q_label, self.atoms)
         loss = -(m * F.log_softmax(logits, -1)).sum(-1).mean()
         p = logits.detach().softmax(-1)
         # Mass on the two end atoms: high when the support is too narrow for the returns.
-        return loss, {"value_entropy": norm_entropy(p).mean().item(), "edge_mass": (p[:, 0] + p[:, -1]).mean().item()}
+        return loss, {"value_entropy": norm_entropy(p).mean().detach(), "edge_mass": (p[:, 0] + p[:, -1]).mean().detach()}
 
     def tau(self, p: torch.Tensor) -> torch.Tensor:
         """Per-state tau (B,) at the bootstrap state (docs/methods.md, "DIVL: adaptive quantile bootstrap")."""
@@ -320,13 +321,13 @@ class DIVL(ValueLearner):
         alpha = cfg.alpha if cfg.adaptive_tau else 0.0
         return adaptive_tau(p, self.tau_base, alpha, cfg.tau_min, cfg.tau_max)
 
-    def bootstrap(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def bootstrap(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Quant_tau(V(s')) with tau from the normalised entropy at s' (LWD Eq. 13/17/18)."""
         p = logits.softmax(-1)
         tau = self.tau(p)
         v = cat_quantile(p, self.atoms, tau, self.config.quantile_interp)
-        return v, {"tau_mean": tau.mean().item(), "entropy_next_mean": norm_entropy(p).mean().item(),
-                   "v_next_mean": v.mean().item()}
+        return v, {"tau_mean": tau.mean().detach(), "entropy_next_mean": norm_entropy(p).mean().detach(),
+                   "v_next_mean": v.mean().detach()}
 
     @torch.no_grad()
     def value_distribution(self, obs: dict[str, Any]) -> torch.Tensor:

@@ -83,7 +83,7 @@ class FQL:
         if self.config.base == "ema_cotrained":
             self.bc = copy.deepcopy(reference).to(self.device).requires_grad_(True)
             self.params += list(self.bc.parameters())
-        self.opt = torch.optim.Adam(self.params, lr=self.config.lr)
+        self.opt = torch.optim.Adam(self.params, lr=self.config.lr, fused=True)
         self.steps = 0
 
     @property
@@ -96,7 +96,7 @@ class FQL:
         z = self.one_step.encode(obs)
         return noise + self.one_step.velocity(z, noise, torch.zeros(noise.shape[0], device=self.device))
 
-    def update(self, batch: dict[str, Any], critic_fn: CriticFn) -> dict[str, float]:
+    def update(self, batch: dict[str, Any], critic_fn: CriticFn) -> dict[str, torch.Tensor]:
         """One actor step on a sampler batch (uses ``obs`` and the chunk shape of ``actions``)."""
         cfg, obs = self.config, batch["obs"]
         noise = torch.randn(batch["actions"].shape, device=self.device)
@@ -110,11 +110,11 @@ class FQL:
         if cfg.normalize_q_loss:
             q_loss = q_loss / q.abs().mean().detach().clamp_min(1e-6)
         loss = cfg.alpha * distill + q_loss
-        metrics = {"distill_loss": distill.item(), "q_loss": q_loss.item(), "q_mean": q.mean().item()}
+        metrics = {"distill_loss": distill.detach(), "q_loss": q_loss.detach(), "q_mean": q.mean().detach()}
         if self.bc is not None:
             bc_base = base_bc_loss(self.bc, batch)
             loss = loss + bc_base
-            metrics["bc_loss_base"] = bc_base.item()
+            metrics["bc_loss_base"] = bc_base.detach()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip > 0:
@@ -173,7 +173,7 @@ class FQLCritic:
         self.device = torch.device(device)
         self.net = CriticNet(critic, 0).to(self.device)
         self.target = copy.deepcopy(self.net).requires_grad_(False)
-        self.opt = torch.optim.Adam(self.net.parameters(), lr=self.config.lr)
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=self.config.lr, fused=True)
         self.steps = 0
         self.td_error: torch.Tensor | None = None  # |TD error| (B,) of the last update
 
@@ -184,7 +184,7 @@ class FQLCritic:
     def set_stage(self, stage: str) -> None:
         """FQL's critic has no per-stage settings."""
 
-    def update(self, batch: dict[str, Any], next_chunks: Any) -> dict[str, float]:
+    def update(self, batch: dict[str, Any], next_chunks: Any) -> dict[str, torch.Tensor]:
         """One TD step; ``next_chunks(obs) -> (B, H, A)`` normalised chunks from the actor."""
         net, target = self.net, self.target
         with torch.no_grad():
@@ -199,7 +199,7 @@ class FQLCritic:
         ema_update(target, net, self.config.ema_rate)
         self.steps += 1
         self.td_error = (y - q.detach().mean(0)).abs()  # (B,) base priorities for prioritized replay
-        return {"loss_q": loss.item(), "q_mean": q.mean().item(), "td_target_mean": y.mean().item()}
+        return {"loss_q": loss.detach(), "q_mean": q.mean().detach(), "td_target_mean": y.mean().detach()}
 
     def critic_fn(self, net: str = "online") -> CriticFn:
         """``critic_fn(obs, normalised_chunk) -> (2, B)``, differentiable in the chunk only."""

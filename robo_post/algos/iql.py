@@ -43,13 +43,13 @@ class IQL(ValueLearner):
             raise ValueError(f"loss_power must be 1 or 2, got {config.loss_power}")
         super().__init__(critic, config, 1, device)
 
-    def value_loss(self, v_out: torch.Tensor, q_label: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def value_loss(self, v_out: torch.Tensor, q_label: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """E[rho_{tau,p}(Q_target_min(s, a) - V(s))] (LWD Eq. 3-4)."""
         v = v_out.squeeze(-1)
         loss = asymmetric_loss(q_label - v, self.config.expectile, self.config.loss_power).mean()
-        return loss, {"v_mean": v.mean().item()}
+        return loss, {"v_mean": v.mean().detach()}
 
-    def bootstrap(self, v_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def bootstrap(self, v_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """V(s') itself (LWD Eq. 5)."""
         v = v_out.squeeze(-1)
-        return v, {"v_next_mean": v.mean().item()}
+        return v, {"v_next_mean": v.mean().detach()}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable
 
 import torch
@@ -26,8 +27,7 @@ from torch import nn
 
 from robo_post.algos.bc_flow import base_bc_loss
 from robo_post.algos.divl import CriticFn
-from robo_post.models.critic import aggregate_heads
-from robo_post.models.critic import ema_update
+from robo_post.models.critic import aggregate_heads, ema_update
 from robo_post.models.flow import FlowPolicy
 
 Velocity = Callable[[torch.Tensor, float], torch.Tensor]  # (x, w) -> v(s, x, w) for a fixed batch of states
@@ -54,6 +54,11 @@ class TimeGrid:
     sigma: torch.Tensor
     t_adj: torch.Tensor
     h: float
+
+    @cached_property
+    def floats(self) -> dict[str, list[float]]:
+        """The fields as Python floats, read once: the SDE and adjoint loops index them per step."""
+        return {k: getattr(self, k).tolist() for k in ("t", "t_drift", "sigma", "t_adj")}
 
 
 def time_grid(n: int, kind: str = "shifted", eps: float = 0.1) -> TimeGrid:
@@ -86,7 +91,7 @@ def sample_path(v_sde: Velocity, v_last: Velocity, x0: torch.Tensor, grid: TimeG
     Gradients flow through the path unless the caller disables them (the BPTT
     baseline needs them; QAM samples under ``torch.no_grad``).
     """
-    t, t_drift, sigma = grid.t.tolist(), grid.t_drift.tolist(), grid.sigma.tolist()
+    t, t_drift, sigma = grid.floats["t"], grid.floats["t_drift"], grid.floats["sigma"]
     h, n = grid.h, len(t)
     xs = [x0]
     x = x0
@@ -130,7 +135,7 @@ def adjoint_step(v_base: Velocity, x: torch.Tensor, adj: torch.Tensor, t: float,
 
 def lean_adjoint(v_base: Velocity, xs: torch.Tensor, adj_terminal: torch.Tensor, grid: TimeGrid) -> torch.Tensor:
     """Adjoints (N, ...) at the grid points x_0 .. x_{N-1}, integrated backwards from w = 1."""
-    t_adj = grid.t_adj.tolist()
+    t_adj = grid.floats["t_adj"]
     adjs, adj = [], adj_terminal
     for i in reversed(range(len(t_adj))):
         adj = adjoint_step(v_base, xs[i], adj, t_adj[i], grid.h)
@@ -246,11 +251,14 @@ class QAM:
             self.bc = copy.deepcopy(reference).to(self.device).requires_grad_(True)
             params += list(self.bc.parameters())
         self.params = params
-        self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
         steps = cfg.lr_decay_steps
         self.scheduler = None if steps <= 0 else torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, steps) / steps)))
         self.grid = time_grid(self.fine.config.flow_steps, cfg.time_grid, cfg.eps)
+        # The regression's times and noise scales, on the device once (not copied every update).
+        self.grid_t = self.grid.t.to(self.device, torch.float32)
+        self.grid_sigma = self.grid.sigma.to(self.device, torch.float32)
         self.steps = 0
 
     @property
@@ -265,7 +273,7 @@ class QAM:
         c = self.fine.config
         return self.fine.integrate(z, torch.randn(z.shape[0], c.horizon, c.action_dim, device=self.device))
 
-    def update(self, batch: dict[str, Any], critic_fn: CriticFn) -> dict[str, float]:
+    def update(self, batch: dict[str, Any], critic_fn: CriticFn) -> dict[str, torch.Tensor]:
         """One actor update on a sampler batch; returns metrics.
 
         Uses ``batch["obs"]`` (and ``actions``/``action_mask`` only for BC terms).
@@ -289,22 +297,22 @@ class QAM:
 
         # 3. Regress v_theta onto the AM target, all N steps in one batched forward.
         x_flat = xs[:-1].flatten(0, 1)
-        t_flat = grid.t.to(self.device, x_flat.dtype).repeat_interleave(B)
+        t_flat = self.grid_t.to(x_flat.dtype).repeat_interleave(B)
         v_fine = fine.velocity(z_fine.repeat(N, 1), x_flat, t_flat).view(N, B, H, A)
         with torch.no_grad():
             v_base = ref.velocity(z_ref.repeat(N, 1), x_flat, t_flat).view(N, B, H, A)
-        sigma = grid.sigma.to(self.device, x_flat.dtype).view(N, 1, 1, 1)
+        sigma = self.grid_sigma.to(x_flat.dtype).view(N, 1, 1, 1)
         loss_am = am_loss(v_fine, v_base, adjs, sigma).sum(0).mean() * (grid.h if cfg.quadrature == "dw" else 1.0)
         loss = loss_am
-        metrics: dict[str, float] = {}
+        metrics: dict[str, torch.Tensor] = {}
         if cfg.bc_weight > 0:
             bc_fine = fine.bc_loss(obs, batch["actions"], batch.get("action_mask"))
             loss = loss + cfg.bc_weight * bc_fine
-            metrics["bc_loss_fine"] = bc_fine.item()
+            metrics["bc_loss_fine"] = bc_fine.detach()
         if self.bc is not None:
             bc_base = base_bc_loss(self.bc, batch)
             loss = loss + bc_base
-            metrics["bc_loss_base"] = bc_base.item()
+            metrics["bc_loss_base"] = bc_base.detach()
 
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -316,8 +324,8 @@ class QAM:
             ema_update(self.reference, self.bc, cfg.ema_rate)
         self.steps += 1
         kl = control_cost(v_fine.detach(), v_base, sigma, grid.h).mean()
-        return {"loss_am": loss_am.item(), "q_endpoint": q1.mean().item(), "adj_terminal_abs": adj1.abs().mean().item(),
-                "adj0_abs": adjs[0].abs().mean().item(), "kl_path": kl.item(), "grad_norm": grad_norm.item(), **metrics}
+        return {"loss_am": loss_am.detach(), "q_endpoint": q1.mean().detach(), "adj_terminal_abs": adj1.abs().mean().detach(),
+                "adj0_abs": adjs[0].abs().mean().detach(), "kl_path": kl.detach(), "grad_norm": grad_norm.detach(), **metrics}
 
     def act(self, obs: dict[str, Any], seed: int | None = None) -> torch.Tensor:
         """Action chunks (B, H, A) in env units: Euler ODE of the fine policy, clipped

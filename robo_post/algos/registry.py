@@ -12,7 +12,9 @@ A method is a registration, not a fork of the learner. Each entry gives
   actor, an SB3 agent's ``learn``).
 
 A built method follows the ``Method`` protocol: ``modules`` and ``optimizers`` (what
-a checkpoint holds), ``update(batch) -> metrics``, ``policy`` (the module that acts)
+a checkpoint holds), ``update(batch) -> metrics`` (0-d tensors left on the method's
+device: the loop reads them once per log window, so an update never waits on the
+device), ``policy`` (the module that acts)
 and ``artifact(**provenance)`` (what the policy registry publishes).
 ``docs/adding_a_method.md`` walks through a registration.
 """
@@ -73,7 +75,7 @@ class Method(Protocol):
     optimizers: dict[str, torch.optim.Optimizer]
     policy: torch.nn.Module
 
-    def update(self, batch: dict[str, Any]) -> dict[str, float]: ...
+    def update(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]: ...
 
     def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]: ...
 

@@ -170,9 +170,10 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     reference, parent = (load_reference(store, config.reference_version, device) if spec.needs_reference
                          else (None, None))
     horizon = reference.config.horizon if reference is not None else cfg.model.horizon or chunk_defaults(store.schema)[0]
-    sampler = WindowSampler.from_snapshot(
-        snap, episodes, horizon=horizon, n_step=getattr(config, "n_step", 1), gamma=cfg.gamma, device=device,
-        seed=cfg.seed, bootstrap_truncated=getattr(config, "bootstrap_truncated", True),
+    sampler = WindowSampler.from_snapshot(  # with prefetch, the prefetcher moves batches to the device
+        snap, episodes, horizon=horizon, n_step=getattr(config, "n_step", 1), gamma=cfg.gamma,
+        device="cpu" if cfg.prefetch else device, seed=cfg.seed,
+        bootstrap_truncated=getattr(config, "bootstrap_truncated", True),
     )
     data = measure(store.schema, sampler, cfg.model, cfg.gamma, reference)
     method = spec.build(config, data, device, reference)
@@ -194,7 +195,8 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     t0 = time.perf_counter()
     logged = train_loop(method, lambda: add_imitation(sampler.sample(cfg.batch_size), imitation, cfg.batch_size),
                         run_dir, cfg.updates, rngs, log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every,
-                        eval_every=cfg.eval.every, evaluate=evaluate, show=cfg.show)
+                        eval_every=cfg.eval.every, evaluate=evaluate, show=cfg.show, prefetch=cfg.prefetch,
+                        amp=cfg.amp)
     wall = time.perf_counter() - t0
     warn_value_edges(logged, data.value_range)
     if isinstance(getattr(method, "value", None), DIVL):

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from importlib import metadata
 from typing import Any, Callable
 
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from robo_post.learner.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+from robo_post.learner.prefetch import Prefetcher
 
 
 def resolve_device(name: str) -> torch.device:
@@ -94,10 +96,15 @@ def train_loop(
     evaluate: Callable[[int], dict[str, float]] | None = None,
     show: bool = True,
     after_update: Callable[[int], None] | None = None,
+    prefetch: int = 0,
+    amp: str | None = None,
 ) -> list[dict[str, float]]:
     """Run ``updates`` updates of ``algo`` (resuming from ``run_dir`` if a checkpoint exists).
 
     ``after_update(update)`` runs after each update, before its checkpoint (e.g. to publish).
+    ``prefetch > 0`` prepares that many batches ahead in a background thread (``sample``
+    must then return CPU tensors and own ``rngs``; batches and resume are unchanged);
+    ``amp="bf16"`` runs updates under bfloat16 autocast.
 
     Returns the logged metric windows (each the mean over ``log_every`` updates).
     """
@@ -111,23 +118,30 @@ def train_loop(
         truncate_log(log_path, start)
         if hasattr(algo, "updates"):  # algorithms that schedule on the step count
             algo.updates = start
+    if amp not in (None, "bf16"):
+        raise ValueError(f"amp must be null or 'bf16', got {amp!r}")
     logged: list[dict[str, float]] = []
-    window: dict[str, list[float]] = {}
+    window: dict[str, list[torch.Tensor | float]] = {}
     t_window, wait = time.perf_counter(), 0.0
     progress = _progress(show, updates, start)
-    with progress, open(log_path, "a") as log:
+    prefetcher = Prefetcher(sample, rngs, prefetch, device) if prefetch and start < updates else None
+    next_batch = prefetcher or sample
+    checkpoint_rngs = prefetcher.consumed_rngs if prefetcher else lambda: rngs
+    with progress, open(log_path, "a") as log, _closing(prefetcher):
         task = progress.add_task("train", total=updates, completed=start, info="")
         for update in range(start + 1, updates + 1):
             t0 = time.perf_counter()
-            batch = sample()
+            batch = next_batch()
             wait += time.perf_counter() - t0
-            for k, v in algo.update(batch).items():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp == "bf16"):
+                metrics = algo.update(batch)
+            for k, v in metrics.items():
                 window.setdefault(k, []).append(v)
             if after_update is not None:
                 after_update(update)
             if update % log_every == 0 or update == updates:
                 elapsed = time.perf_counter() - t_window
-                row = {"update": update, "time": time.time(), **{k: float(np.mean(v)) for k, v in window.items()}}
+                row = {"update": update, "time": time.time(), **window_means(window)}
                 row.update(updates_per_s=len(next(iter(window.values()))) / elapsed, data_wait=wait / elapsed)
                 if evaluate and eval_every and (update % eval_every == 0 or update == updates):
                     row.update({f"eval/{k}": v for k, v in evaluate(update).items()})
@@ -138,9 +152,27 @@ def train_loop(
                 first = next(k for k in row if k not in ("update", "time"))
                 progress.update(task, info=f"{first} {row[first]:.4f}  {row['updates_per_s']:.1f} upd/s")
             if update % checkpoint_every == 0 or update == updates:
-                save_checkpoint(ckpt, algo.modules, algo.optimizers, rngs, {"update": update})
+                save_checkpoint(ckpt, algo.modules, algo.optimizers, checkpoint_rngs(), {"update": update})
             progress.update(task, completed=update)
     return logged
+
+
+@contextmanager
+def _closing(prefetcher: Prefetcher | None):
+    try:
+        yield
+    finally:
+        if prefetcher is not None:
+            prefetcher.close()
+
+
+def window_means(window: dict[str, list[torch.Tensor | float]]) -> dict[str, float]:
+    """Mean of each metric over a log window, with one device-to-host copy for all of them."""
+    if not window:
+        return {}
+    means = [torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in v]).mean() for v in window.values()]
+    device = means[0].device
+    return dict(zip(window, torch.stack([m.to(device) for m in means]).tolist()))
 
 
 def _progress(show: bool, total: int, start: int):

@@ -27,8 +27,9 @@ def _minilm():
 class TextEncoder(nn.Module):
     """Frozen MiniLM sentence embeddings of instructions, projected to ``dim``.
 
-    Embeddings are cached per string: a fleet has few distinct instructions and the
-    encoder is frozen, so each phrasing is encoded once per process.
+    Embeddings are cached per string on the module's device: a fleet has few distinct
+    instructions and the encoder is frozen, so each phrasing is encoded once per
+    process and a forward only gathers cached rows (no host-to-device copy).
     """
 
     def __init__(self, dim: int):
@@ -37,15 +38,18 @@ class TextEncoder(nn.Module):
         self._cache: dict[str, torch.Tensor] = {}
 
     def embed(self, texts: list[str]) -> torch.Tensor:
-        """Raw (B, 384) sentence embeddings, float32 on CPU."""
+        """Raw (B, 384) sentence embeddings, float32 on the module's device."""
+        device = self.proj.weight.device
+        if self._cache and next(iter(self._cache.values())).device != device:  # the module moved
+            self._cache = {t: v.to(device) for t, v in self._cache.items()}
         missing = sorted({t for t in texts if t not in self._cache})
         if missing:
             vectors = _minilm().encode(missing, convert_to_tensor=True, normalize_embeddings=True)
-            self._cache.update({t: v.float().cpu() for t, v in zip(missing, vectors)})
+            self._cache.update({t: v.float().to(device) for t, v in zip(missing, vectors)})
         return torch.stack([self._cache[t] for t in texts])
 
     def forward(self, texts: list[str]) -> torch.Tensor:
-        return self.proj(self.embed(texts).to(self.proj.weight.device))
+        return self.proj(self.embed(texts))
 
 
 class ImageEncoder(nn.Module):
