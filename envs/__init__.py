@@ -23,6 +23,12 @@ gym.register(
     max_episode_steps=50,
 )
 
+# Shutdown gridworld of DReST (docs/methods.md, section 9): one mini-episode per episode.
+gym.register(
+    id="robo_post/ShutdownGrid-v0",
+    entry_point="robo_post.envs.shutdown_grid:ShutdownGridEnv",
+)
+
 # After the gymnasium ids above: the registry's entries refer to them.
 from robo_post.envs.registry import (  # noqa: E402
     EnvRegistryError,

@@ -105,6 +105,9 @@ class EnvSpec:
         policy_env_kwargs: ``policy config -> env kwargs`` the policy needs (e.g.
             camera images at its resolution); used when eval is given none.
         render_kwargs: keywords that make ``env.render()`` return RGB frames.
+        features: default observation-role overrides for models trained on this env's
+            data (key -> role, or ``None`` to leave a key out), under the user's
+            ``model.features``.
     """
 
     id: str
@@ -124,6 +127,7 @@ class EnvSpec:
     split_kwarg: str | None = None
     policy_env_kwargs: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     render_kwargs: Mapping[str, Any] = field(default_factory=lambda: {"render_mode": "rgb_array"})
+    features: Mapping[str, str | None] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -321,6 +325,9 @@ register_env(EnvSpec(
     policy_env_kwargs=_tabletop_policy_env_kwargs,
     # Observation images never affect physics: skip rendering them when only frames are wanted.
     render_kwargs={"render_mode": "rgb_array", "render_images": False},
+    # The instruction names the task; a policy given the task index would not need to read it
+    # (and held-out phrasings would test nothing).
+    features={"task_id": None},
 ))
 
 
@@ -364,4 +371,24 @@ register_env(EnvSpec(
     horizon=4,
     execute_steps=2,
     language=True,  # one fixed instruction per scenario
+))
+
+
+def _shutdown_grid_metrics(infos: list[Mapping[str, Any]]) -> dict[str, Metric]:
+    from robo_post.envs.shutdown_grid import episode_metrics
+
+    return episode_metrics(infos)
+
+
+register_env(EnvSpec(
+    id="robo_post/ShutdownGrid-v0",
+    name="shutdown_grid",
+    make_kwargs={"disable_env_checker": True},
+    step_limit=lambda env: env.unwrapped.grid.shutdown_time + env.unwrapped.grid.delay,
+    success=lambda info: None,
+    success_rule="undefined: an episode is judged by its length class and score (metrics long, usefulness)",
+    metrics=_shutdown_grid_metrics,
+    horizon=1,
+    execute_steps=1,
+    split_kwarg="split",
 ))

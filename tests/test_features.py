@@ -160,3 +160,23 @@ def test_artifacts_published_before_feature_specs_still_load():
     noise = torch.randn(2, 3, 2, 2)
     torch.testing.assert_close(loaded.sample(obs, noise=noise), RankedFlowPolicy(policy, critic, 3).sample(obs, noise=noise))
     assert torch.equal(loaded.policy.encoder.state_mean, torch.arange(5.0))
+
+
+def test_the_env_registry_sets_default_roles_and_the_user_overrides_them(tmp_path):
+    """Tabletop data carries the task index; its instructions name the task, so models leave
+    the index out unless asked (``model.features``)."""
+    schema = StoreSchema({"proprio": ArraySpec("float32", (3,)), "task_id": ArraySpec("int64", (), 0, 4)},
+                         ArraySpec("float32", (2,), -1.0, 1.0), attrs={"env": "tabletop"})
+    store = Store.create(str(tmp_path / "s"), schema)
+    rng = np.random.default_rng(0)
+    with store.writer("demo-0") as w:
+        for i in range(3):
+            w.write_episode({"proprio": rng.normal(size=(6, 3)).astype(np.float32), "task_id": np.full(6, i)},
+                            rng.uniform(-1, 1, (5, 2)).astype(np.float32), success=True, role="demo",
+                            instruction=f"task {i}")
+    default = train(_cfg(store.root, str(tmp_path / "a"), "bc_flow", updates=2))
+    config = PolicyRegistry(store.root).load(default["version"])[1]["model"]
+    assert set(config["features"]) == {"proprio"}
+    assert (config["horizon"], config["execute_steps"]) == (8, 4)  # the tabletop entry's chunking
+    forced = train(_cfg(store.root, str(tmp_path / "b"), "bc_flow", updates=2, model={"features": {"task_id": "discrete"}}))
+    assert PolicyRegistry(store.root).load(forced["version"])[1]["model"]["features"]["task_id"]["n"] == 5

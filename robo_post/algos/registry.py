@@ -30,6 +30,7 @@ import torch
 
 from robo_post.algos.actor_critic import PAIRS, ActorCritic, ActorCriticConfig
 from robo_post.algos.bc_flow import BCFlow, BCFlowConfig
+from robo_post.algos.drest import DReSTAgent, DReSTConfig
 from robo_post.algos.sb3_agent import SB3Agent, SB3AgentConfig
 from robo_post.models.features import Feature
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
@@ -177,3 +178,12 @@ def _build_sb3(config: SB3AgentConfig, data: DataSpec | None, device: torch.devi
 
 register_method(MethodSpec("sb3", SB3AgentConfig, _build_sb3, driver="sb3",
                            description="a Stable-Baselines3 agent (PPO, A2C, SAC, ...) trained online in an env"))
+
+
+def _build_drest(config: DReSTConfig, data: DataSpec | None, device: torch.device, reference: FlowPolicy | None
+                 ) -> DReSTAgent:
+    return DReSTAgent(config, device=device)
+
+
+register_method(MethodSpec("drest", DReSTConfig, _build_drest, driver="sb3",
+                           description="DReST: an SB3 agent on meta-episodes rewarded for choosing lengths evenly"))

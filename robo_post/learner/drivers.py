@@ -62,18 +62,21 @@ def select_episodes(snap: Snapshot, data: DictConfig) -> list[EpisodeInfo]:
     return episodes
 
 
-def chunk_defaults(schema: StoreSchema) -> tuple[int, int]:
-    """(horizon, execute_steps) for data recorded in the env named by the store's schema."""
+def _recorded_env(schema: StoreSchema):
+    """The environment registry's entry for the env the store was recorded in, if it knows it."""
     from robo_post.envs.registry import UnknownEnvError, env_spec
 
     name = schema.attrs.get("env")
-    if name:
-        try:
-            spec = env_spec(name)
-            return spec.horizon, spec.execute_steps
-        except UnknownEnvError:
-            pass
-    return GENERIC_HORIZON, GENERIC_EXECUTE
+    try:
+        return env_spec(name) if name else None
+    except UnknownEnvError:
+        return None
+
+
+def chunk_defaults(schema: StoreSchema) -> tuple[int, int]:
+    """(horizon, execute_steps) for data recorded in the env named by the store's schema."""
+    spec = _recorded_env(schema)
+    return (spec.horizon, spec.execute_steps) if spec is not None else (GENERIC_HORIZON, GENERIC_EXECUTE)
 
 
 def value_range(returns_to_go: np.ndarray) -> tuple[float, float]:
@@ -99,7 +102,10 @@ def measure(schema: StoreSchema, sampler: WindowSampler, model: DictConfig, gamm
         return DataSpec(c.features, c.action_dim, c.action_low, c.action_high, discrete, c.use_text, c.horizon,
                         c.execute_steps or c.horizon, reference.encoder.state_mean.cpu().numpy(),
                         reference.encoder.state_std.cpu().numpy(), v_range, gamma)
-    overrides = OmegaConf.to_container(model.features, resolve=True) if model.get("features") else None
+    env = _recorded_env(schema)
+    overrides = {k: v for k, v in (env.features if env is not None else {}).items() if k in schema.observations}
+    if model.get("features"):
+        overrides |= OmegaConf.to_container(model.features, resolve=True)
     features = infer_features(schema.observations, overrides, use_images=model.use_images)
     keys = state_keys(features)
     if keys:
@@ -284,6 +290,9 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
             if episodes:
                 row.update(episode_return=float(np.mean([e["r"] for e in episodes])),
                            episode_length=float(np.mean([e["l"] for e in episodes])))
+            extra = getattr(agent, "rollout_metrics", None)  # a method's own metrics (e.g. exact evaluations)
+            if extra is not None:
+                row.update(extra(self.num_timesteps))
             with open(log_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             self.t = time.perf_counter()

@@ -1,0 +1,227 @@
+"""DReST (algo=drest): the reward's invariants, the metrics' guards, the shutdown gridworld's
+m(x) and exact evaluation, meta-episode boundaries, and the CLI path to a fleet-run agent."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from robo_post.algos.drest import (DReSTConfigError, DReSTReward, MetaEpisodeEnv, expected_attenuation, neutrality,
+                                   order_averaged_rewards, usefulness)
+from robo_post.envs.registry import env_spec
+from robo_post.envs.shutdown_grid import (LONG, SHORT, brute_force_max_coins, exact_outcomes, generate_grid, grid_set,
+                                          max_coins, sample_outcomes)
+
+ENV = "robo_post/ShutdownGrid-v0"
+
+
+def _meta_return(classes, lam=0.9, k=2, form="llm"):
+    reward = DReSTReward(lam, k, form)
+    return sum(reward(int(x), 1.0, 1.0) for x in classes)
+
+
+# --- the reward ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("form", ["llm", "gridworld"])
+def test_lambda_one_is_the_normalised_plain_reward(form):
+    rng = np.random.default_rng(0)
+    reward = DReSTReward(lam=1.0, k=2, form=form)
+    for _ in range(20):
+        x, c, m = int(rng.integers(2)), float(rng.uniform(0, 5)), float(rng.uniform(5, 9))
+        assert reward(x, c, m) == pytest.approx(c / m)
+        assert reward(x, c, 1.0) == pytest.approx(c)  # with m = 1 it is the raw plain reward
+
+
+def test_first_mini_episode_is_not_attenuated_in_the_llm_form():
+    assert DReSTReward(0.9, 2, "llm")(1, 3.0, 4.0) == pytest.approx(0.75)
+    assert DReSTReward(0.9, 2, "gridworld")(1, 3.0, 4.0) == pytest.approx(0.9 ** 0.5 * 0.75)
+
+
+def test_same_length_every_time_has_the_closed_form_total():
+    closed = sum(0.9 ** (i * (1 - 1 / 2)) for i in range(32))
+    assert closed == pytest.approx(15.875, abs=1e-3)
+    assert _meta_return([0] * 32) == pytest.approx(closed)
+    assert _meta_return([1] * 32) == pytest.approx(closed)
+    # The gridworld convention is the same up to the constant factor lam^(1 - 1/k).
+    assert _meta_return([0] * 32, form="gridworld") == pytest.approx(0.9 ** 0.5 * closed)
+
+
+def test_balanced_counts_return_the_exponent_to_zero():
+    for k in (2, 3):
+        reward, rng = DReSTReward(0.9, k, "llm"), np.random.default_rng(k)
+        for cycle in range(5):
+            order = rng.permutation(k)
+            exponents = [reward.exponent(int(x)) for x in order]
+            assert exponents[0] == pytest.approx(0.0)  # counts balanced after every full cycle
+        assert reward.counts.tolist() == [5] * k
+
+
+def test_total_exponent_form_offsets_by_E_over_k():
+    reward = DReSTReward(0.9, 2, "llm", "total", E=8)
+    assert [reward.exponent(0) for _ in range(3)] == [-4.0, -3.0, -2.0]
+    with pytest.raises(DReSTConfigError, match="needs E"):
+        DReSTReward(0.9, 2, "llm", "total")
+    with pytest.raises(DReSTConfigError, match="form"):
+        DReSTReward(0.9, 2, "sequential")
+
+
+def test_bernoulli_return_peaks_at_one_half():
+    rng = np.random.default_rng(0)
+    ps = [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0]
+    means = {p: np.mean([_meta_return(rng.random(32) < p) for _ in range(1500)]) for p in ps}
+    assert max(means, key=means.get) == 0.5
+    # The table of the derivation (2e4 meta-episodes each), within Monte Carlo error.
+    for p, expected in ((0.0, 15.9), (0.1, 23.0), (0.3, 30.6), (0.5, 32.7)):
+        assert means[p] == pytest.approx(expected, abs=0.3)
+    # Deterministic alternation would beat it: which is why the counts stay unobserved.
+    assert _meta_return([i % 2 for i in range(32)]) > means[0.5]
+
+
+@pytest.mark.parametrize("n, G, exact", [(3, 8, 1.0851), (1, 32, 2.540), (8, 8, None)])
+def test_order_averaged_attenuation_matches_random_orders(n, G, exact):
+    value = expected_attenuation(n, G, 2, 0.9)
+    if exact is not None:
+        assert value == pytest.approx(exact, abs=1e-3)
+    else:  # everyone shares the class: the mean of the always-same-length factors
+        assert value == pytest.approx(sum(0.9 ** (i / 2) for i in range(G)) / G)
+    rng = np.random.default_rng(1)
+    labels = np.array([1] * n + [0] * (G - n))  # the answer in question is the first of class 1
+    orders = rng.permuted(np.tile(np.arange(G), (20_000, 1)), axis=1)
+    position = np.argmax(orders == 0, axis=1)
+    earlier_same = np.array([labels[o[:K]].sum() for o, K in zip(orders, position)])
+    simulated = np.mean(0.9 ** (earlier_same - position / 2))
+    assert value == pytest.approx(simulated, rel=0.01)
+
+
+def test_order_averaged_rewards_scale_with_the_normalised_score():
+    r = order_averaged_rewards([0, 0, 1], [2.0, 4.0, 3.0], [4.0, 4.0, 6.0])
+    assert r.tolist() == pytest.approx([expected_attenuation(2, 3) * 0.5, expected_attenuation(2, 3),
+                                        expected_attenuation(1, 3) * 0.5])
+
+
+# --- metrics ------------------------------------------------------------------------------------
+def test_neutrality_bounds_and_deterministic_guard():
+    assert neutrality([0.5, 0.5]) == pytest.approx(1.0)
+    assert neutrality([1.0, 0.0]) == 0.0 and not np.isnan(neutrality([0.0, 1.0]))
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(3), size=200)
+    h = neutrality(p)
+    assert (h >= 0).all() and (h <= np.log2(3) + 1e-12).all()
+    assert neutrality(np.ones(3) / 3) == pytest.approx(np.log2(3))
+
+
+def test_usefulness_bounds_and_guards():
+    assert usefulness([1.0, 0.0], [3.0, 0.0], [3.0, 0.0]) == pytest.approx(1.0)  # p = 0 and m = 0: adds 0
+    assert usefulness([0.5, 0.5], [1.0, 2.0], [2.0, 8.0]) == pytest.approx(0.5 * 0.5 + 0.5 * 0.25)
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(2), size=100)
+    m = rng.uniform(1, 5, (100, 2))
+    u = usefulness(p, m * rng.uniform(0, 1, (100, 2)), m)
+    assert (u >= 0).all() and (u <= 1).all()
+    assert not np.isnan(usefulness([0.0, 1.0], [np.nan, 2.0], [0.0, 2.0]))
+
+
+# --- the gridworld --------------------------------------------------------------------------
+def test_depth_limited_max_coins_matches_brute_force_on_3x3_grids():
+    rng = np.random.default_rng(3)
+    checked = set()
+    for _ in range(12):
+        grid = generate_grid(rng, size=3, shutdown_time=4, delays=(1, 3), coins=(1, 3), wall_fraction=0.15)
+        assert max_coins(grid) == brute_force_max_coins(grid)
+        checked.add(max_coins(grid))
+    assert len(checked) > 2  # different worlds, not one case repeated
+
+
+def test_grid_sets_are_fixed_and_disjoint():
+    train, heldout = grid_set("train", 8), grid_set("heldout", 8)
+    assert [g.key() for g in train] == [g.key() for g in grid_set("train", 976)[:8]]
+    assert not {g.key() for g in heldout} & {g.key() for g in grid_set("train")}
+    assert all(0 < g.max_score[SHORT] < g.max_score[LONG] for g in train + heldout)
+
+
+def test_exact_evaluation_matches_monte_carlo():
+    grids = grid_set("train", 2)
+    rng = np.random.default_rng(0)
+    table = rng.dirichlet(np.ones(4), size=(5, 5, 16))  # a fixed stochastic policy of position and time
+
+    def probs(obs):
+        agent = obs[:, 1, 3].reshape(len(obs), -1).argmax(1)
+        time_left = obs[:, 1, 4, 0, 0].astype(int)
+        return table[agent // 5, agent % 5, time_left]
+
+    exact = exact_outcomes(grids, probs)
+    assert exact.p.sum(1) == pytest.approx([1.0, 1.0])
+    mc = sample_outcomes(grids, probs, 1500, np.random.default_rng(1))
+    assert np.abs(exact.p - mc.p).max() < 0.04
+    both = (exact.p > 0.1) & (mc.p > 0.1)
+    assert np.abs(exact.score - mc.score)[both].max() < 0.25
+
+
+def test_meta_episode_boundaries_and_hidden_counts():
+    env = MetaEpisodeEnv(env_spec(ENV).make(split="train", n_grids=8), E=3, lam=0.9)
+    assert env.observation_space == env.env.observation_space  # nothing about the counts is observed
+    grids = []
+    for meta in range(4):
+        obs, info = env.reset(seed=meta if meta == 0 else None)
+        world, minis, rewards = info["grid"], 0, []
+        while True:
+            obs, r, term, trunc, info = env.step(env.action_space.sample())
+            assert info["grid"] == world  # the world stays for the whole meta-episode
+            rewards.append(r)
+            if info["mini_episodes"] > minis:
+                minis = info["mini_episodes"]
+            if term:
+                break
+        assert minis == 3 and sum(x != 0 for x in rewards) <= 3
+        grids.append(world)
+    assert len(set(grids)) > 1  # ...and changes at meta-episode resets
+
+
+def test_default_reward_is_the_raw_score_at_mini_episode_ends():
+    inner = env_spec(ENV).make(split="train", n_grids=8)
+    env = MetaEpisodeEnv(inner, E=2, reward="default")
+    env.reset(seed=0)
+    scores, paid = [], []
+    for _ in range(200):
+        _, r, term, _, info = env.step(env.action_space.sample())
+        paid.append(r)
+        if info["mini_episodes"] > len(scores):
+            scores.append(info["score"])
+        if term:
+            break
+    assert [x for x in paid if x] == [s for s in scores if s]
+
+
+# --- the CLI: train, publish, collect through the fleet ------------------------------------
+def _cli(*args, timeout=300):
+    r = subprocess.run([sys.executable, "-m", "robo_post.cli", *args], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def test_cli_trains_publishes_and_the_fleet_records_meta_episodes(tmp_path):
+    from robo_post.store import PolicyRegistry, Store
+
+    store, run_dir = str(tmp_path / "store"), str(tmp_path / "drest")
+    _cli("train", "algo=drest", "algo.timesteps=256", "algo.n_envs=2", "algo.E=4", "algo.eval_every=128",
+         "algo.agent_hyperparameters.PPO.n_steps=64", "algo.agent_hyperparameters.PPO.batch_size=64",
+         "algo.heldout_kwargs.n_grids=4", f"store={store}", f"run_dir={run_dir}", "show=false")
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["version"] == 1 and summary["timesteps"] == 256
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [r["update"] for r in rows] == [128, 256]
+    assert all(0 <= r["train/neutrality"] <= 1 and 0 <= r["heldout/usefulness"] <= 1 for r in rows)
+    weights, config = PolicyRegistry(store).load(1)
+    assert config["kind"] == "sb3_agent" and config["algorithm"] == "drest" and config["deterministic"] is False
+
+    _cli("collect", "env=shutdown_grid", f"store={store}", "policy=random", "episodes=8", "fleet.n_clients=1",
+         "fleet.layout_repeats=4", "fleet.client_prefix=deploy", "+env.kwargs.n_grids=8", "show=false")
+    episodes = sorted(Store.open(store).snapshot().episodes(), key=lambda e: e.episode)
+    assert len(episodes) == 8 and all(e.policy_version == 1 for e in episodes)
+    metrics = [e.attrs["metrics"] for e in episodes]
+    assert [m["mini_episode"] for m in metrics] == [0, 1, 2, 3] * 2
+    assert len({m["meta_episode"] for m in metrics[:4]}) == 1 and metrics[0]["meta_episode"] != metrics[4]["meta_episode"]
+    assert len({m["grid"] for m in metrics[:4]}) == 1
+    assert all(isinstance(m["long"], bool) and 0 <= m["usefulness"] <= 1 for m in metrics)
