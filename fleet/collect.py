@@ -51,6 +51,7 @@ def client_configs(cfg: DictConfig, store: Store) -> list[ClientConfig]:
                 overseer=OmegaConf.to_container(fleet.overseer, resolve=True),
                 seed=cfg.seed,
                 role=role,
+                policy_version=fleet.get("policy_version"),
             )
         )
     return configs

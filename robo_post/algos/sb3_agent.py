@@ -99,7 +99,14 @@ class SB3Agent:
 
     @property
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        return {"policy": self.model.policy.optimizer}
+        """On-policy agents keep one optimiser on the policy; off-policy ones (SAC, TD3) one per
+        actor and critic, and SAC another for its entropy coefficient."""
+        policy = self.model.policy
+        found = {"policy": policy.optimizer} if hasattr(policy, "optimizer") else {}
+        found |= {name: child.optimizer for name, child in policy.named_children() if hasattr(child, "optimizer")}
+        if getattr(self.model, "ent_coef_optimizer", None) is not None:
+            found["ent_coef"] = self.model.ent_coef_optimizer
+        return found
 
     def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         weights = {k: v.detach().cpu().clone() for k, v in self.model.policy.state_dict().items()}
