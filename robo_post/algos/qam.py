@@ -178,7 +178,9 @@ class QAMConfig:
     """QAM hyperparameters (docs/methods.md, "QAM: configuration"; CPU-scale defaults).
 
     Attributes:
-        inv_temp: kappa = 1 / lambda of pi_beta * exp(kappa Q) (LWD lambda = 2 for Q in [0, 1]).
+        inv_temp: kappa = 1 / lambda of pi_beta * exp(kappa Q / q_scale) (LWD lambda = 2 for Q in [0, 1]).
+        q_scale: Q units per unit of ``inv_temp``, so one temperature fits any reward scale. The
+            learner sets it to the span of the data's discounted returns (1 for success in [0, 1]).
         path_source: ``fine`` samples paths from the current fine policy (QAM, AM: the
             fixed point is the exact tilt); ``reference`` from the frozen base (literal
             LWD reading: a first-order approximation; "QAM: paths and the time grid").
@@ -205,6 +207,7 @@ class QAMConfig:
     """
 
     inv_temp: float = 0.5
+    q_scale: float = 1.0
     path_source: str = "fine"
     q_net: str = "target"
     q_agg: str = "mean"
@@ -241,6 +244,8 @@ class QAM:
         self.device = torch.device(device)
         self.reference = copy.deepcopy(reference).to(self.device).requires_grad_(False)
         self.fine = copy.deepcopy(reference).to(self.device).requires_grad_(True)
+        if cfg.q_scale <= 0:
+            raise ValueError(f"q_scale must be > 0, got {cfg.q_scale}")
         if cfg.init == "random":
             for m in self.fine.modules():
                 if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Conv2d)):
@@ -292,7 +297,7 @@ class QAM:
             xs = sample_path(policy_velocity(src, z_src), policy_velocity(ref, z_ref), x0, grid)
 
         # 2. Lean adjoint from the critic's action gradient at the generated endpoint.
-        adj1, q1 = terminal_adjoint(critic_fn, obs, xs[-1], cfg.inv_temp, cfg.clip_adj, cfg.q_agg)
+        adj1, q1 = terminal_adjoint(critic_fn, obs, xs[-1], cfg.inv_temp / cfg.q_scale, cfg.clip_adj, cfg.q_agg)
         adjs = lean_adjoint(policy_velocity(ref, z_ref), xs, adj1, grid)
 
         # 3. Regress v_theta onto the AM target, all N steps in one batched forward.

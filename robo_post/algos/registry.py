@@ -52,6 +52,7 @@ class DataSpec:
         horizon / execute_steps: action-chunk length and actions executed open-loop.
         state_mean / state_std: statistics of the concatenated state keys.
         value_range: (low, high) of the discounted returns-to-go in the data, with a margin.
+        return_span: high - low of those returns-to-go without the margin (0 included).
         gamma: per-step discount.
     """
 
@@ -66,6 +67,7 @@ class DataSpec:
     state_mean: np.ndarray
     state_std: np.ndarray
     value_range: tuple[float, float]
+    return_span: float
     gamma: float
 
 
@@ -156,7 +158,10 @@ def _actor_critic_builder(name: str) -> Builder:
         if "v_min" in {f.name for f in dataclasses.fields(PAIRS[name][1])}:  # a categorical value's support
             value.setdefault("v_min", data.value_range[0])
             value.setdefault("v_max", data.value_range[1])
-        return ActorCritic(name, reference, value, config.actor, config.critic_warmup, config.best_of_n, device,
+        actor = dict(config.actor)
+        if "q_scale" in {f.name for f in dataclasses.fields(PAIRS[name][3])}:  # a temperature in return units
+            actor.setdefault("q_scale", max(data.return_span, 1e-6))
+        return ActorCritic(name, reference, value, actor, config.critic_warmup, config.best_of_n, device,
                            config.critic)
 
     build.__doc__ = f"{value_learner.__name__} critic + actor from a published BC reference."

@@ -79,10 +79,15 @@ def chunk_defaults(schema: StoreSchema) -> tuple[int, int]:
     return (spec.horizon, spec.execute_steps) if spec is not None else (GENERIC_HORIZON, GENERIC_EXECUTE)
 
 
+def return_bounds(returns_to_go: np.ndarray) -> tuple[float, float]:
+    """Lowest and highest discounted return-to-go in the data, 0 (the value past an end) included."""
+    return min(0.0, float(returns_to_go.min())), max(0.0, float(returns_to_go.max()))
+
+
 def value_range(returns_to_go: np.ndarray) -> tuple[float, float]:
-    """Support for a categorical value: the data's discounted returns-to-go, widened by
-    ``VALUE_MARGIN`` of their span on each side, always containing 0 (the value past an end)."""
-    lo, hi = min(0.0, float(returns_to_go.min())), max(0.0, float(returns_to_go.max()))
+    """Support for a categorical value: the data's return bounds widened by ``VALUE_MARGIN``
+    of their span on each side."""
+    lo, hi = return_bounds(returns_to_go)
     pad = VALUE_MARGIN * max(hi - lo, 1e-6)
     return lo - pad, hi + pad
 
@@ -96,12 +101,13 @@ def measure(schema: StoreSchema, sampler: WindowSampler, model: DictConfig, gamm
     shape = action.shape if not discrete else (1,)
     low = list(np.broadcast_to(action.low if action.low is not None else -1.0, shape).astype(float))
     high = list(np.broadcast_to(action.high if action.high is not None else 1.0, shape).astype(float))
-    v_range = value_range(sampler.returns_to_go())
+    returns = sampler.returns_to_go()
+    v_range, (lo, hi) = value_range(returns), return_bounds(returns)
     if reference is not None:
         c = reference.config
         return DataSpec(c.features, c.action_dim, c.action_low, c.action_high, discrete, c.use_text, c.horizon,
                         c.execute_steps or c.horizon, reference.encoder.state_mean.cpu().numpy(),
-                        reference.encoder.state_std.cpu().numpy(), v_range, gamma)
+                        reference.encoder.state_std.cpu().numpy(), v_range, hi - lo, gamma)
     env = _recorded_env(schema)
     overrides = {k: v for k, v in (env.features if env is not None else {}).items() if k in schema.observations}
     if model.get("features"):
@@ -119,7 +125,7 @@ def measure(schema: StoreSchema, sampler: WindowSampler, model: DictConfig, gamm
         use_text = len({e.instruction for e in sampler.episodes if e.instruction}) > 1
     horizon, execute = sampler.horizon, model.execute_steps or chunk_defaults(schema)[1]
     return DataSpec(features, int(np.prod(shape)), low, high, discrete, bool(use_text), horizon, min(execute, horizon),
-                    mean, std, v_range, gamma)
+                    mean, std, v_range, hi - lo, gamma)
 
 
 def load_reference(store: Store, version: int | None, device: torch.device) -> tuple[FlowPolicy, int]:
