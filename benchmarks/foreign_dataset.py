@@ -13,12 +13,11 @@ How, top to bottom:
    run_dir: ``--weak-timesteps`` published as v1 (the weaker checkpoint), then resumed to
    ``--expert-timesteps`` and published as v2 (the expert); re-running the finished run with
    ``algo.deterministic=false`` trains nothing and publishes the same weights as v3, which
-   samples its actions (the noisy expert). SAC/TD3 are not used: the sb3 driver's checkpoint
-   asks for ``policy.optimizer``, which SB3's off-policy agents do not have (see the report).
+   samples its actions (the noisy expert).
 2. The fleet records, in order, weak (v1, the registry's newest then), expert (v2), noisy
    (v3) and random episodes (``policy=random fleet.follow_registry=false``):
-   ``robo-post collect`` follows the newest registry version, and it has no flag to pin one,
-   so each source is collected right after its version is published.
+   each source is collected right after its version is published, with the fleet following
+   the newest registry version.
 3. ``robo-post store export-minari`` then ``store import-minari --success-from truncation``
    into a fresh store: the training data.
 4. Same update budget (``--updates`` at ``--batch-size`` windows) for: BC on all data
@@ -41,7 +40,7 @@ How, top to bottom:
    return and to the expert's mean eval return (95% bootstrap intervals, both samples
    resampled).
 
-Target (from the issue): a critic-based method beats BC on all data and d3rlpy's IQL.
+Target: a critic-based method beats BC on all data and d3rlpy's IQL.
 Misses are reported, never raised (exit 0).
 
 Measured (results/foreign_dataset.json, 8 min on 2 shared cores; command in the file, without
@@ -49,7 +48,9 @@ the ``divl_qam_bon8`` variant): data 180 episodes, 9742 steps, mean episode retu
 1074, noisy 1227, weak 275, random 53; 6 episodes survive to the 200-step limit). Eval return
 (30 episodes): BC all data 432, filtered BC 1598, DIVL+QAM 432, IQL+QAM 496, FQL 771, d3rlpy
 IQL 203, expert 986. FQL beats BC on all data and d3rlpy's IQL (95% CIs disjoint); DIVL+QAM
-does not move from its reference in 2000 updates; filtered BC (6 episodes) beats every method.
+does not move from its reference in 2000 updates, neither with QAM's temperature in units of
+the data's return span (``divl_qam_span`` 434, ``iql_qam_span`` 411, best of 8: 426); filtered
+BC (6 episodes) beats every method.
 With PPO at learning rate 1e-3 and target_kl 0.05 the published 300k-step agent had collapsed
 (episodes of 8-16 steps while its training log read ~1700): the published version is the last
 policy, so a stabler setting (target_kl 0.02) is the default.
@@ -394,7 +395,7 @@ def main() -> None:
         separate = rows[best]["return_ci95"][0] > rows[b]["return_ci95"][1]
         checks.append({"target": f"{best} > {b}", "pass": bool(beats), "cis_disjoint": bool(separate),
                        "detail": f"{rows[best]['mean_return']:.1f} vs {rows[b]['mean_return']:.1f}"})
-    print("\ntarget (issue): a critic-based method beats BC on all data and d3rlpy's IQL (value ranges from the data)")
+    print("\ntarget: a critic-based method beats BC on all data and d3rlpy's IQL (value ranges from the data)")
     for c in checks:
         print(f"  {'PASS' if c['pass'] else 'MISS'}  {c['target']}: {c['detail']}"
               f"{' (95% CIs disjoint)' if c['cis_disjoint'] else ' (95% CIs overlap)'}")
