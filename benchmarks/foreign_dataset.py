@@ -14,10 +14,8 @@ How, top to bottom:
    ``--expert-timesteps`` and published as v2 (the expert); re-running the finished run with
    ``algo.deterministic=false`` trains nothing and publishes the same weights as v3, which
    samples its actions (the noisy expert).
-2. The fleet records, in order, weak (v1, the registry's newest then), expert (v2), noisy
-   (v3) and random episodes (``policy=random fleet.follow_registry=false``):
-   each source is collected right after its version is published, with the fleet following
-   the newest registry version.
+2. The fleet records weak (v1), expert (v2) and noisy (v3) episodes, each with its version
+   pinned (``fleet.policy_version``), and random ones (``policy=random``).
 3. ``robo-post store export-minari`` then ``store import-minari --success-from truncation``
    into a fresh store: the training data.
 4. Same update budget (``--updates`` at ``--batch-size`` windows) for: BC on all data
@@ -276,8 +274,8 @@ def main() -> None:
             robo_post("train", "algo=sb3", *agent, *stage, f"store={sb3_store}", f"run_dir={sb3_run}", "show=false", every)
             with open(os.path.join(sb3_run, "summary.json")) as f:
                 stages[source] = json.load(f)
-            collect(source, "policy=random")  # the fallback: the newest registry version runs
-        collect("random", "policy=random", "fleet.follow_registry=false")
+            collect(source, f"fleet.policy_version={stages[source]['version']}")  # that version, pinned
+        collect("random", "policy=random")
         minari_root = os.path.join(work, "minari")
         robo_post("store", "export-minari", sb3_store, "user/idp-mixed-v0", "--minari-root", minari_root)
         robo_post("store", "import-minari", "user/idp-mixed-v0", os.path.join(work, "store"), "--minari-root",

@@ -367,9 +367,10 @@ register_env(EnvSpec(
     success=lambda info: bool(info["success"]),
     success_rule="info['success'] of the last step: the episode ran to its end without a collision or leaving the road",
     metrics=_driving_metrics,
-    # 5 decisions per second by default: a 4-step chunk covers 0.8 s, re-planned every 0.4 s.
+    # 5 decisions per second by default: a 4-step chunk covers 0.8 s, re-planned every step
+    # (executing 2 open-loop left the road in 64% of roundabout episodes, 1 in 12%).
     horizon=4,
-    execute_steps=2,
+    execute_steps=1,
     language=True,  # one fixed instruction per scenario
 ))
 

@@ -217,7 +217,8 @@ def test_cli_trains_publishes_and_the_fleet_records_meta_episodes(tmp_path):
     assert config["kind"] == "sb3_agent" and config["algorithm"] == "drest" and config["deterministic"] is False
 
     _cli("collect", "env=shutdown_grid", f"store={store}", "policy=random", "episodes=8", "fleet.n_clients=1",
-         "fleet.layout_repeats=4", "fleet.client_prefix=deploy", "+env.kwargs.n_grids=8", "show=false")
+         "fleet.layout_repeats=4", "fleet.client_prefix=deploy", "fleet.follow_registry=true", "+env.kwargs.n_grids=8",
+         "show=false")
     episodes = sorted(Store.open(store).snapshot().episodes(), key=lambda e: e.episode)
     assert len(episodes) == 8 and all(e.policy_version == 1 for e in episodes)
     metrics = [e.attrs["metrics"] for e in episodes]

@@ -41,7 +41,7 @@ def test_sb3_agent_trains_publishes_and_is_collected_with_discrete_actions(tmp_p
 
     # The fleet follows the registry: every action is the published agent's greedy action.
     _cli("collect", "env=CartPole-v1", f"store={store}", "policy=random", "episodes=3", "fleet.n_clients=1",
-         "fleet.client_prefix=deploy", "show=false")
+         "fleet.client_prefix=deploy", "fleet.follow_registry=true", "show=false")
     snap = Store.open(store).snapshot()
     agent = build_policy(*registry.load(2))
     for ep in snap.episodes():
