@@ -129,44 +129,21 @@ def ratio_interval(num: np.ndarray, den: np.ndarray, rng: np.random.Generator, n
 
 
 # --- d3rlpy's IQL ------------------------------------------------------------------------
-def d3rlpy_dataset(store_root: str):
-    """Every transition of the store as a d3rlpy ``MDPDataset``: terminations terminal,
-    time-outs flagged as timeouts (d3rlpy drops a timed-out episode's last row as a transition
-    start, so the final observation is appended as that row and all T transitions stay)."""
-    from d3rlpy.constants import ActionSpace
-    from d3rlpy.dataset import MDPDataset
-
-    from robo_post.store import Store
-
-    snap = Store.open(store_root).snapshot()
-    (key,) = snap.store.schema.observations
-    obs, act, rew, term, tout = [], [], [], [], []
-    for ep in snap.episodes():
-        d = snap.load(ep)
-        o, a, r = d["obs"][key].astype(np.float32), d["action"].astype(np.float32), d["reward"].astype(np.float32)
-        if ep.terminated:
-            o = o[:-1]
-        else:
-            a, r = np.concatenate([a, a[-1:]]), np.concatenate([r, np.zeros(1, np.float32)])
-        flag = np.zeros(len(o), np.float32)
-        flag[-1] = 1.0
-        obs.append(o), act.append(a), rew.append(r)
-        term.append(flag if ep.terminated else np.zeros_like(flag))
-        tout.append(np.zeros_like(flag) if ep.terminated else flag)
-    return MDPDataset(np.concatenate(obs), np.concatenate(act), np.concatenate(rew), np.concatenate(term),
-                      np.concatenate(tout), action_space=ActionSpace.CONTINUOUS), key
-
-
 def run_d3rlpy_iql(store_root: str, updates: int, batch_size: int, gamma: float, seed: int) -> tuple[Any, dict]:
     with contextlib.redirect_stderr(io.StringIO()):  # d3rlpy imports the old gym, which prints a notice
         import d3rlpy
     import structlog
     from d3rlpy.algos.utility import build_scalers_with_transition_picker
     from d3rlpy.preprocessing import StandardObservationScaler
+    from offline_to_online import d3rlpy_dataset  # the same store -> d3rlpy conversion as the E3 benchmark
+
+    from robo_post.store import Store
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     d3rlpy.seed(seed)
-    dataset, key = d3rlpy_dataset(store_root)
+    snap = Store.open(store_root).snapshot()
+    (key,) = snap.store.schema.observations
+    dataset = d3rlpy_dataset(snap, snap.episodes(), key)
     algo = d3rlpy.algos.IQLConfig(batch_size=batch_size, gamma=gamma, expectile=0.7, weight_temp=3.0,
                                   observation_scaler=StandardObservationScaler()).create(device="cpu:0")
     build_scalers_with_transition_picker(algo, dataset)  # what ``fit`` does first, without its logger

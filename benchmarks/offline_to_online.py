@@ -90,7 +90,7 @@ import torch
 import robo_post.envs  # noqa: F401  (registers robo_post/SparseReacher-v0)
 from robo_post.algos.bc_flow import BCFlow, BCFlowConfig
 from robo_post.envs.reacher import ACTION_DIM, OBS_DIM, Episode, make_controller, make_env, rollout
-from robo_post.learner.algorithms import ActorCritic
+from robo_post.algos.actor_critic import ActorCritic
 from robo_post.models.features import state_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
 from robo_post.store import ArraySpec, MixedSampler, Store, StoreSchema, WindowSampler
@@ -269,8 +269,9 @@ def run_method(job: dict) -> dict:
             "online_train_success": float(np.mean(successes)), "last_metrics": metrics}
 
 
-def d3rlpy_dataset(snap: Any, episodes: list) -> Any:
-    """Store episodes -> per-step ``d3rlpy.dataset.MDPDataset`` (rows: o_t, a_t, r_t).
+def d3rlpy_dataset(snap: Any, episodes: list, key: str | None = None) -> Any:
+    """Store episodes -> per-step ``d3rlpy.dataset.MDPDataset`` (rows: o_t, a_t, r_t) of the
+    observation ``key`` (default: the store's only key).
 
     A terminated episode keeps its T rows with ``terminals`` set on the last one (no
     bootstrap). A truncated one gets one extra row holding the stored final observation
@@ -281,18 +282,14 @@ def d3rlpy_dataset(snap: Any, episodes: list) -> Any:
     from d3rlpy.constants import ActionSpace
     from d3rlpy.dataset import MDPDataset
 
-    from robo_post.store.schema import STEP_COLUMNS
-
-    data = snap.load_shard("offline")
-    r_col = STEP_COLUMNS.index("reward")
+    if key is None:
+        (key,) = snap.store.schema.observations
     obs, act, rew, term, tout = [], [], [], [], []
     for ep in episodes:
-        T, s0, o0 = ep.length, ep.step_start, ep.obs_start
-        o = data["obs"]["proprio"][o0:o0 + T + 1].astype(np.float32)
-        a = data["action"][s0:s0 + T].astype(np.float32)
-        r = data["step"][s0:s0 + T, r_col].astype(np.float32)
+        d = snap.load(ep)
+        o, a, r = d["obs"][key].astype(np.float32), d["action"].astype(np.float32), d["reward"].astype(np.float32)
         if ep.terminated:
-            o = o[:T]
+            o = o[:-1]
         else:
             a, r = np.concatenate([a, a[-1:]]), np.concatenate([r, np.zeros(1, np.float32)])
         flag = np.zeros(len(o), np.float32)
@@ -501,7 +498,7 @@ def main() -> None:
             ("DIVL+QAM online final > its offline final", divl_online > divl, f"{divl_online:.2f} vs {divl:.2f}"),
         ]
         info = f"{divl:.2f} vs {final['bc_noise0'][0]:.2f}"
-    print("\ntargets (docs/methods.md, "Demonstrations: E3"):")
+    print('\ntargets (docs/methods.md, "Demonstrations: E3"):')
     for text, ok, detail in checks:
         print(f"  {'PASS' if ok else 'MISS'}  {text}: {detail}")
     if checks:

@@ -33,7 +33,7 @@ class GaussianMLPPolicy(nn.Module):
 
     def __init__(self, image: bool, hidden: int):
         super().__init__()
-        self.image = ImageEncoder(S, 128) if image else None
+        self.image = ImageEncoder((S, S, 3), 128) if image else None
         self.proprio = nn.Linear(P, 128)
         self.net = mlp([128 * (2 if image else 1), hidden, hidden, hidden, 2 * H * A])
 

@@ -36,9 +36,9 @@ import shutil
 
 import numpy as np
 
-from robo_post.cli import compose
+from robo_post.config import compose
 from robo_post.eval import wilson_interval
-from robo_post.learner.run import run
+from robo_post.pipelines.run import run
 from robo_post.store import PolicyRegistry
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from robo_post.cli import compose
+from robo_post.config import compose
 from robo_post.learner.train import train
 from robo_post.models.features import Feature, state_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig, FlowPolicyRunner

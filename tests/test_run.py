@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from robo_post.cli import compose
+from robo_post.config import compose
 from robo_post.store import PolicyRegistry, Store
 
 
