@@ -33,20 +33,26 @@ def test_sb3_agent_trains_publishes_and_is_collected_with_discrete_actions(tmp_p
     assert registry.load(1)[1]["kind"] == "sb3_agent"
     assert not any(f.endswith((".zip", ".pkl")) for f in os.listdir(os.path.join(store, "policies", "v000001")))
 
-    # Resuming a finished run trains nothing more and republishes the same weights.
-    _cli("train", "algo=sb3", "algo.env=CartPole-v1", "algo.timesteps=512", "+algo.hyperparameters.n_steps=128",
-         "+algo.hyperparameters.batch_size=64", f"store={store}", f"run_dir={run_dir}", "show=false")
-    w1, w2 = registry.load(1)[0], registry.load(2)[0]
+    # Re-running the finished run trains and publishes nothing; with another acting setting
+    # it publishes the same weights again under it.
+    args = ["train", "algo=sb3", "algo.env=CartPole-v1", "algo.timesteps=512", "+algo.hyperparameters.n_steps=128",
+            "+algo.hyperparameters.batch_size=64", f"store={store}", f"run_dir={run_dir}", "show=false",
+            "checkpoint_every=256"]
+    assert json.loads(_cli(*args))["version"] == 1 and registry.versions() == [1]
+    _cli(*args, "algo.deterministic=false")
+    (w1, c1), (w2, c2) = registry.load(1), registry.load(2)
     assert all(np.array_equal(w1[k].numpy(), w2[k].numpy()) for k in w1)
+    assert (c1["deterministic"], c2["deterministic"]) == (True, False)
+    _cli(*args, "algo.deterministic=true")  # back to v1's settings: a third publication, not a no-op
 
     # The fleet follows the registry: every action is the published agent's greedy action.
     _cli("collect", "env=CartPole-v1", f"store={store}", "policy=random", "episodes=3", "fleet.n_clients=1",
          "fleet.client_prefix=deploy", "fleet.follow_registry=true", "show=false")
     snap = Store.open(store).snapshot()
-    agent = build_policy(*registry.load(2))
+    agent = build_policy(*registry.load(3))
     for ep in snap.episodes():
         data = snap.load(ep)
-        assert ep.role == "deploy" and ep.policy_version == 2 and data["action"].dtype == np.int64
+        assert ep.role == "deploy" and ep.policy_version == 3 and data["action"].dtype == np.int64
         greedy = [int(agent.act({"observation": o}, None)) for o in data["obs"]["observation"][:-1]]
         assert data["action"].tolist() == greedy
     assert validate_store(store)[1] == []
