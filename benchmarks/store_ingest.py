@@ -385,6 +385,13 @@ def bench_sampler(store_root: str, block_seconds: float, repeats: int) -> dict:
 
     snapshot = Store.open(store_root).snapshot()
     sampler = WindowSampler.from_snapshot(snapshot, horizon=HORIZON, gamma=GAMMA, seed=0)
+    # What verifying every episode's checksum on load costs (the default; verify=False skips it).
+    build_s: dict[str, list[float]] = {"verify": [], "no_verify": []}
+    for _ in range(repeats):
+        for name, verify in (("verify", True), ("no_verify", False)):
+            start = time.perf_counter()
+            WindowSampler.from_snapshot(Store.open(store_root).snapshot(verify=verify), horizon=HORIZON, gamma=GAMMA)
+            build_s[name].append(time.perf_counter() - start)
 
     # The ceiling: the same data in flat numpy arrays, and only windows that fit inside
     # their episode, so one gather per output and no clamping or masks.
@@ -432,7 +439,8 @@ def bench_sampler(store_root: str, block_seconds: float, repeats: int) -> dict:
                 fn()
                 batches += 1
             rates[name].append(batches * BATCH / elapsed)
-    return {"windows_per_s": {name: max(rs) for name, rs in rates.items()}, "raw_windows_per_s": rates}
+    return {"windows_per_s": {name: max(rs) for name, rs in rates.items()}, "raw_windows_per_s": rates,
+            "build_s": {name: min(ts) for name, ts in build_s.items()}}
 
 
 # --- profile of the commit path ---------------------------------------------------------------
@@ -542,6 +550,9 @@ def print_report(results: dict, args, runtime: float) -> None:
         table.add_row("", f"sampler windows/s, B={BATCH} H={HORIZON}", fmt(smp["ours"]), "numpy indexing", fmt(smp["numpy"]),
                       f"{ratio:.3f}", target)
         summary.append((f"{variant}: sampler, ours/numpy", ratio, ratio >= SAMPLER_TARGET, target))
+        build = res["sampler"]["build_s"]
+        table.add_row("", "sampler build s, checksums verified", fmt(build["verify"]), "verify=False",
+                      fmt(build["no_verify"]), f"{build['verify'] / build['no_verify']:.3f}", "info")
         table.add_section()
 
     console = Console(width=132)

@@ -8,7 +8,6 @@ path (``store info PATH``) take ordinary flags.
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import json
 import sys
 from typing import Callable
@@ -90,6 +89,19 @@ def _store_validate(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _store_repair(args: argparse.Namespace) -> int:
+    from robo_post.store.integrity import repair_store
+
+    actions = repair_store(args.path, apply=args.apply)
+    for line in actions:
+        print(line)
+    if not actions:
+        print("every commit record agrees with its episode index: nothing to repair")
+    elif not args.apply:
+        print("nothing changed: run again with --apply to rewrite these commit records")
+    return 0
+
+
 def _store_export_minari(args: argparse.Namespace) -> int:
     from robo_post.store import Store
     from robo_post.store.minari_io import export_minari
@@ -121,6 +133,10 @@ def _store_main(argv: list[str]) -> int:
     p = sub.add_parser("validate", help="full integrity scan; non-zero exit on any problem")
     p.add_argument("path")
     p.set_defaults(fn=_store_validate)
+    p = sub.add_parser("repair", help="rebuild missing or damaged commit records (prints the plan; --apply writes)")
+    p.add_argument("path")
+    p.add_argument("--apply", action="store_true", help="rewrite the commit records (default: only print the plan)")
+    p.set_defaults(fn=_store_repair)
     p = sub.add_parser("export-minari", help="write a snapshot's episodes as a new Minari dataset")
     p.add_argument("store")
     p.add_argument("dataset_id", help="Minari id, (namespace/)name-vN")
@@ -146,25 +162,55 @@ def _store_main(argv: list[str]) -> int:
 
 
 # --- hydra jobs -------------------------------------------------------------------
+def _cfg_flags(args: list[str]) -> tuple[list[str], bool, bool]:
+    """(overrides, print the config, resolve it) from ``--cfg job`` / ``--cfg=job`` / ``-c job`` and ``--resolve``
+    (hydra's own flags for printing the composed config instead of running)."""
+    overrides, show, resolve, i = [], False, False, 0
+    while i < len(args):
+        if args[i] in ("--cfg", "-c") and i + 1 < len(args) and args[i + 1] in ("job", "all"):
+            show, i = True, i + 2
+            continue
+        if args[i] in ("--cfg=job", "--cfg=all"):
+            show = True
+        elif args[i] == "--resolve":
+            resolve = True
+        else:
+            overrides.append(args[i])
+        i += 1
+    return overrides, show, resolve
+
+
+def _one_line(error: Exception) -> str:
+    """A hydra error on one line: its text without the caret marker, key dumps and doc links."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    keep = [line for line in lines if line and set(line) != {"^"}
+            and not line.startswith(("full_key:", "object_type=", "See https://"))]
+    return " ".join(keep)
+
+
 def _hydra_job(config_name: str, run: Callable[[DictConfig], object]) -> Callable[[list[str]], int]:
     """A command that composes ``configs/<config_name>.yaml`` with CLI overrides and runs."""
 
     def main(overrides: list[str]) -> int:
-        if overrides[:1] in (["-h"], ["--help"]):
-            print(f"usage: robo-post {config_name} [key=value ...]  (hydra overrides)\n\ndefaults:")
-            print(OmegaConf.to_yaml(compose(config_name, [])))
-            return 0
         from hydra.errors import HydraException
 
-        from robo_post.envs.registry import expand_env_override
+        from robo_post.cli_config import ConfigError, config_yaml, job_help, validate
 
-        env_groups = [p.name[:-5] for p in (importlib.resources.files("robo_post.configs") / "env").iterdir()
-                      if p.name.endswith(".yaml")]
-        overrides = expand_env_override(overrides, env_groups)  # env=<any gymnasium id>
+        overrides, show_config, resolve = _cfg_flags(overrides)
         try:
-            cfg = compose(config_name, overrides)
+            if "-h" in overrides or "--help" in overrides:
+                print(job_help(config_name, COMMANDS[config_name][0],
+                               [o for o in overrides if o not in ("-h", "--help")]))
+                return 0
+            if show_config:
+                print(config_yaml(config_name, overrides, resolve=resolve), end="")
+                return 0
+            cfg = validate(config_name, overrides)  # before anything is written
+        except ConfigError as e:
+            print(f"robo-post {config_name}: {e}", file=sys.stderr)
+            return 2
         except HydraException as e:
-            print(f"robo-post {config_name}: bad override: {e}", file=sys.stderr)
+            print(f"robo-post {config_name}: bad override: {_one_line(e)}", file=sys.stderr)
             return 2
         run(cfg)
         return 0
@@ -221,20 +267,37 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "train": ("train a policy on a store snapshot (algo=bc_flow) and publish it", _hydra_job("train", _train)),
     "eval": ("success rates (95% CI) of pinned policy versions on eval-only seeds", _hydra_job("eval", _eval)),
     "report": ("Markdown/HTML report: success tables, learning curves, rollout frames", _hydra_job("report", _report)),
-    "store": ("info | validate | export-minari | import-minari: inspect, check, convert a store", _store_main),
+    "store": ("info | validate | repair | export-minari | import-minari: inspect, check, repair, convert a store", _store_main),
     "fleet": ("ros2-bridge | ros2-sim: ROS 2 bridge to a robot, and a simulated robot", _fleet_main),
 }
+JOBS = ("run", "collect", "train", "eval", "report")
+
+
+def _config_main(argv: list[str]) -> int:
+    """``robo-post config JOB [overrides]``: the job's composed config, checked, without running it."""
+    if not argv or argv[0] not in JOBS:
+        print(f"usage: robo-post config {{{','.join(JOBS)}}} [--resolve] [overrides]", file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    return COMMANDS[argv[0]][1](["--cfg", "job", *argv[1:]])
+
+
+COMMANDS["config"] = ("print a job's composed config without running it (same as JOB --cfg job)", _config_main)
 
 
 def _usage() -> str:
     lines = ["usage: robo-post COMMAND [ARGS | hydra overrides]", "", "commands:"]
     lines += [f"  {name:<12} {help_}" for name, (help_, _) in COMMANDS.items()]
-    lines += ["", "`robo-post COMMAND --help` for a command's own help."]
+    lines += ["", "`robo-post COMMAND --help` for a command's own help; `robo-post --version`."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["--version"], ["-V"]):
+        from importlib.metadata import version
+
+        print(f"robo-post {version('robo-post')}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
@@ -247,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     except (StoreError, RuntimeError, ValueError) as e:  # expected failures: a clear message, no traceback
         print(f"robo-post {name}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # store commits are atomic: an interrupted episode is simply not committed
+        print(f"\nrobo-post {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from robo_post.algos.divl import DIVL
 from robo_post.algos.registry import DataSpec, MethodSpec
 from robo_post.learner.loop import truncate_log, resolve_device, train_loop
+from robo_post.learner.tracking import Tracker, tracking_settings
 from robo_post.learner.value_report import write_value_report
 from robo_post.models.features import infer_features, state_keys
 from robo_post.models.flow import FlowPolicy
@@ -165,9 +166,41 @@ def warn_value_edges(logged: list[dict[str, float]], value_range_: tuple[float, 
               file=sys.stderr)
 
 
+def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig) -> dict[str, Any] | None:
+    """The summary of the run in ``run_dir`` when it has already finished with this config
+    (``summary.json`` written, its checkpoint's ``counter`` at ``target`` or past it, the same
+    settings but ``show``), else None: re-running a finished run would publish a duplicate
+    version trained by 0 more updates. Changed settings (e.g. acting deterministically or
+    not) publish the trained weights again under them."""
+    from robo_post.learner.checkpoint import STATE, has_checkpoint
+
+    summary_path, ckpt = os.path.join(run_dir, "summary.json"), os.path.join(run_dir, "checkpoint")
+    if not (os.path.exists(summary_path) and has_checkpoint(ckpt)):
+        return None
+    saved = OmegaConf.load(os.path.join(run_dir, "config.yaml")) if os.path.exists(os.path.join(run_dir, "config.yaml")) else None
+    current = OmegaConf.to_container(cfg, resolve=True)
+    if saved is None or {**OmegaConf.to_container(saved), "show": None} != {**current, "show": None}:
+        return None
+    if not os.path.exists(os.path.join(ckpt, STATE)):
+        ckpt += ".old"  # killed between the two renames of save_checkpoint
+    with open(os.path.join(ckpt, STATE)) as f:
+        done = json.load(f)["state"].get(counter, 0)
+    if done < target:
+        return None
+    with open(summary_path) as f:
+        summary = json.load(f)
+    print(f"{run_dir} is already done ({counter} {done} of {target}, published version {summary.get('version')}); "
+          f"nothing trained or published. A larger target continues it; a new run_dir starts over.", file=sys.stderr)
+    return summary
+
+
 # --- the off-policy driver ----------------------------------------------------------------
 def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
-    """`robo-post train` for a method trained on snapshot windows; publishes the result."""
+    """`robo-post train` for a method trained on snapshot windows; publishes the result
+    (a run that already finished returns its summary instead)."""
+    if (done := finished_run(cfg.run_dir, "update", cfg.updates, cfg)) is not None:
+        return done
+    tracking_settings(cfg.get("tracking"))  # an enabled tracker that is not installed fails before any work
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.torch_threads)
     device = resolve_device(cfg.device)
@@ -208,7 +241,7 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     logged = train_loop(method, lambda: add_imitation(sampler.sample(cfg.batch_size), imitation, cfg.batch_size),
                         run_dir, cfg.updates, rngs, log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every,
                         eval_every=cfg.eval.every, evaluate=evaluate, show=cfg.show, prefetch=cfg.prefetch,
-                        amp=cfg.amp)
+                        amp=cfg.amp, tracking=cfg.get("tracking"))
     wall = time.perf_counter() - t0
     warn_value_edges(logged, data.value_range)
     if isinstance(getattr(method, "value", None), DIVL):
@@ -251,12 +284,15 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     at rollout boundaries, the agent published to the store's registry (safetensors + JSON).
 
     A killed run resumes from its last checkpoint (weights, optimiser, step count); the
-    rollout that was in flight is collected again.
+    rollout that was in flight is collected again; a finished run returns its summary.
     """
     from stable_baselines3.common.callbacks import BaseCallback
 
     from robo_post.learner.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 
+    if (done := finished_run(cfg.run_dir, "timesteps", cfg.algo.timesteps, cfg)) is not None:
+        return done
+    tracking_settings(cfg.get("tracking"))
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.torch_threads)
     values = {k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"}
@@ -301,6 +337,7 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
                 row.update(extra(self.num_timesteps))
             with open(log_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+            tracker.log(row)
             self.t = time.perf_counter()
             if self.num_timesteps - self.saved >= cfg.checkpoint_every:
                 save_checkpoint(ckpt, agent.modules, agent.optimizers, {}, {"timesteps": self.num_timesteps})
@@ -312,8 +349,9 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     t0 = time.perf_counter()
     remaining = config.timesteps - agent.model.num_timesteps
     if remaining > 0:
-        agent.model.learn(total_timesteps=remaining, callback=Log(), reset_num_timesteps=False,
-                          progress_bar=False)
+        with Tracker(run_dir, cfg.get("tracking"), agent.model.num_timesteps) as tracker:
+            agent.model.learn(total_timesteps=remaining, callback=Log(), reset_num_timesteps=False,
+                              progress_bar=False)
     save_checkpoint(ckpt, agent.modules, agent.optimizers, {}, {"timesteps": agent.model.num_timesteps})
     weights, artifact_config = agent.artifact(phase="online", parent_version=None, timesteps=agent.model.num_timesteps,
                                               config=OmegaConf.to_container(cfg, resolve=True))

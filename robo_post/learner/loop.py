@@ -2,9 +2,10 @@
 
 The loop is method-agnostic: a method exposes ``modules``, ``optimizers`` and
 ``update(batch) -> metrics``. The loop logs metric windows to
-``RUN/metrics.jsonl`` (with a wall-clock ``time``), saves ``RUN/run_metadata.json``,
-checkpoints to ``RUN/checkpoint`` (resume continues bit-for-bit) and shows progress;
-drivers (``robo_post.learner.drivers``) publish.
+``RUN/metrics.jsonl`` (with a wall-clock ``time``) and to the experiment trackers
+(``robo_post.learner.tracking``: TensorBoard in ``RUN/tensorboard/`` by default),
+saves ``RUN/run_metadata.json``, checkpoints to ``RUN/checkpoint`` (resume continues
+bit-for-bit) and shows progress; drivers (``robo_post.learner.drivers``) publish.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from robo_post.learner.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from robo_post.learner.prefetch import Prefetcher
+from robo_post.learner.tracking import Tracker
 
 
 def resolve_device(name: str) -> torch.device:
@@ -98,13 +100,15 @@ def train_loop(
     after_update: Callable[[int], None] | None = None,
     prefetch: int = 0,
     amp: str | None = None,
+    tracking: Any = None,
 ) -> list[dict[str, float]]:
     """Run ``updates`` updates of ``algo`` (resuming from ``run_dir`` if a checkpoint exists).
 
     ``after_update(update)`` runs after each update, before its checkpoint (e.g. to publish).
     ``prefetch > 0`` prepares that many batches ahead in a background thread (``sample``
     must then return CPU tensors and own ``rngs``; batches and resume are unchanged);
-    ``amp="bf16"`` runs updates under bfloat16 autocast.
+    ``amp="bf16"`` runs updates under bfloat16 autocast. ``tracking`` selects the experiment
+    trackers each logged row also goes to (``robo_post.learner.tracking``; None = TensorBoard).
 
     Returns the logged metric windows (each the mean over ``log_every`` updates).
     """
@@ -120,6 +124,7 @@ def train_loop(
             algo.updates = start
     if amp not in (None, "bf16"):
         raise ValueError(f"amp must be null or 'bf16', got {amp!r}")
+    tracker = Tracker(run_dir, tracking, start)
     logged: list[dict[str, float]] = []
     window: dict[str, list[torch.Tensor | float]] = {}
     t_window, wait = time.perf_counter(), 0.0
@@ -127,7 +132,7 @@ def train_loop(
     prefetcher = Prefetcher(sample, rngs, prefetch, device) if prefetch and start < updates else None
     next_batch = prefetcher or sample
     checkpoint_rngs = prefetcher.consumed_rngs if prefetcher else lambda: rngs
-    with progress, open(log_path, "a") as log, _closing(prefetcher):
+    with progress, open(log_path, "a") as log, _closing(prefetcher), tracker:
         task = progress.add_task("train", total=updates, completed=start, info="")
         for update in range(start + 1, updates + 1):
             t0 = time.perf_counter()
@@ -140,13 +145,15 @@ def train_loop(
             if after_update is not None:
                 after_update(update)
             if update % log_every == 0 or update == updates:
+                means = window_means(window)  # its one host read also waits for the window's queued device work
                 elapsed = time.perf_counter() - t_window
-                row = {"update": update, "time": time.time(), **window_means(window)}
+                row = {"update": update, "time": time.time(), **means}
                 row.update(updates_per_s=len(next(iter(window.values()))) / elapsed, data_wait=wait / elapsed)
                 if evaluate and eval_every and (update % eval_every == 0 or update == updates):
                     row.update({f"eval/{k}": v for k, v in evaluate(update).items()})
                 log.write(json.dumps(row) + "\n")
                 log.flush()
+                tracker.log(row)
                 logged.append(row)
                 window, t_window, wait = {}, time.perf_counter(), 0.0
                 first = next(k for k in row if k not in ("update", "time"))

@@ -50,6 +50,7 @@ def offline(store_root: str, run_dir: str, cfg: DictConfig, snapshot: str | None
         "store": store_root, "run_dir": run_dir, "device": cfg.device, "torch_threads": cfg.torch_threads,
         "seed": cfg.seed, "show": cfg.show, "gamma": cfg.gamma, "batch_size": cfg.batch_size,
         "log_every": cfg.log_every, "checkpoint_every": cfg.checkpoint_every, "updates": cfg.offline.updates,
+        "tracking": OmegaConf.to_container(cfg.tracking, resolve=True) if "tracking" in cfg else {},
         "data": {"success": None, "snapshot": snapshot}, "algo": _method_values(cfg, cfg.offline.n_step),
     })
     return off_policy(train_cfg, method_spec(cfg.algo))
@@ -145,7 +146,7 @@ def online(store_root: str, run_dir: str, cfg: DictConfig, offline_snapshot: str
         rngs["imitation"] = imitation.rng
     logged = train_loop(algo, sample, run_dir, total, rngs,
                         log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every, show=cfg.show,
-                        after_update=after_update)
+                        after_update=after_update, tracking=cfg.get("tracking"))
     warn_value_edges(logged, (float(algo.value.atoms[0]), float(algo.value.atoms[-1]))
                      if isinstance(algo.value, DIVL) else (0.0, 0.0))
     if isinstance(algo.value, DIVL):  # on the fleet's episodes: the policy's own successes and failures

@@ -62,8 +62,10 @@ def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Run every stage; returns the evaluation results per policy version and split."""
     from robo_post.eval import evaluate, write_report
+    from robo_post.learner.tracking import tracking_settings
     from robo_post.learner.train import train
 
+    tracking_settings(cfg.get("tracking"))  # an enabled tracker that is not installed fails before any work
     os.makedirs(cfg.run_dir, exist_ok=True)
     store_root = os.path.join(cfg.run_dir, "store")
     eval_store = os.path.join(cfg.run_dir, "eval-store")

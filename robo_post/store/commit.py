@@ -20,16 +20,24 @@ the last commit, or newer than the data that reached the disk.
 
 A shard holding the pre-release ``commit.json`` instead is refused
 (``UnsupportedFormatError``) rather than read as empty.
+
+Damage (``inspect_commit``): a slot that is neither a valid record nor never
+written (all zero, beside the creation record) may have held the newest commit,
+and a missing ``commit.bin`` beside a non-empty ``episodes.jsonl`` hides every
+episode. Readers still use the newest valid slot (what a torn write leaves), but
+``validate`` reports the damage and a writer refuses the shard
+(``ShardDamagedError``) until ``robo-post store repair`` rewrites the record.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+from dataclasses import dataclass
 
 import crc32c
 
-from robo_post.store.schema import StoreIntegrityError, UnsupportedFormatError
+from robo_post.store.schema import ShardDamagedError, UnsupportedFormatError
 
 EMPTY = {"episodes": 0, "steps": 0, "meta_bytes": 0}
 _RECORD = struct.Struct("<4sQQQQ")
@@ -52,22 +60,80 @@ def _unpack(slot: bytes) -> tuple[int, dict[str, int]] | None:
     return seq, {"episodes": episodes, "steps": steps, "meta_bytes": meta_bytes}
 
 
-def read_commit(shard_dir: str) -> dict[str, int]:
-    """The committed counts of a shard (zeros for a shard never committed)."""
+@dataclass(frozen=True)
+class CommitStatus:
+    """What ``commit.bin`` of a shard says, and any damage found in it.
+
+    Attributes:
+        counts: the record readers use (newest valid slot; zeros for a shard never
+            committed), or None when there is none.
+        problem: the damage, or None for a healthy record.
+        seq: sequence number of ``counts`` (-1 when there is no record).
+    """
+
+    counts: dict[str, int] | None
+    problem: str | None
+    seq: int
+
+
+def inspect_commit(shard_dir: str) -> CommitStatus:
+    """Read and check the commit record of a shard (``UnsupportedFormatError`` for the
+    pre-release ``commit.json``)."""
     try:
         with open(os.path.join(shard_dir, "commit.bin"), "rb") as f:
             data = f.read(2 * _SLOT)
     except FileNotFoundError:
-        # A writer would start the shard over and overwrite its episodes.
         if os.path.exists(os.path.join(shard_dir, "commit.json")):
             raise UnsupportedFormatError(
                 f"{shard_dir}: commit.json of a pre-release robo-post store; this version reads only commit.bin"
             ) from None
-        return dict(EMPTY)
-    slots = [r for r in (_unpack(data[:_SLOT]), _unpack(data[_SLOT:])) if r is not None]
-    if not slots:
-        raise StoreIntegrityError(f"{shard_dir}/commit.bin: no valid commit record")
-    return max(slots, key=lambda r: r[0])[1]
+        # A writer creates commit.bin before its first commit; killed earlier, it
+        # leaves an empty index. Records without a commit record are damage.
+        meta = os.path.join(shard_dir, "episodes.jsonl")
+        size = os.path.getsize(meta) if os.path.exists(meta) else 0
+        if size:
+            return CommitStatus(None, f"commit.bin is missing, yet episodes.jsonl holds {size} bytes of records", -1)
+        return CommitStatus(dict(EMPTY), None, 0)
+    raw = [data[:_SLOT], data[_SLOT:]]
+    slots = [_unpack(r) for r in raw]
+    valid = [r for r in slots if r is not None]
+    if not valid:
+        return CommitStatus(None, "commit.bin holds no valid commit record", -1)
+    seq, counts = max(valid, key=lambda r: r[0])
+    problem = None
+    for i, (r, slot) in enumerate(zip(slots, raw)):
+        never_written = len(slot) == _SLOT and not slot.strip(b"\0") and seq == 0
+        if r is None and not never_written:
+            problem = (
+                f"commit.bin slot {i} is damaged; the other holds commit {seq} ({counts['episodes']} episodes), "
+                "which is older than the damaged one if that held the newest commit"
+            )
+    return CommitStatus(counts, problem, seq)
+
+
+def read_commit(shard_dir: str) -> dict[str, int]:
+    """The committed counts of a shard (zeros for a shard never committed); raises
+    ``ShardDamagedError`` when there is no record to read."""
+    status = inspect_commit(shard_dir)
+    if status.counts is None:
+        raise ShardDamagedError(os.path.basename(shard_dir), status.problem)
+    return status.counts
+
+
+def write_commit_file(shard_dir: str, seq: int, counts: dict[str, int], both_slots: bool = False) -> None:
+    """Create or replace ``commit.bin`` whole (temporary file, fsync, rename) with one
+    record in slot 0, and in slot 1 too with ``both_slots`` (else slot 1 is zeros, which
+    ``inspect_commit`` accepts only beside the creation record, seq 0)."""
+    path = os.path.join(shard_dir, "commit.bin")
+    tmp = f"{path}.partial"
+    record = _pack(seq, counts).ljust(_SLOT, b"\0")
+    with open(tmp, "wb") as f:
+        f.write(record + (record if both_slots else bytes(_SLOT)))
+        # Whatever ``fsync``: after a power cut an empty commit.bin would make the
+        # whole shard unreadable.
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class CommitRecord:
@@ -90,14 +156,7 @@ class CommitRecord:
             self._seq = max(r[0] for r in slots if r is not None)
             self._next_slot = 0 if slots[1] is not None and slots[1][0] == self._seq else 1
         else:  # created whole (tmp + rename) so readers never see a file without a record
-            tmp = f"{path}.partial"
-            with open(tmp, "wb") as f:
-                f.write(_pack(0, counts).ljust(2 * _SLOT, b"\0"))
-                # Once per shard, whatever ``fsync``: after a power cut an empty commit.bin
-                # would make the whole shard unreadable.
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            write_commit_file(shard_dir, 0, counts)
             self._seq, self._next_slot = 0, 1
         self._fd = os.open(path, os.O_WRONLY)
 

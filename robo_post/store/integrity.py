@@ -1,13 +1,28 @@
-"""Full integrity scan of a store (``robo-post store validate``)."""
+"""Full integrity scan of a store (``robo-post store validate``), and rebuilding lost
+or damaged commit records (``robo-post store repair``)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 
+import zarr
+
+from robo_post.store.chunks import read_rows
+from robo_post.store.commit import inspect_commit, write_commit_file
 from robo_post.store.registry import PolicyRegistry
-from robo_post.store.schema import ROLES, EpisodeValidationError, StoreError, StoreIntegrityError, validate_array
-from robo_post.store.store import Store
-from robo_post.store.writer import episode_checksum
+from robo_post.store.schema import (
+    ROLES,
+    EpisodeValidationError,
+    ShardLockedError,
+    StoreError,
+    StoreIntegrityError,
+    UnsupportedFormatError,
+    validate_array,
+)
+from robo_post.store.store import EpisodeInfo, Snapshot, Store
+from robo_post.store.writer import decode_record, episode_checksum
 
 
 class EpisodeDataError(StoreIntegrityError):
@@ -18,19 +33,31 @@ class EpisodeDataError(StoreIntegrityError):
         episode: the episode's index in the shard.
         trailing: every episode from this one to the shard's last one fails too, the
             pattern an OS crash or power loss leaves behind a writer with ``fsync=False``.
+        fsync: whether the failing episodes were written with ``fsync=True`` (all of
+            them), False (all without), None (unknown: records of earlier releases, or mixed).
     """
 
-    def __init__(self, shard: str, episode: int, n_episodes: int, trailing: bool, reason: str):
+    def __init__(self, shard: str, episode: int, n_episodes: int, trailing: bool, reason: str,
+                 fsync: bool | None = None):
         self.shard, self.episode, self.trailing = shard, episode, trailing
         message = f"{shard}/{episode}: {reason}"
         if trailing:
             which = "it is the shard's last episode" if episode == n_episodes - 1 else (
                 f"so do all the shard's last {n_episodes - episode} episodes ({episode}..{n_episodes - 1})"
             )
-            message += (
-                f"; {which}: the data likely never reached the disk"
-                " (OS crash or power loss while written with fsync=False)"
-            )
+            if fsync is False:
+                message += (
+                    f"; {which}: the data likely never reached the disk"
+                    " (OS crash or power loss while written with fsync=False)"
+                )
+            elif fsync:
+                # Synced before their commit records: a crash does not explain the loss.
+                message += f"; {which}, written with fsync=True: the data was damaged or truncated after commit"
+            else:
+                message += (
+                    f"; {which}: if written with fsync=False, the data likely never reached the disk"
+                    " (OS crash or power loss); otherwise it was damaged after commit"
+                )
         else:
             message += " (data changed after commit)"
         super().__init__(message)
@@ -40,19 +67,40 @@ def validate_store(root: str) -> tuple[int, list[str]]:
     """Re-read and re-check everything committed in the store at ``root``.
 
     Returns ``(episodes_checked, problems)``; an empty problem list means healthy.
-    Checks: schema, commit records vs. metadata, contiguous row ranges, array
-    extents, per-episode checksum, schema constraints on every row (extras too),
+    Checks: schema (and its checksum), each shard's commit record (a missing or
+    damaged one is a problem, with how many verified episode records lie past the
+    record in use), commit record vs. ``episodes.jsonl`` (sizes, record checksums,
+    contiguous row ranges), array extents, per-episode checksum, schema constraints on every row (extras too),
     known episode roles, and that every published policy has loadable weights and
     config. An episode that is unreadable
     or fails its checksum is reported as an ``EpisodeDataError`` (naming shard and
     episode index, and whether the shard's trailing episodes all fail).
     """
     try:
-        store = Store.open(root)
-        snap = store.snapshot()
+        store = Store.open(root, verify=False)
     except (StoreError, OSError, ValueError, KeyError) as e:
         return 0, [f"cannot open store: {e}"]
     problems: list[str] = []
+    counts: dict[str, dict[str, int]] = {}
+    for shard in store.shards():
+        path = os.path.join(store.root, "shards", shard)
+        try:
+            status = inspect_commit(path)
+        except UnsupportedFormatError as e:
+            return 0, [f"cannot open store: {e}"]
+        if status.problem is not None:
+            hidden = len(scan_index(store, shard)[0]) - (status.counts or {"episodes": 0})["episodes"]
+            note = f"; episodes.jsonl holds {hidden} complete records past it" if status.counts and hidden > 0 else ""
+            problems.append(f"shard {shard}: {status.problem}{note} (`robo-post store repair` rebuilds the record)")
+        if status.counts is None or status.counts["episodes"] == 0:
+            continue
+        try:
+            store.shard_episodes(shard, status.counts)
+        except (StoreError, OSError) as e:
+            problems.append(f"shard {shard}: {e}")
+            continue
+        counts[shard] = status.counts
+    snap = Snapshot(store, "validate", counts, verify=False)
     checked = 0
     schema = store.schema
     by_shard: dict[str, list] = {}
@@ -60,13 +108,10 @@ def validate_store(root: str) -> tuple[int, list[str]]:
         by_shard.setdefault(ep.client_id, []).append(ep)
     for shard, eps in by_shard.items():
         steps = objs = 0
-        for i, ep in enumerate(eps):
-            if ep.episode != i or ep.step_start != steps or ep.obs_start != objs:
-                problems.append(f"{ep.key}: row ranges not contiguous")
+        for ep in eps:  # row ranges: checked when the snapshot read the records
             if ep.role not in ROLES:
                 problems.append(f"{ep.key}: unknown role {ep.role!r}")
             steps += ep.length
-            objs += ep.length + 1
         try:
             data = snap.load_shard(shard)
         except Exception:  # any zarr/codec failure means unreadable data: find which episodes
@@ -111,7 +156,9 @@ def validate_store(root: str) -> tuple[int, list[str]]:
             if index < first_trailing:
                 problems.append(str(EpisodeDataError(shard, index, len(eps), False, reason)))
         if first_trailing < len(eps):
-            problems.append(str(EpisodeDataError(shard, first_trailing, len(eps), True, bad[first_trailing])))
+            synced = {ep.fsync for ep in eps[first_trailing:]}
+            fsync = synced.pop() if len(synced) == 1 else None
+            problems.append(str(EpisodeDataError(shard, first_trailing, len(eps), True, bad[first_trailing], fsync)))
     registry = PolicyRegistry(store.root)
     for version in registry.versions():
         try:
@@ -119,3 +166,101 @@ def validate_store(root: str) -> tuple[int, list[str]]:
         except (StoreError, OSError, ValueError, json.JSONDecodeError) as e:
             problems.append(f"policy v{version}: {e}")
     return checked, problems
+
+
+def scan_index(store: Store, shard: str) -> tuple[list[tuple[EpisodeInfo, int]], str | None]:
+    """The longest run of episodes at the start of a shard's ``episodes.jsonl`` whose
+    records are whole, pass their checksum, follow one another, and whose data passes
+    its checksum: ``([(episode, end offset of its record), ...], why the run stopped
+    or None)``. Each episode's rows are read as if the commit ended with it."""
+    path = os.path.join(store.root, "shards", shard)
+    try:
+        with open(os.path.join(path, "episodes.jsonl"), "rb") as f:
+            data = f.read()
+        group = zarr.open_group(os.path.join(path, "data"), mode="r")
+    except Exception as e:  # a missing or damaged file: nothing verifies
+        return [], f"unreadable: {e!r}"
+    schema = store.schema
+    names = [f"obs/{k}" for k in schema.observations] + ["action", "step"] + [f"extras/{k}" for k in schema.extras]
+    good: list[tuple[EpisodeInfo, int]] = []
+    offset = steps = 0
+    while (newline := data.find(b"\n", offset)) >= 0:
+        i = len(good)
+        try:
+            ep = EpisodeInfo.from_record(decode_record(data[offset:newline]))
+        except (ValueError, KeyError, TypeError) as e:
+            return good, f"record of episode {i} is damaged: {e!r}"
+        if (ep.client_id, ep.episode, ep.step_start, ep.obs_start) != (shard, i, steps, steps + i):
+            return good, f"record of episode {i} does not follow the one before it"
+        arrays = {}
+        try:
+            for name in names:
+                lo, hi = (ep.obs_start, ep.obs_start + ep.length + 1) if name.startswith("obs/") else (steps, steps + ep.length)
+                arrays[name] = read_rows(group[name], lo, hi, hi)
+        except Exception as e:  # zarr or the codec on damaged bytes
+            return good, f"data of episode {i} unreadable: {e!r}"
+        if episode_checksum(arrays) != ep.checksum:
+            return good, f"data of episode {i} fails its checksum"
+        offset, steps = newline + 1, steps + ep.length
+        good.append((ep, offset))
+    return good, None
+
+
+def repair_store(root: str, apply: bool = False) -> list[str]:
+    """Rebuild the commit record of every shard whose record is missing, damaged, or
+    disagrees with its episode index, from the index records and data whose checksums
+    verify (``scan_index``). Returns one line per such shard saying what was (with
+    ``apply``) or would be done; without ``apply`` nothing is written.
+
+    A rebuilt record covers the leading episodes that verify; records past them stay
+    in ``episodes.jsonl`` until the next writer of the shard drops them. Damaged data
+    under a healthy record is not repaired: ``validate`` reports it.
+    """
+    store = Store.open(root, verify=False)
+    actions = []
+    for shard in store.shards():
+        path = os.path.join(store.root, "shards", shard)
+        status = inspect_commit(path)
+        why = status.problem
+        if why is None and status.counts["episodes"]:
+            try:
+                store.shard_episodes(shard, status.counts)
+            except (StoreError, OSError) as e:
+                why = str(e)
+        if why is None:
+            continue
+        good, stopped = scan_index(store, shard)
+        counts = {
+            "episodes": len(good),
+            "steps": sum(ep.length for ep, _ in good),
+            "meta_bytes": good[-1][1] if good else 0,
+        }
+        verb = "rebuilt" if apply else "would rebuild"
+        line = (f"shard {shard}: {why}; {verb} commit.bin as {counts['episodes']} episodes "
+                f"({counts['steps']} steps, {counts['meta_bytes']} bytes of episodes.jsonl)")
+        if status.counts is not None:
+            line += f", where the record in use says {status.counts['episodes']}"
+        if stopped is not None:
+            line += f"; the index stops verifying at episode {len(good)} ({stopped}), which is left out"
+        if apply:
+            _rewrite_commit(path, shard, max(status.seq, 0) + 1, counts)
+        actions.append(line)
+    return actions
+
+
+def _rewrite_commit(path: str, shard: str, seq: int, counts: dict[str, int]) -> None:
+    """Replace a shard's commit.bin under its writer lock."""
+    fd = os.open(os.path.join(path, ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ShardLockedError(f"shard {shard!r} is open for writing by another process") from None
+        write_commit_file(path, seq, counts, both_slots=True)
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)  # the rename
+        finally:
+            os.close(dir_fd)
+    finally:
+        os.close(fd)

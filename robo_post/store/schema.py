@@ -29,6 +29,10 @@ ROLES = ("demo", "play", "deploy", "online", "eval", "imported", "other")
 _ROLE_PREFIXES = (("demo-", "demo"), ("play-", "play"), ("deploy-", "deploy"), ("online-", "online"),
                   ("eval", "eval"), ("minari", "imported"))
 
+# Integers that float64 step columns (and JSON readers that parse numbers as doubles)
+# hold exactly: policy versions must stay below this.
+MAX_EXACT_INT = 2**53
+
 # Per-step scalar columns, stored together as one (T, len(STEP_COLUMNS)) float64
 # table so a commit costs one array write instead of seven. float64 holds every
 # value exactly: bools, policy versions < 2**53, unix timestamps to the microsecond.
@@ -83,6 +87,22 @@ class ShardLockedError(StoreError):
 
 class StoreIntegrityError(StoreError):
     """On-disk data does not match its committed record (corruption)."""
+
+
+class ShardDamagedError(StoreIntegrityError):
+    """A shard's commit record is missing or damaged, so what it committed is uncertain.
+
+    Readers and writers refuse rather than guess (a guess could hide committed
+    episodes, and a writer would then overwrite them); ``robo-post store repair``
+    rebuilds the record from the episode index and the data whose checksums verify.
+
+    Attributes:
+        shard: the shard's name.
+    """
+
+    def __init__(self, shard: str, reason: str):
+        self.shard = shard
+        super().__init__(f"shard {shard!r}: {reason}; run `robo-post store repair` to rebuild its commit record")
 
 
 class UnsupportedFormatError(StoreError):
@@ -291,6 +311,14 @@ def validate_array(name: str, arr: np.ndarray, spec: ArraySpec, length: int) -> 
         finite = np.isfinite(arr)
         if not finite.all():
             raise EpisodeValidationError(name, "contains NaN or inf", _first_bad_step(~finite))
+        if arr.dtype.itemsize > np.dtype(spec.dtype).itemsize:
+            # Narrowing rounds, which is accepted, but a value past the narrower type's
+            # range would be stored as inf.
+            limit = np.finfo(spec.dtype).max
+            too_big = np.abs(arr) > limit
+            if too_big.any():
+                i = _first_bad_step(too_big)
+                raise EpisodeValidationError(name, f"value beyond the {spec.dtype} range (|x| <= {limit:.7g})", i)
     _check_bounds(name, arr, spec)
 
 

@@ -2,31 +2,36 @@
 
 Layout on disk::
 
-    ROOT/store.json                      schema (+ schema_version)
+    ROOT/store.json                      schema (+ schema_version, + its CRC32C)
     ROOT/shards/<client>/data/           zarr v3 group: obs/<key>, action, step,
                                          extras/<name> (sharded; see chunks.py)
-    ROOT/shards/<client>/episodes.jsonl  one JSON record per episode
+    ROOT/shards/<client>/episodes.jsonl  one JSON record per episode (ending with its CRC32C)
     ROOT/shards/<client>/commit.bin      {episodes, steps, meta_bytes}: what is committed
                                          (see commit.py)
     ROOT/snapshots/<id>.json             shard -> committed counts, to reopen a snapshot
+                                         (written only where the store is writable)
     ROOT/policies/v000001/               policy registry (see registry.py)
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
+import crc32c
 import numpy as np
 import zarr
 
 from robo_post.store.schema import (
     STEP_COLUMNS,
     InvalidNameError,
+    SchemaVersionError,
     StoreError,
+    StoreIntegrityError,
     StoreNotFoundError,
     StoreSchema,
     check_name,
@@ -34,7 +39,10 @@ from robo_post.store.schema import (
 )
 from robo_post.store.chunks import read_rows
 from robo_post.store.commit import read_commit
-from robo_post.store.writer import ShardWriter, write_json_atomic
+from robo_post.store.writer import ShardWriter, decode_record, episode_checksum, write_json_atomic
+
+# Errors of a write refused for want of permission or on a read-only file system.
+_READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,7 @@ class EpisodeInfo:
     checksum: int  # CRC32C over every stored array of the episode, see ``writer.episode_checksum``
     ret: float
     role: str  # one of ``ROLES``; inferred from the shard's name in records written without one
+    fsync: bool | None = None  # whether its writer synced commits; None in records of earlier releases
 
     @property
     def key(self) -> str:
@@ -69,7 +78,7 @@ class EpisodeInfo:
         return cls(
             r["client_id"], r["episode"], r["task_id"], r["instruction"], r["seed"], r["success"], r["length"],
             r["step_start"], r["obs_start"], r["policy_version"], r["terminated"], r["start_time"], r["end_time"],
-            r["attrs"], r["crc32c"], r["return"], r.get("role") or infer_role(r["client_id"]),
+            r["attrs"], r["crc32c"], r["return"], r.get("role") or infer_role(r["client_id"]), r.get("fsync"),
         )
 
 
@@ -78,11 +87,16 @@ class Store:
 
     Create with ``Store.create(path, schema)``, open with ``Store.open(path)``.
     Write through ``store.writer(client_id)``; read through ``store.snapshot()``.
+
+    Args:
+        verify: default of ``snapshot(verify=...)``: check each episode's checksum
+            when its data is read.
     """
 
-    def __init__(self, root: str, schema: StoreSchema):
+    def __init__(self, root: str, schema: StoreSchema, verify: bool = True):
         self.root = os.path.abspath(root)
         self.schema = schema
+        self.verify = verify
 
     @classmethod
     def create(cls, root: str, schema: StoreSchema, exist_ok: bool = False) -> "Store":
@@ -98,17 +112,34 @@ class Store:
             return store
         for sub in ("shards", "snapshots", "policies"):
             os.makedirs(os.path.join(root, sub), exist_ok=True)
-        write_json_atomic(path, schema.to_json())
+        meta = schema.to_json()
+        write_json_atomic(path, {**meta, "crc32c": _schema_crc(meta)})
         return cls(root, schema)
 
     @classmethod
-    def open(cls, root: str) -> "Store":
-        """Open an existing store. Raises ``StoreNotFoundError`` or ``SchemaVersionError``."""
+    def open(cls, root: str, verify: bool = True) -> "Store":
+        """Open an existing store. Raises ``StoreNotFoundError``, ``SchemaVersionError``, or
+        ``StoreIntegrityError`` naming ``store.json`` when that is damaged.
+
+        Args:
+            verify: check each episode's checksum when snapshots read its data (the
+                default); False skips that for trusted local data.
+        """
         path = os.path.join(root, "store.json")
         if not os.path.exists(path):
             raise StoreNotFoundError(f"no robo-post store at {root} (missing store.json)")
-        with open(path) as f:
-            return cls(root, StoreSchema.from_json(json.load(f)))
+        try:
+            with open(path, "rb") as f:
+                meta = json.loads(f.read())
+            crc = meta.pop("crc32c", None)  # absent in stores of earlier releases
+            schema = StoreSchema.from_json(meta)  # first: a newer version's file is its to check
+            if crc is not None and crc != _schema_crc(meta):
+                raise ValueError("its content fails its checksum")
+        except SchemaVersionError:
+            raise
+        except (StoreError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise StoreIntegrityError(f"{path}: damaged or not a store schema: {e}") from None
+        return cls(root, schema, verify)
 
     # --- writing -----------------------------------------------------------------
     def writer(self, client_id: str, fsync: bool = True) -> ShardWriter:
@@ -133,40 +164,83 @@ class Store:
         return read_commit(os.path.join(self.root, "shards", shard))
 
     def shard_episodes(self, shard: str, counts: dict[str, int] | None = None) -> list[EpisodeInfo]:
-        """Committed episode records of one shard (up to ``counts``, default: now)."""
+        """Committed episode records of one shard (up to ``counts``, default: now).
+
+        Raises ``StoreIntegrityError`` when the records do not match ``counts``, fail
+        their checksum, or do not tile the shard's rows in order.
+        """
         c = self.read_commit(shard) if counts is None else counts
         if c["episodes"] == 0:
             return []
-        with open(os.path.join(self.root, "shards", shard, "episodes.jsonl"), "rb") as f:
-            lines = f.read(c["meta_bytes"]).decode().splitlines()
-        if len(lines) != c["episodes"]:
-            raise StoreError(f"shard {shard!r}: {len(lines)} metadata records, commit says {c['episodes']}")
-        return [EpisodeInfo.from_record(json.loads(line)) for line in lines]
+        path = os.path.join(self.root, "shards", shard, "episodes.jsonl")
+        try:
+            with open(path, "rb") as f:
+                data = f.read(c["meta_bytes"])
+        except FileNotFoundError:
+            raise StoreIntegrityError(f"{path}: missing, yet {c['episodes']} episodes are committed") from None
+        lines = data.split(b"\n")
+        if len(data) != c["meta_bytes"] or lines[-1] or len(lines) - 1 != c["episodes"]:
+            raise StoreIntegrityError(
+                f"{path}: {len(data)} bytes in {len(lines) - 1} complete records, commit says "
+                f"{c['meta_bytes']} bytes in {c['episodes']}"
+            )
+        episodes, steps = [], 0
+        for i, line in enumerate(lines[:-1]):
+            try:
+                ep = EpisodeInfo.from_record(decode_record(line))
+            except (ValueError, KeyError, TypeError) as e:
+                raise StoreIntegrityError(f"{path}: record of episode {shard}/{i} is damaged: {e!r}") from None
+            if (ep.client_id, ep.episode, ep.step_start, ep.obs_start) != (shard, i, steps, steps + i) or ep.length < 1:
+                raise StoreIntegrityError(f"{path}: record of episode {shard}/{i} does not follow the one before it")
+            episodes.append(ep)
+            steps += ep.length
+        if steps != c["steps"]:
+            raise StoreIntegrityError(f"{path}: episodes hold {steps} steps, commit says {c['steps']}")
+        return episodes
 
     # --- snapshots ---------------------------------------------------------------
-    def snapshot(self, snapshot_id: str | None = None) -> "Snapshot":
+    def snapshot(self, snapshot_id: str | None = None, *, verify: bool | None = None, record: bool = True) -> "Snapshot":
         """A consistent view of every shard's committed episodes.
 
-        With no id, take a new snapshot of what is committed now (and record it so
-        its id can be reopened later). With an id, reopen exactly that snapshot.
+        With no id, take a new snapshot of what is committed now. With an id, reopen
+        exactly that snapshot.
+
+        Args:
+            verify: check each episode's checksum when its data is read
+                (``StoreIntegrityError`` naming the episode); default: the store's.
+            record: write the new snapshot's record into ``snapshots/`` so its id can
+                be reopened later. Skipped where the store is not writable (the
+                snapshot's ``recorded`` is then False): reading never needs write access.
         """
+        verify = self.verify if verify is None else verify
         if snapshot_id is not None:
             check_name(snapshot_id, "snapshot id")
             path = os.path.join(self.root, "snapshots", f"{snapshot_id}.json")
             if not os.path.exists(path):
                 raise StoreError(f"unknown snapshot id {snapshot_id!r} in store {self.root}")
-            with open(path) as f:
-                counts = json.load(f)["shards"]
-            return Snapshot(self, snapshot_id, counts)
+            try:
+                with open(path, "rb") as f:
+                    counts = json.loads(f.read())["shards"]
+                counts = {str(s): {k: int(c[k]) for k in ("episodes", "steps", "meta_bytes")} for s, c in counts.items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise StoreIntegrityError(f"{path}: damaged snapshot record: {e!r}") from None
+            return Snapshot(self, snapshot_id, counts, verify=verify)
         counts = {s: self.read_commit(s) for s in self.shards()}
         counts = {s: c for s, c in counts.items() if c["episodes"] > 0}
         digest = hashlib.sha256(json.dumps(counts, sort_keys=True).encode()).hexdigest()[:16]
         snapshot_id = f"snap-{digest}"
+        snap = Snapshot(self, snapshot_id, counts, verify=verify)
         path = os.path.join(self.root, "snapshots", f"{snapshot_id}.json")
-        if not os.path.exists(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            write_json_atomic(path, {"shards": counts}, fsync=False)
-        return Snapshot(self, snapshot_id, counts)
+        snap.recorded = os.path.exists(path)
+        if record and not snap.recorded:
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                write_json_atomic(path, {"shards": counts}, fsync=False)
+                snap.recorded = True
+            except OSError as e:
+                if e.errno not in _READ_ONLY:
+                    raise
+        return snap
 
     def size_bytes(self) -> int:
         """Bytes on disk under the store root."""
@@ -181,15 +255,30 @@ class Snapshot:
 
     Committed rows are never rewritten, so a snapshot reopened by id later sees
     byte-identical data.
+
+    Args:
+        store: the store.
+        snapshot_id: its id.
+        counts: shard -> committed counts it covers.
+        verify: ``load`` and ``load_shard`` check the checksum of every episode they
+            read and raise ``StoreIntegrityError`` naming the first that fails.
+
+    Attributes:
+        recorded: whether ``snapshots/<id>.json`` exists, so ``store.snapshot(id)``
+            can reopen it.
     """
 
-    def __init__(self, store: Store, snapshot_id: str, counts: dict[str, dict[str, int]]):
+    def __init__(self, store: Store, snapshot_id: str, counts: dict[str, dict[str, int]], verify: bool = True):
         self.store = store
         self.id = snapshot_id
         self.counts = counts
+        self.verify = verify
+        self.recorded = True
         self._episodes: list[EpisodeInfo] = []
+        self._by_shard: dict[str, list[EpisodeInfo]] = {}
         for shard, c in sorted(counts.items()):
-            self._episodes.extend(store.shard_episodes(shard, c))
+            self._by_shard[shard] = store.shard_episodes(shard, c)
+            self._episodes.extend(self._by_shard[shard])
         self._arrays: dict[str, dict[str, zarr.Array]] = {}
 
     def __len__(self) -> int:
@@ -264,28 +353,69 @@ class Snapshot:
         ``timestamp``, ``behavior_logprob``) and ``info``.
         """
         shard, T, s0, o0 = episode.client_id, episode.length, episode.step_start, episode.obs_start
-        out: dict[str, Any] = {"obs": {k: self._read(shard, f"obs/{k}", o0, o0 + T + 1) for k in self.store.schema.observations}}
-        out["action"] = self._read(shard, "action", s0, s0 + T)
-        out["extras"] = {k: self._read(shard, f"extras/{k}", s0, s0 + T) for k in self.store.schema.extras}
-        out.update(_split_table(self._read(shard, "step", s0, s0 + T)))
+        schema = self.store.schema
+        ranges = {f"obs/{k}": (o0, o0 + T + 1) for k in schema.observations}
+        ranges.update({"action": (s0, s0 + T), "step": (s0, s0 + T)})
+        ranges.update({f"extras/{k}": (s0, s0 + T) for k in schema.extras})
+        arrays = self._read_checked(shard, ranges, episode.key)
+        if self.verify:
+            self._check(episode, arrays)
+        out: dict[str, Any] = {"obs": {k: arrays[f"obs/{k}"] for k in schema.observations}}
+        out["action"] = arrays["action"]
+        out["extras"] = {k: arrays[f"extras/{k}"] for k in schema.extras}
+        out.update(_split_table(arrays["step"]))
         out["info"] = episode
         return out
+
+    def _read_checked(self, shard: str, ranges: dict[str, tuple[int, int]], what: str) -> dict[str, np.ndarray]:
+        """Rows ``lo..hi`` of each named array; any failure to decode them (a damaged
+        file makes zarr or the codec raise almost anything) as ``StoreIntegrityError``."""
+        try:
+            return {name: self._read(shard, name, lo, hi) for name, (lo, hi) in ranges.items()}
+        except (StoreError, InvalidNameError):
+            raise
+        except Exception as e:
+            raise StoreIntegrityError(f"{what}: data unreadable in store {self.store.root}: {e!r}") from e
+
+    def _check(self, episode: EpisodeInfo, arrays: dict[str, np.ndarray]) -> None:
+        if episode_checksum(arrays) != episode.checksum:
+            raise StoreIntegrityError(
+                f"episode {episode.key} fails its checksum: its data changed after commit "
+                f"(`robo-post store validate {self.store.root}` lists every damaged episode)"
+            )
 
     def load_shard(self, shard: str) -> dict[str, Any]:
         """Every committed row of a shard in one read: ``obs``, ``action``, ``step`` table,
         ``extras`` (name -> rows; empty when the schema declares none)."""
         self._shard_arrays(shard)  # typed error for a shard outside the snapshot
         c = self.counts[shard]
-        n_obs = c["steps"] + c["episodes"]
+        n_obs, schema = c["steps"] + c["episodes"], self.store.schema
+        ranges = {f"obs/{k}": (0, n_obs) for k in schema.observations}
+        ranges.update({"action": (0, c["steps"]), "step": (0, c["steps"])})
+        ranges.update({f"extras/{k}": (0, c["steps"]) for k in schema.extras})
+        arrays = self._read_checked(shard, ranges, f"shard {shard}")
+        if self.verify:
+            for ep in self._by_shard[shard]:
+                T, s0, o0 = ep.length, ep.step_start, ep.obs_start
+                self._check(ep, {
+                    name: rows[o0 : o0 + T + 1] if name.startswith("obs/") else rows[s0 : s0 + T]
+                    for name, rows in arrays.items()
+                })
         return {
-            "obs": {k: self._read(shard, f"obs/{k}", 0, n_obs) for k in self.store.schema.observations},
-            "action": self._read(shard, "action", 0, c["steps"]),
-            "step": self._read(shard, "step", 0, c["steps"]),
-            "extras": {k: self._read(shard, f"extras/{k}", 0, c["steps"]) for k in self.store.schema.extras},
+            "obs": {k: arrays[f"obs/{k}"] for k in schema.observations},
+            "action": arrays["action"],
+            "step": arrays["step"],
+            "extras": {k: arrays[f"extras/{k}"] for k in schema.extras},
         }
 
     def __iter__(self) -> Iterator[EpisodeInfo]:
         return iter(self._episodes)
+
+
+def _schema_crc(meta: dict[str, Any]) -> int:
+    """CRC32C of a schema's JSON in a canonical form (sorted keys), as kept in ``store.json``."""
+    normal = json.loads(json.dumps(meta))  # keys as JSON gives them back (strings), so they sort
+    return crc32c.crc32c(json.dumps(normal, sort_keys=True).encode())
 
 
 def _split_table(table: np.ndarray) -> dict[str, np.ndarray]:

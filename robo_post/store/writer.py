@@ -42,11 +42,13 @@ import numpy as np
 import zarr
 
 from robo_post.store.chunks import SyncSet, new_array, open_appender, pwrite_all
-from robo_post.store.commit import CommitRecord
+from robo_post.store.commit import CommitRecord, inspect_commit
 from robo_post.store.schema import (
+    MAX_EXACT_INT,
     STEP_COLUMNS,
     ArraySpec,
     EpisodeValidationError,
+    ShardDamagedError,
     ShardLockedError,
     check_name,
     check_role,
@@ -74,6 +76,31 @@ def write_json_atomic(path: str, obj: Any, fsync: bool = True) -> None:
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+# An episode record (one line of episodes.jsonl) ends with this key and the CRC32C of
+# the line's bytes before it, so a changed byte in the metadata is caught on read.
+META_CRC_KEY = "meta_crc32c"
+_META_CRC_SUFFIX = f', "{META_CRC_KEY}": '.encode()
+
+
+def encode_record(meta: Mapping[str, Any]) -> bytes:
+    """One ``episodes.jsonl`` line: ``meta`` as JSON, its CRC32C appended as the last key."""
+    body = json.dumps(meta, allow_nan=False)[:-1].encode()  # without the closing brace
+    return body + _META_CRC_SUFFIX + str(crc32c.crc32c(body)).encode() + b"}\n"
+
+
+def decode_record(line: bytes) -> dict[str, Any]:
+    """Parse one ``episodes.jsonl`` line (without its newline), checking its CRC32C when
+    it has one (records of earlier releases do not). Raises ``ValueError``."""
+    record = json.loads(line)
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    if META_CRC_KEY in record:
+        cut = line.rfind(_META_CRC_SUFFIX)
+        if cut < 0 or record[META_CRC_KEY] != crc32c.crc32c(line[:cut]):
+            raise ValueError("record fails its checksum")
+    return record
 
 
 def time_chunk(spec: ArraySpec) -> int:
@@ -134,7 +161,10 @@ class ShardWriter:
     # --- recovery -----------------------------------------------------------
     def _recover(self) -> None:
         """Open (or create) the shard and drop anything past the last commit."""
-        commit = self.store.read_commit(self.client_id)
+        status = inspect_commit(self.path)
+        if status.problem is not None:  # before any change: truncating the index would drop episodes
+            raise ShardDamagedError(self.client_id, status.problem)
+        commit = status.counts
         self.n_episodes, self.n_steps, self._meta_bytes = commit["episodes"], commit["steps"], commit["meta_bytes"]
         meta_path = os.path.join(self.path, "episodes.jsonl")
         with open(meta_path, "ab") as f:  # creates the file on first open
@@ -321,7 +351,8 @@ class ShardWriter:
         arrays["step"] = table
         arrays.update({f"extras/{k}": v for k, v in extras.items()})
         meta["crc32c"] = episode_checksum(arrays)
-        line = (json.dumps(meta, allow_nan=False) + "\n").encode()
+        meta["fsync"] = self.fsync  # what validate's diagnosis of lost data depends on
+        line = encode_record(meta)
 
         # Nothing in memory advances until the commit record is written: a failure on the
         # way leaves the writer in step with the committed state on disk.
@@ -378,7 +409,8 @@ class ShardWriter:
         flags = table[:, _FLAG_COLS]
         bad[:, _FLAG_COLS] |= (flags != 0) & (flags != 1)
         pv = table[:, _COL["policy_version"]]
-        bad[:, _COL["policy_version"]] |= (pv < 0) | (pv != np.round(pv))
+        # Versions read back as int64 and float64: whole numbers in [0, 2**53) only.
+        bad[:, _COL["policy_version"]] |= (pv < 0) | (pv >= MAX_EXACT_INT) | (pv != np.round(pv))
         if bad.any():
             j = int(np.flatnonzero(bad.any(axis=0))[0])
             i = int(np.flatnonzero(bad[:, j])[0])
@@ -393,12 +425,32 @@ class ShardWriter:
                 raise EpisodeValidationError(name, f"must be a string, got {type(value).__name__}")
         if seed is not None and not isinstance(seed, (int, np.integer)):
             raise EpisodeValidationError("seed", f"must be an int or None, got {seed!r}")
+        if success is not None and not isinstance(success, (bool, np.bool_)):
+            raise EpisodeValidationError("success", f"must be a bool or None, got {success!r}")
+        if policy_version is not None and (
+            isinstance(policy_version, (bool, np.bool_))
+            or not isinstance(policy_version, (int, np.integer))
+            or not 0 <= policy_version < MAX_EXACT_INT
+        ):
+            raise EpisodeValidationError("policy_version", f"must be an int in [0, 2**53), got {policy_version!r}")
+        for name, value in (("start_time", start_time), ("end_time", end_time)):
+            if value is not None and (
+                isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating))
+                or not np.isfinite(value)
+            ):
+                raise EpisodeValidationError(name, f"must be a finite number or None, got {value!r}")
         try:
-            json.dumps(dict(attrs or {}), allow_nan=False)
+            # Must read back equal: JSON turns tuples into lists and keys into strings.
+            if json.loads(json.dumps(dict(attrs or {}), allow_nan=False)) != dict(attrs or {}):
+                raise ValueError("it would not read back equal (tuples or non-string keys?)")
         except (TypeError, ValueError) as e:
             raise EpisodeValidationError("attrs", f"not JSON-serialisable: {e}") from None
         ts = table[:, _COL["timestamp"]]
         pv = table[:, _COL["policy_version"]]
+        with np.errstate(over="ignore"):  # an overflow is refused right below
+            ret = float(table[:, _COL["reward"]].sum())
+        if not np.isfinite(ret):
+            raise EpisodeValidationError("reward", f"the episode's return overflows float64 ({ret})")
         return {
             "episode": self.n_episodes,
             "client_id": self.client_id,
@@ -413,7 +465,7 @@ class ShardWriter:
             "terminated": bool(table[-1, _COL["terminated"]]),
             "start_time": float(ts[0] if start_time is None else start_time),
             "end_time": float(ts[-1] if end_time is None else end_time),
-            "return": float(table[:, _COL["reward"]].sum()),
+            "return": ret,
             "attrs": dict(attrs or {}),
         }
 

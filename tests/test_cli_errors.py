@@ -1,0 +1,128 @@
+"""The command line on user errors: one line naming the option, the value and what is allowed,
+a non-zero exit and nothing written; Ctrl-C; help, `--cfg job`, `config`, `--version`; a
+finished `train` re-run publishes nothing."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from robo_post.fleet.client import read_status
+from robo_post.store import PolicyRegistry
+
+
+def _cli(*args, cwd=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "robo_post.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+BAD = [  # (command, overrides, what the error line must name)
+    ("collect", ["episodes=abc"], ["episodes='abc'", "integer >= 1"]),
+    ("collect", ["fleet.n_clients=0"], ["fleet.n_clients=0", "integer >= 1"]),
+    ("collect", ["+framez=false"], ["framez", "known keys at the top level", "episodes"]),
+    ("collect", ["fleet.overseer.deadline=2"], ["fleet.overseer.deadline=2", "(0, 1]"]),
+    ("collect", ["env=gym"], ["env.name='???'", "non-empty string"]),
+    ("collect", ["episodes=[1,"], ["episodes=[1,"]),  # hydra's own parse error, on one line
+    ("eval", ["episodes_per_task=abc"], ["episodes_per_task='abc'", "integer >= 1"]),
+    ("eval", ["version=newest"], ["version='newest'", "latest"]),
+    ("train", ["algo=nope"], ["algo='nope'", "divl_qam"]),
+    ("train", ["updates=1.5"], ["updates=1.5", "integer >= 1"]),
+    ("train", ["+algo.critic_warmpu=3", "algo=divl_qam"], ["algo.critic_warmpu", "critic_warmup"]),
+    ("report", ["frames=maybe"], ["frames='maybe'", "true | false"]),
+    ("run", ["+bc.model.hiden=3"], ["bc.model.hiden", "hidden_dim"]),
+    ("run", ["lwd.algo=bc_flow"], ["lwd.algo='bc_flow'", "divl_qam"]),
+    pytest.param("train", ["device=cuda"], ["device=cuda but CUDA is not available; use device=cpu or auto"],
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+]
+
+
+@pytest.mark.parametrize("command,overrides,names", BAD, ids=lambda x: " ".join(x) if isinstance(x, list) else x)
+def test_a_bad_value_is_one_line_naming_it_and_writes_nothing(tmp_path, command, overrides, names):
+    paths = {"collect": ["store=s"], "eval": ["store=s", "out_store=e"], "train": ["store=s", "run_dir=r"],
+             "report": ["run_dir=r", "eval_store=e", "out_dir=o"], "run": ["run_dir=r"]}[command]
+    r = _cli(command, *paths, *overrides, cwd=tmp_path)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"robo-post {command}: "), r.stderr
+    assert all(name in lines[0] for name in names), lines[0]
+    assert "Traceback" not in r.stderr + r.stdout
+    assert os.listdir(tmp_path) == []  # no store, run dir or report was created
+
+
+def test_help_anywhere_composes_the_overrides_and_lists_the_group_choices():
+    late = _cli("train", "store=x", "--help", "algo=divl_qam")  # --help among the overrides, before one
+    assert late.returncode == 0, late.stderr
+    assert "algo     bc_flow | divl_qam | drest | fql | iql_qam | sb3   (now: divl_qam)" in late.stdout
+    # divl_qam's settings with their comments, not bc_flow's; the other overrides are listed.
+    assert "critic_warmup: 200       # critic-only updates before the actor moves" in late.stdout
+    assert "configs/algo/bc_flow.yaml" not in late.stdout and late.stdout.rstrip().endswith("store=x")
+    collect = _cli("collect", "-h").stdout
+    assert "env      driving | gym | store | tabletop | any gymnasium id   (now: tabletop)" in collect
+    assert "episodes: 24           # total new episodes across the fleet" in collect
+
+
+def test_cfg_job_and_config_print_the_composed_config_without_running(tmp_path):
+    r = _cli("collect", "--cfg", "job", "store=s", "episodes=3", "env=CartPole-v1", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    cfg = yaml.safe_load(r.stdout)
+    assert (cfg["episodes"], cfg["store"], cfg["env"]["name"]) == (3, "s", "CartPole-v1")
+    cfg = yaml.safe_load(_cli("config", "train", "algo=sb3", "--resolve", cwd=tmp_path).stdout)
+    assert cfg["algo"]["name"] == "sb3" and cfg["checkpoint_every"] == 10000
+    assert _cli("config", "train", "updates=0", cwd=tmp_path).returncode == 2  # checked like a run
+    assert os.listdir(tmp_path) == []
+
+
+def test_version():
+    from importlib.metadata import version
+
+    r = _cli("--version")
+    assert r.returncode == 0 and r.stdout == f"robo-post {version('robo-post')}\n"
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """A `robo-post collect` sent Ctrl-C (SIGINT to its process group, as a terminal does) once its
+    client has committed two episodes: (the store, the exit code, stderr)."""
+    store = str(tmp_path_factory.mktemp("ctrl_c") / "store")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "robo_post.cli", "collect", f"store={store}", "episodes=500", "env.tasks=[reach]",
+         "env.kwargs.render_images=false", "fleet.n_clients=1", "show=false"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    deadline = time.monotonic() + 90
+    while ((read_status(store, "client-0") or {}).get("episodes", 0) < 2 and proc.poll() is None
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    return store, proc.returncode, stderr
+
+
+def test_ctrl_c_is_a_clean_message_and_leaves_a_valid_store(interrupted):
+    store, returncode, stderr = interrupted
+    assert returncode == 130 and stderr.strip() == "robo-post collect: interrupted", stderr
+    r = _cli("store", "validate", store)
+    assert r.returncode == 0 and r.stdout.strip().endswith(" episodes checked, 0 problems"), r.stdout + r.stderr
+    assert int(r.stdout.split()[0]) >= 2  # the committed episodes survived
+
+
+def test_rerunning_a_finished_train_publishes_nothing(interrupted, tmp_path):
+    store = interrupted[0]
+    args = ["train", f"store={store}", f"run_dir={tmp_path / 'run'}", "updates=4", "batch_size=4", "log_every=2",
+            "model.use_images=false", "model.use_text=false", "model.hidden_dim=16", "model.embed_dim=8",
+            "model.flow_steps=2", "prefetch=0", "device=cpu", "show=false", "data.success=null"]
+    first = _cli(*args)
+    assert first.returncode == 0, first.stderr
+    again = _cli(*args)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout) == json.loads(first.stdout) and json.loads(first.stdout)["version"] == 1
+    assert "already done (update 4 of 4, published version 1)" in again.stderr
+    assert PolicyRegistry(store).versions() == [1]
+    more = _cli(*args[:3], "updates=6", *args[4:])  # a larger target continues the run and publishes
+    assert more.returncode == 0 and json.loads(more.stdout)["version"] == 2, more.stderr

@@ -1,0 +1,316 @@
+"""What the store promises about its data: accepted input reads back exactly (or is
+refused), a lost or damaged commit record is detected and repairable, reads verify
+checksums, reading needs no write access, and no damage to any file is read silently."""
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import zarr
+
+from robo_post.store import (
+    EpisodeValidationError,
+    ShardDamagedError,
+    Store,
+    StoreIntegrityError,
+    WindowSampler,
+)
+from robo_post.store.integrity import repair_store, validate_store
+from test_store import tree_hash
+from test_store_append import SCHEMA, clear_chunk, episode, small_chunks, write  # noqa: F401 (fixture)
+
+
+def _obs(T, proprio_dtype=np.float32):
+    return {"proprio": np.zeros((T + 1, 3), proprio_dtype), "image": np.zeros((T + 1, 4, 4, 3), np.uint8)}
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "robo_post.cli", *args], capture_output=True, text=True)
+
+
+# --- 1. accepted input reads back exactly, or is refused naming field and step ------------------
+def _big_obs(T):
+    obs = _obs(T, np.float64)
+    obs["proprio"][2, 1] = 1e39  # finite in float64, inf in float32
+    return {"observations": obs}
+
+
+REFUSED = {  # write_episode keywords for T=4 -> (field, step)
+    "float32_overflow": (_big_obs, "obs/proprio", 2),
+    "success_not_bool": (lambda T: {"success": "no"}, "success", None),
+    "success_int": (lambda T: {"success": 1}, "success", None),
+    "policy_versions_2_63": (lambda T: {"policy_versions": 2**63}, "policy_version", 0),
+    "policy_versions_2_53": (lambda T: {"policy_versions": [0, 2**53, 0, 0]}, "policy_version", 1),
+    "episode_policy_version_2_63": (lambda T: {"policy_version": 2**63}, "policy_version", None),
+    "episode_policy_version_negative": (lambda T: {"policy_version": -1}, "policy_version", None),
+    "start_time_nan": (lambda T: {"start_time": float("nan")}, "start_time", None),
+    "end_time_inf": (lambda T: {"end_time": float("inf")}, "end_time", None),
+    "start_time_string": (lambda T: {"start_time": "noon"}, "start_time", None),
+    "return_overflows": (lambda T: {"rewards": np.full(T, 1e308)}, "reward", None),
+    "attrs_tuple": (lambda T: {"attrs": {"pair": (1, 2)}}, "attrs", None),
+    "attrs_int_key": (lambda T: {"attrs": {1: "x"}}, "attrs", None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_input_that_would_not_read_back_exactly_is_refused(tmp_path, case):
+    store = Store.create(str(tmp_path / "s"), SCHEMA)
+    w = store.writer("a")
+    w.write_episode(_obs(4), np.zeros((4, 2), np.float32))
+    before = tree_hash(store.root)
+    make, field, step = REFUSED[case]
+    kwargs = {"observations": _obs(4), "actions": np.zeros((4, 2), np.float32), **make(4)}
+    with pytest.raises(EpisodeValidationError) as err:
+        w.write_episode(**kwargs)
+    assert (err.value.field, err.value.step) == (field, step), str(err.value)
+    assert tree_hash(store.root) == before
+    assert w.write_episode(_obs(4), np.zeros((4, 2), np.float32)) == 1  # still usable
+
+
+def test_extreme_accepted_values_read_back_exactly(tmp_path):
+    store = Store.create(str(tmp_path / "s"), SCHEMA)
+    obs = _obs(4, np.float64)
+    obs["proprio"][1, 0] = float(np.finfo(np.float32).max)  # the largest float32, given as float64
+    versions = [0, 2**53 - 1, 7, 0]
+    with store.writer("a") as w:
+        w.write_episode(obs, np.zeros((4, 2), np.float32), policy_versions=versions, success=np.bool_(True),
+                        policy_version=2**53 - 1, start_time=1.5, rewards=np.full(4, 1e307), attrs={"k": [1, "x"]})
+    (e,) = store.snapshot()
+    got = store.snapshot().load(e)
+    assert got["obs"]["proprio"][1, 0] == np.finfo(np.float32).max
+    assert got["policy_version"].tolist() == versions
+    assert (e.success, e.policy_version, e.start_time, e.ret, e.attrs) == (True, 2**53 - 1, 1.5, 4e307, {"k": [1, "x"]})
+
+
+# --- 2. lost or damaged commit records: detected, refused, repairable ---------------------------
+def _three_episodes(root):
+    store = Store.create(root, SCHEMA)
+    with store.writer("a") as w:
+        for i, T in enumerate((5, 20, 9)):
+            write(w, i, T)
+    return store
+
+
+def _keys_and_data(store):
+    snap = store.snapshot()
+    return [(e.key, e.attrs["i"], snap.load(e)["obs"]["proprio"].tolist()) for e in snap]
+
+
+def test_a_deleted_commit_record_is_reported_refused_and_repaired(tmp_path, small_chunks):
+    store = _three_episodes(str(tmp_path / "s"))
+    expected = _keys_and_data(store)
+    os.unlink(os.path.join(store.root, "shards", "a", "commit.bin"))
+    before = tree_hash(store.root)
+    with pytest.raises(ShardDamagedError, match="commit.bin is missing"):
+        store.snapshot()
+    with pytest.raises(ShardDamagedError, match="commit.bin is missing"):
+        store.writer("a")  # refused before truncating the episode index
+    assert tree_hash(store.root) == before
+    checked, problems = validate_store(store.root)
+    assert checked == 0 and len(problems) == 1 and "shard a: commit.bin is missing" in problems[0]
+    r = _cli("store", "repair", store.root)
+    assert r.returncode == 0 and "would rebuild commit.bin as 3 episodes (34 steps" in r.stdout, r.stdout + r.stderr
+    assert tree_hash(store.root) == before  # a dry run changes nothing
+    r = _cli("store", "repair", store.root, "--apply")
+    assert r.returncode == 0 and "rebuilt commit.bin as 3 episodes" in r.stdout
+    assert _keys_and_data(store) == expected and validate_store(store.root) == (3, [])
+    assert repair_store(store.root) == []  # healthy now
+    with store.writer("a") as w:
+        assert write(w, 3, 4) == 3
+
+
+def test_a_damaged_newest_commit_slot_is_reported_and_repaired(tmp_path, small_chunks):
+    store = _three_episodes(str(tmp_path / "s"))
+    expected = _keys_and_data(store)
+    shard = os.path.join(store.root, "shards", "a")
+    # Seq 3 (the third commit) went to slot 1.
+    with open(os.path.join(shard, "commit.bin"), "r+b") as f:
+        f.seek(512 + 20)
+        f.write(b"\xff")
+    assert len(store.snapshot()) == 2  # readers fall back to the previous record, as after a torn write
+    checked, problems = validate_store(store.root)
+    assert len(problems) == 1 and "commit.bin slot 1 is damaged" in problems[0]
+    assert "holds 1 complete records past it" in problems[0]
+    with pytest.raises(ShardDamagedError, match="slot 1 is damaged"):
+        store.writer("a")
+    (line,) = repair_store(store.root, apply=True)
+    assert "rebuilt commit.bin as 3 episodes" in line and "the record in use says 2" in line
+    assert _keys_and_data(store) == expected and validate_store(store.root) == (3, [])
+
+
+def test_repair_leaves_out_episodes_whose_data_does_not_verify(tmp_path, small_chunks):
+    store = _three_episodes(str(tmp_path / "s"))
+    os.unlink(os.path.join(store.root, "shards", "a", "commit.bin"))
+    action = zarr.open_array(os.path.join(store.root, "shards", "a", "data", "action"), mode="r+")
+    action[30, 0] = 0.5  # episode 2 (steps 25..33)
+    (line,) = repair_store(store.root, apply=True)
+    assert "as 2 episodes (25 steps" in line and "stops verifying at episode 2 (data of episode 2 fails its checksum)" in line
+    assert [e.key for e in store.snapshot()] == ["a/0", "a/1"] and validate_store(store.root) == (2, [])
+
+
+# --- 3. reads verify checksums by default ---------------------------------------------------------
+def test_reads_verify_each_episode_unless_told_not_to(tmp_path, small_chunks):
+    store = _three_episodes(str(tmp_path / "s"))
+    action = zarr.open_array(os.path.join(store.root, "shards", "a", "data", "action"), mode="r+")
+    action[10, 1] = 0.25  # episode 1
+    snap = store.snapshot()
+    snap.load(snap.episodes()[0])  # the others still read
+    with pytest.raises(StoreIntegrityError, match="episode a/1 fails its checksum"):
+        snap.load(snap.episodes()[1])
+    with pytest.raises(StoreIntegrityError, match="episode a/1 fails its checksum"):
+        WindowSampler.from_snapshot(snap, horizon=2)
+    for trusted in (Store.open(store.root, verify=False).snapshot(), store.snapshot(verify=False)):
+        assert trusted.load(trusted.episodes()[1])["action"][5, 1] == np.float32(0.25)
+        assert len(WindowSampler.from_snapshot(trusted, horizon=2)) == 34
+
+
+# --- 4. reading needs no write access ---------------------------------------------------------------
+# Tests run as root, for whom chmod does not stop writes. An audit hook (sys.addaudithook:
+# every open for writing, rename, unlink, mkdir, ... in this process passes through it)
+# refuses any write under the roots listed here, as a read-only file system would.
+_READ_ONLY_ROOTS: list[str] = []
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+_WRITE_EVENTS = {"os.rename", "os.remove", "os.mkdir", "os.rmdir", "os.truncate", "os.link", "os.symlink", "os.chmod"}
+
+
+def _refuse_writes(event, args):
+    if not _READ_ONLY_ROOTS or not (event == "open" or event in _WRITE_EVENTS):
+        return
+    if event == "open" and not (isinstance(args[2], int) and args[2] & _WRITE_FLAGS):
+        return
+    path = args[0]
+    if isinstance(path, (str, bytes, os.PathLike)):
+        path = os.path.abspath(os.fsdecode(path))
+        if any(path == root or path.startswith(root + os.sep) for root in _READ_ONLY_ROOTS):
+            raise PermissionError(errno.EROFS, "read-only store (simulated)", path)
+
+
+sys.addaudithook(_refuse_writes)
+
+
+def test_a_read_only_store_opens_snapshots_loads_and_samples(tmp_path, small_chunks):
+    store = _three_episodes(str(tmp_path / "s"))
+    old = store.snapshot()
+    expected = _keys_and_data(store)
+    with store.writer("a") as w:
+        write(w, 3, 6)  # so a new snapshot would need a new record
+    before = tree_hash(store.root)
+    subprocess.run(["chmod", "-R", "a-w", store.root], check=True)  # real read-only for non-root runs
+    _READ_ONLY_ROOTS.append(store.root)
+    try:
+        with pytest.raises(PermissionError):  # the simulation works
+            open(os.path.join(store.root, "x"), "w")
+        ro = Store.open(store.root)
+        snap = ro.snapshot()
+        assert len(snap) == 4 and not snap.recorded
+        assert [snap.load(e)["obs"]["proprio"].tolist() for e in snap][:3] == [d for _, _, d in expected]
+        assert len(WindowSampler.from_snapshot(snap, horizon=2)) == 40
+        again = ro.snapshot(old.id)  # recorded while writable
+        assert [(e.key, e.attrs["i"], again.load(e)["obs"]["proprio"].tolist()) for e in again] == expected
+        assert validate_store(store.root) == (4, [])
+    finally:
+        _READ_ONLY_ROOTS.remove(store.root)
+        subprocess.run(["chmod", "-R", "u+w", store.root], check=True)
+    assert tree_hash(store.root) == before
+    assert store.snapshot().recorded  # writable again: recorded
+
+
+# --- 5. messages ----------------------------------------------------------------------------------
+def test_lost_data_of_a_synced_writer_is_not_blamed_on_fsync_false(tmp_path, small_chunks):
+    store = Store.create(str(tmp_path / "s"), SCHEMA)
+    with store.writer("a", fsync=True) as w:
+        for i in range(5):
+            write(w, i, 20)
+    for chunk in (4, 5, 6):
+        clear_chunk(os.path.join(store.root, "shards", "a", "data", "obs", "image"), chunk)
+    _, problems = validate_store(store.root)
+    assert problems == ["a/3: checksum mismatch; so do all the shard's last 2 episodes (3..4), "
+                        "written with fsync=True: the data was damaged or truncated after commit"]
+
+
+def test_a_broken_store_json_is_named(tmp_path):
+    store = Store.create(str(tmp_path / "s"), SCHEMA)
+    path = os.path.join(store.root, "store.json")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(StoreIntegrityError, match=f"{path}: damaged"):
+        Store.open(store.root)
+    r = _cli("store", "validate", store.root)
+    assert r.returncode == 1 and path in r.stderr
+
+
+# --- every file class flipped, truncated, deleted: no silent wrong read -----------------------------
+def _read_everything(root, snapshot_id):
+    """What a reader gets from the store at ``root``: schema, episodes and their data, of a
+    new snapshot and of ``snapshot_id``; a sampler is built too."""
+    store = Store.open(root)
+    out = [store.schema.to_json()]
+    for snap in (store.snapshot(record=False), store.snapshot(snapshot_id)):
+        for e in snap:
+            data = snap.load(e)
+            out.append((e, {k: v for k, v in data.items() if k not in ("obs", "extras", "info")}, data["obs"]))
+        WindowSampler.from_snapshot(snap, horizon=2)
+    return out
+
+
+def _same(a, b):
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
+    return a == b
+
+
+def test_no_damage_to_any_file_is_read_silently(tmp_path, small_chunks):
+    root = str(tmp_path / "s")
+    store = _three_episodes(root)  # shard a: closed, sealed chunks
+    w = store.writer("b")  # shard b: left open, its partial chunks in regions
+    for i, T in enumerate((18, 3)):
+        write(w, 10 + i, T)
+    snapshot_id = store.snapshot().id
+    expected = _read_everything(root, snapshot_id)
+    files = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+    classes = {os.path.basename(f) if not f.startswith("snapshots") else "snapshot" for f in files}
+    assert {"store.json", "commit.bin", "episodes.jsonl", "zarr.json", "c.0.0", "c.0.0.0.0", "snapshot"} <= classes
+    outcomes = {"refused": 0, "unchanged": 0, "reported": 0}
+    silent = []
+    for n, name in enumerate(files):
+        size = os.path.getsize(os.path.join(root, name))
+        positions = {1, size // 3, size // 2, size - 2} | ({20, 512 + 20} if name.endswith("commit.bin") else set())
+        mutations = [("flip", p) for p in sorted(positions) if 0 <= p < size] + [("truncate", size // 2), ("delete", 0)]
+        for kind, at in mutations:
+            copy = str(tmp_path / f"c{n}-{kind}-{at}")
+            shutil.copytree(root, copy)
+            path = os.path.join(copy, name)
+            if kind == "delete":
+                os.unlink(path)
+            else:
+                with open(path, "r+b") as f:
+                    if kind == "truncate":
+                        f.truncate(at)
+                    else:
+                        f.seek(at)
+                        byte = f.read(1)[0]
+                        f.seek(at)
+                        f.write(bytes([byte ^ 0x01]))
+            try:
+                got = _read_everything(copy, snapshot_id)
+            except Exception:  # refused: a reader never gets wrong data
+                outcomes["refused"] += 1
+            else:
+                if _same(got, expected):
+                    outcomes["unchanged"] += 1
+                elif validate_store(copy)[1]:
+                    outcomes["reported"] += 1
+                else:
+                    silent.append((name, kind, at))
+            shutil.rmtree(copy)
+    w.close()
+    assert silent == [], silent
+    assert outcomes["refused"] > 50 and outcomes["reported"] >= 1, outcomes
