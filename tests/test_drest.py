@@ -3,8 +3,6 @@ m(x) and exact evaluation, meta-episode boundaries, and the CLI path to a fleet-
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,6 +12,8 @@ from robo_post.algos.drest import (DReSTConfigError, DReSTReward, MetaEpisodeEnv
 from robo_post.envs.registry import env_spec
 from robo_post.envs.shutdown_grid import (LONG, SHORT, brute_force_max_coins, exact_outcomes, generate_grid, grid_set,
                                           max_coins, sample_outcomes)
+
+from helpers import run_cli
 
 ENV = "robo_post/ShutdownGrid-v0"
 
@@ -195,10 +195,8 @@ def test_default_reward_is_the_raw_score_at_mini_episode_ends():
 
 
 # --- the CLI: train, publish, collect through the fleet ------------------------------------
-def _cli(*args, timeout=300):
-    r = subprocess.run([sys.executable, "-m", "robo_post.cli", *args], capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout
+def _cli(*args: str) -> str:
+    return run_cli(*args).stdout
 
 
 def test_cli_trains_publishes_and_the_fleet_records_meta_episodes(tmp_path):

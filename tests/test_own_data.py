@@ -4,8 +4,6 @@ method, no special flags) and evaluated by gymnasium id, all through the CLI."""
 
 import json
 import os
-import subprocess
-import sys
 
 import gymnasium as gym
 import minari
@@ -14,14 +12,12 @@ import pytest
 
 from robo_post.store import Store
 
+from helpers import run_cli
+
 ENV_ID = "InvertedPendulum-v5"
 
 
-def _cli(*args, timeout=300, ok=True):
-    r = subprocess.run([sys.executable, "-m", "robo_post.cli", *args], capture_output=True, text=True, timeout=timeout)
-    if ok:
-        assert r.returncode == 0, r.stderr[-3000:]
-    return r
+_cli = run_cli
 
 
 def _record(minari_root: str) -> None:

@@ -4,8 +4,6 @@ round-tripped through Minari."""
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 
@@ -13,11 +11,11 @@ from robo_post.fleet.policies import build_policy
 from robo_post.store import PolicyRegistry, Store
 from robo_post.store.integrity import validate_store
 
+from helpers import run_cli
 
-def _cli(*args, timeout=300):
-    r = subprocess.run([sys.executable, "-m", "robo_post.cli", *args], capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout
+
+def _cli(*args: str) -> str:
+    return run_cli(*args).stdout
 
 
 def test_sb3_agent_trains_publishes_and_is_collected_with_discrete_actions(tmp_path):
