@@ -86,8 +86,7 @@ def load_checkpoint(
     rngs: dict[str, np.random.Generator],
 ) -> dict[str, Any]:
     """Restore a checkpoint in place; returns the saved ``state`` dict."""
-    if not os.path.exists(os.path.join(path, STATE)) and os.path.exists(f"{path}.old"):
-        path = f"{path}.old"  # killed between the two renames of save_checkpoint
+    path = _complete(path)
     tensors = load_file(os.path.join(path, TENSORS))
     with open(os.path.join(path, STATE)) as f:
         payload = json.load(f)
@@ -103,6 +102,19 @@ def load_checkpoint(
         if name in payload["numpy_rngs"]:  # a new phase may bring new samplers; they keep their seeds
             rng.bit_generator.state = payload["numpy_rngs"][name]
     return payload["state"]
+
+
+def _complete(path: str) -> str:
+    """``path``, or its ``.old`` copy when the writer was killed between the two renames of ``save_checkpoint``."""
+    if not os.path.exists(os.path.join(path, STATE)) and os.path.exists(f"{path}.old"):
+        return f"{path}.old"
+    return path
+
+
+def checkpoint_state(path: str) -> dict[str, Any]:
+    """The saved ``state`` dict (counters) of a checkpoint, without loading its tensors."""
+    with open(os.path.join(_complete(path), STATE)) as f:
+        return json.load(f)["state"]
 
 
 def has_checkpoint(path: str) -> bool:

@@ -172,19 +172,16 @@ def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig) -> di
     settings but ``show``), else None: re-running a finished run would publish a duplicate
     version trained by 0 more updates. Changed settings (e.g. acting deterministically or
     not) publish the trained weights again under them."""
-    from robo_post.learner.checkpoint import STATE, has_checkpoint
+    from robo_post.learner.checkpoint import checkpoint_state, has_checkpoint
 
     summary_path, ckpt = os.path.join(run_dir, "summary.json"), os.path.join(run_dir, "checkpoint")
-    if not (os.path.exists(summary_path) and has_checkpoint(ckpt)):
+    config_path = os.path.join(run_dir, "config.yaml")
+    if not (os.path.exists(summary_path) and os.path.exists(config_path) and has_checkpoint(ckpt)):
         return None
-    saved = OmegaConf.load(os.path.join(run_dir, "config.yaml")) if os.path.exists(os.path.join(run_dir, "config.yaml")) else None
-    current = OmegaConf.to_container(cfg, resolve=True)
-    if saved is None or {**OmegaConf.to_container(saved), "show": None} != {**current, "show": None}:
+    saved = OmegaConf.to_container(OmegaConf.load(config_path))
+    if {**saved, "show": None} != {**OmegaConf.to_container(cfg, resolve=True), "show": None}:
         return None
-    if not os.path.exists(os.path.join(ckpt, STATE)):
-        ckpt += ".old"  # killed between the two renames of save_checkpoint
-    with open(os.path.join(ckpt, STATE)) as f:
-        done = json.load(f)["state"].get(counter, 0)
+    done = checkpoint_state(ckpt).get(counter, 0)
     if done < target:
         return None
     with open(summary_path) as f:
@@ -208,7 +205,7 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     snap = store.snapshot(cfg.data.snapshot) if cfg.data.snapshot else store.snapshot()
     episodes = select_episodes(snap, cfg.data)
     values = {k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"}
-    if "model" in {f for f in spec.config.__dataclass_fields__}:
+    if "model" in spec.config.__dataclass_fields__:
         arch = ("embed_dim", "hidden_dim", "flow_steps")
         values.setdefault("model", {k: cfg.model[k] for k in arch if cfg.model.get(k) is not None})
     config = spec.make_config(values)

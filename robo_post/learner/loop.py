@@ -10,6 +10,7 @@ bit-for-bit) and shows progress; drivers (``robo_post.learner.drivers``) publish
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -17,7 +18,6 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from importlib import metadata
 from typing import Any, Callable
 
@@ -112,6 +112,8 @@ def train_loop(
 
     Returns the logged metric windows (each the mean over ``log_every`` updates).
     """
+    if amp not in (None, "bf16"):
+        raise ValueError(f"amp must be null or 'bf16', got {amp!r}")
     os.makedirs(run_dir, exist_ok=True)
     ckpt, log_path = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "metrics.jsonl")
     device = next((p.device for m in algo.modules.values() for p in m.parameters()), torch.device("cpu"))
@@ -122,8 +124,6 @@ def train_loop(
         truncate_log(log_path, start)
         if hasattr(algo, "updates"):  # algorithms that schedule on the step count
             algo.updates = start
-    if amp not in (None, "bf16"):
-        raise ValueError(f"amp must be null or 'bf16', got {amp!r}")
     tracker = Tracker(run_dir, tracking, start)
     logged: list[dict[str, float]] = []
     window: dict[str, list[torch.Tensor | float]] = {}
@@ -132,7 +132,7 @@ def train_loop(
     prefetcher = Prefetcher(sample, rngs, prefetch, device) if prefetch and start < updates else None
     next_batch = prefetcher or sample
     checkpoint_rngs = prefetcher.consumed_rngs if prefetcher else lambda: rngs
-    with progress, open(log_path, "a") as log, _closing(prefetcher), tracker:
+    with progress, open(log_path, "a") as log, prefetcher or contextlib.nullcontext(), tracker:
         task = progress.add_task("train", total=updates, completed=start, info="")
         for update in range(start + 1, updates + 1):
             t0 = time.perf_counter()
@@ -162,15 +162,6 @@ def train_loop(
                 save_checkpoint(ckpt, algo.modules, algo.optimizers, checkpoint_rngs(), {"update": update})
             progress.update(task, completed=update)
     return logged
-
-
-@contextmanager
-def _closing(prefetcher: Prefetcher | None):
-    try:
-        yield
-    finally:
-        if prefetcher is not None:
-            prefetcher.close()
 
 
 def window_means(window: dict[str, list[torch.Tensor | float]]) -> dict[str, float]:

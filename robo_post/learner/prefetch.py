@@ -88,6 +88,12 @@ class Prefetcher:
             out[name] = g
         return out
 
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def close(self) -> None:
         self.stop.set()
         self.thread.join(timeout=5)

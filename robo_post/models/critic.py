@@ -14,7 +14,7 @@ with the policy (in LWD, policy, critic and value are separate modules).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,12 +22,12 @@ import torch
 from torch import nn
 
 from robo_post.models.encoders import ObservationEncoder, mlp
-from robo_post.models.features import Feature, features_from_json, features_to_json
+from robo_post.models.features import Feature, FeatureConfigJSON
 from robo_post.models.flow import FlowPolicyConfig
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(FeatureConfigJSON):
     """Architecture of ``CriticNet``.
 
     Attributes:
@@ -61,12 +61,6 @@ class CriticConfig:
             shared["features"] = {k: f for k, f in policy.features.items() if f.role != "image"}
         return cls(**(shared | overrides))
 
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "features": features_to_json(self.features)}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "CriticConfig":
-        return cls(**{**d, "features": features_from_json(d["features"])})
 
 
 class CriticNet(nn.Module):

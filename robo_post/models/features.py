@@ -125,6 +125,17 @@ def features_from_json(d: Mapping[str, Mapping[str, Any]]) -> dict[str, Feature]
     return {k: Feature(v["role"], tuple(v["shape"]), v.get("low", 0), v.get("n", 0)) for k, v in d.items()}
 
 
+class FeatureConfigJSON:
+    """JSON form of a dataclass config whose ``features`` field is a feature spec (saved beside weights)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "features": features_to_json(self.features)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]):
+        return cls(**{**d, "features": features_from_json(d["features"])})
+
+
 def state_features(dim: int, key: str = "state") -> dict[str, Feature]:
     """A single state vector of width ``dim`` (tests, synthetic benchmarks)."""
     return {key: Feature("state", (dim,))}

@@ -14,7 +14,7 @@ the model works on normalised chunks internally.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from robo_post.models.encoders import ObservationEncoder, mlp
-from robo_post.models.features import Feature, features_from_json, features_to_json
+from robo_post.models.features import Feature, FeatureConfigJSON
 
 
 @dataclass
-class FlowPolicyConfig:
+class FlowPolicyConfig(FeatureConfigJSON):
     """Architecture of a flow policy; saved as JSON beside its weights.
 
     Attributes:
@@ -52,12 +52,6 @@ class FlowPolicyConfig:
     action_high: list[float] = field(default_factory=list)
     execute_steps: int | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "features": features_to_json(self.features)}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "FlowPolicyConfig":
-        return cls(**{**d, "features": features_from_json(d["features"])})
 
 
 TIME_FREQS = 4

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any, Callable
 
 import numpy as np
@@ -30,15 +30,11 @@ from robo_post.learner.value_report import write_value_report
 from robo_post.store import (EpisodeInfo, FreshPERConfig, MixedSampler, PolicyRegistry, PrioritizedSampler, Store,
                              WindowSampler)
 
-# lwd.* keys that are the method's own settings (algo.* of `robo-post train`).
-METHOD_KEYS = ("reference_version", "critic_warmup", "best_of_n", "bootstrap_truncated", "critic", "value", "actor",
-               "imitation")
-
-
 def _method_values(cfg: DictConfig, n_step: int) -> dict[str, Any]:
-    values = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
-              for k in METHOD_KEYS}
-    return {**values, "n_step": n_step}
+    """The method's own settings among ``lwd.*`` (``algo.*`` of `robo-post train`), with this phase's ``n_step``."""
+    names = {f.name for f in fields(method_spec(cfg.algo).config)}
+    values = OmegaConf.to_container(cfg, resolve=True)
+    return {**{k: v for k, v in values.items() if k in names}, "n_step": n_step}
 
 
 def offline(store_root: str, run_dir: str, cfg: DictConfig, snapshot: str | None = None) -> dict[str, Any]:
