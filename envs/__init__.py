@@ -1,4 +1,5 @@
-"""Simulated environments (tabletop MuJoCo tasks, driving) and the env registry (``env_spec``)."""
+"""Simulated environments (tabletop MuJoCo tasks, driving, reacher, point mass, shutdown grid) and
+the env registry (``env_spec``)."""
 
 import gymnasium as gym
 
@@ -23,6 +24,20 @@ gym.register(
     max_episode_steps=50,
 )
 
+# Dense-reward Reacher-v5 with an optional fixed target (steering).
+gym.register(
+    id="robo_post/Reacher-v0",
+    entry_point="robo_post.envs.reacher:DenseReacherEnv",
+    max_episode_steps=50,
+)
+
+# 2-D point mass reaching a goal (steering).
+gym.register(
+    id="robo_post/PointMass-v0",
+    entry_point="robo_post.envs.point_mass:PointMassEnv",
+    max_episode_steps=100,
+)
+
 # Shutdown gridworld of DReST (docs/methods.md, section 9): one mini-episode per episode.
 gym.register(
     id="robo_post/ShutdownGrid-v0",
@@ -34,10 +49,14 @@ from robo_post.envs.registry import (  # noqa: E402
     EnvRegistryError,
     EnvSpec,
     NoExpertError,
+    NoPriorError,
+    PriorFactory,
     UnknownEnvError,
+    UnknownExpertModeError,
     UnknownTaskError,
     UnsupportedSpaceError,
     env_spec,
+    make_prior,
     register_env,
     spec_for_env,
 )
@@ -46,10 +65,14 @@ __all__ = [
     "EnvRegistryError",
     "EnvSpec",
     "NoExpertError",
+    "NoPriorError",
+    "PriorFactory",
     "UnknownEnvError",
+    "UnknownExpertModeError",
     "UnknownTaskError",
     "UnsupportedSpaceError",
     "env_spec",
+    "make_prior",
     "register_env",
     "spec_for_env",
 ]

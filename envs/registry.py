@@ -2,9 +2,10 @@
 
 ``env_spec(name_or_id)`` returns an :class:`EnvSpec` for
 
-- robo-post's own envs, by alias (``tabletop``, ``driving``) or gymnasium id
-  (``robo_post/Tabletop-v0``, ...): they come with scripted experts, an overseer,
-  a success rule and, for driving, per-episode metrics;
+- robo-post's own envs, by alias (``tabletop``, ``driving``, ``point_mass``,
+  ``reacher``, ``shutdown_grid``) or gymnasium id (``robo_post/Tabletop-v0``, ...): they
+  come with scripted experts, an overseer, a success rule, for driving per-episode
+  metrics and, for the goal-reaching envs, goal-conditioned priors (``make_prior``);
 - any other id ``gymnasium.make`` accepts (``Hopper-v5``, ``CartPole-v1``,
   ``module:Env-v0``): a generic spec with no expert, no tasks (the single task is
   the id) and the generic success rule (see :func:`generic_success`).
@@ -31,6 +32,9 @@ from robo_post.store.schema import BARE_OBS_KEY
 
 # (env, noise, mode, seed) -> act(obs) -> action; built at every episode start.
 ExpertFactory = Callable[[gym.Env, float, str, "int | None"], Callable[[Mapping[str, Any]], np.ndarray]]
+# env -> prior(batch of flat-dict observations, each key (B, ...)) -> mean actions (B, A), clipped
+# to the action bounds: a deterministic goal-conditioned controller (see EnvSpec.priors).
+PriorFactory = Callable[[gym.Env], Callable[[Mapping[str, np.ndarray]], np.ndarray]]
 # A scalar per-episode metric: bools are rates (Wilson intervals in eval), floats are means.
 Metric = bool | float
 
@@ -58,6 +62,14 @@ class NoExpertError(EnvRegistryError):
 
 class UnknownTaskError(EnvRegistryError):
     """A task the env does not have."""
+
+
+class NoPriorError(EnvRegistryError):
+    """The env has no goal-conditioned prior of that name (or none at all)."""
+
+
+class UnknownExpertModeError(EnvRegistryError):
+    """An expert mode the env's scripted expert does not have."""
 
 
 def generic_success(info: Mapping[str, Any]) -> bool | None:
@@ -108,6 +120,12 @@ class EnvSpec:
         features: default observation-role overrides for models trained on this env's
             data (key -> role, or ``None`` to leave a key out), under the user's
             ``model.features``.
+        priors: goal-conditioned prior controllers by name, each a factory
+            ``env -> prior(obs) -> actions``: given one made env, a deterministic,
+            vectorised function from a batch of flat-dict observations (every key of
+            the env's observation space, each (B, ...)) to the prior's mean actions
+            (B, A) in env units, clipped to the action bounds, toward the goal the
+            observation shows. The first is the default (see :func:`make_prior`).
     """
 
     id: str
@@ -128,6 +146,7 @@ class EnvSpec:
     policy_env_kwargs: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     render_kwargs: Mapping[str, Any] = field(default_factory=lambda: {"render_mode": "rgb_array"})
     features: Mapping[str, str | None] = field(default_factory=dict)
+    priors: Mapping[str, PriorFactory] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -261,6 +280,25 @@ def env_spec(name_or_id: str) -> EnvSpec:
     return _GENERIC[name_or_id]
 
 
+def make_prior(spec_or_name: EnvSpec | str, name: str | None, env: gym.Env
+               ) -> Callable[[Mapping[str, np.ndarray]], np.ndarray]:
+    """The env's goal-conditioned prior ``name`` (``None``: its first) built for ``env``
+    (see :attr:`EnvSpec.priors`).
+
+    Raises:
+        NoPriorError: the env has no priors, or none called ``name``; names the known ones.
+        UnknownEnvError: ``spec_or_name`` is no env.
+    """
+    spec = env_spec(spec_or_name) if isinstance(spec_or_name, str) else spec_or_name
+    if not spec.priors:
+        raise NoPriorError(f"env {spec.key!r} has no goal-conditioned priors")
+    if name is None:
+        name = next(iter(spec.priors))
+    if name not in spec.priors:
+        raise NoPriorError(f"env {spec.key!r} has no prior {name!r}; its priors: {', '.join(spec.priors)}")
+    return spec.priors[name](env)
+
+
 def spec_for_env(env: gym.Env) -> EnvSpec:
     """The spec of a live env: by its gymnasium id when made by ``gymnasium.make``, else by
     matching its class against the entry points of our registered ids."""
@@ -392,4 +430,63 @@ register_env(EnvSpec(
     horizon=1,
     execute_steps=1,
     split_kwarg="split",
+))
+
+
+def _clipped(env: gym.Env, law: Callable[[Mapping[str, np.ndarray]], np.ndarray]
+             ) -> Callable[[Mapping[str, np.ndarray]], np.ndarray]:
+    """``law`` with its actions clipped to ``env``'s action bounds, as float32 (a prior)."""
+    low, high = env.action_space.low, env.action_space.high
+    return lambda obs: np.clip(law(obs), low, high).astype(np.float32)
+
+
+def _expert_from_prior(prior: PriorFactory) -> ExpertFactory:
+    """An expert factory acting with ``prior``'s mean plus seeded Gaussian noise (std
+    ``noise``), clipped to the action bounds: the noise-free expert is the prior."""
+
+    def expert(env: gym.Env, noise: float, mode: str, seed: int | None) -> Callable:
+        if mode != "expert":
+            raise UnknownExpertModeError(f"env {_env_id(env)!r}: its expert has no mode {mode!r}; only 'expert'")
+        mean_of, rng = prior(env), np.random.default_rng(seed)
+        low, high = env.action_space.low, env.action_space.high
+
+        def act(obs: Mapping[str, Any]) -> np.ndarray:
+            mean = mean_of({k: np.asarray(v)[None] for k, v in obs.items()})[0]
+            return np.clip(mean + noise * rng.standard_normal(mean.shape), low, high).astype(np.float32)
+
+        return act
+
+    return expert
+
+
+def _point_mass_goal_pd(env: gym.Env) -> Callable[[Mapping[str, np.ndarray]], np.ndarray]:
+    from robo_post.envs.point_mass import goal_pd
+
+    return _clipped(env, goal_pd)
+
+
+register_env(EnvSpec(
+    id="robo_post/PointMass-v0",
+    name="point_mass",
+    expert=_expert_from_prior(_point_mass_goal_pd),
+    horizon=1,
+    execute_steps=1,
+    priors={"goal_pd": _point_mass_goal_pd},
+))
+
+
+def _reacher_jacobian_transpose(env: gym.Env) -> Callable[[Mapping[str, np.ndarray]], np.ndarray]:
+    from robo_post.envs.reacher import target_controller
+
+    controller = target_controller()
+    return _clipped(env, lambda obs: controller(np.atleast_2d(obs[BARE_OBS_KEY])))
+
+
+register_env(EnvSpec(
+    id="robo_post/Reacher-v0",
+    name="reacher",
+    expert=_expert_from_prior(_reacher_jacobian_transpose),
+    horizon=1,
+    execute_steps=1,
+    priors={"jacobian_transpose": _reacher_jacobian_transpose},
 ))

@@ -25,6 +25,27 @@ class Policy(Protocol):
     def act(self, obs: dict[str, Any], env: Any) -> np.ndarray: ...
 
 
+class MissingExtrasError(ValueError):
+    """The store records per-step extras the running policy does not provide."""
+
+
+def step_extras(policy: Policy, names: Any) -> dict[str, np.ndarray] | None:
+    """The per-step store extras ``names`` from a policy that provides them (``policy.extras()``,
+    e.g. a steered policy's actor and prior distributions); ``None`` when the store declares none.
+
+    Raises:
+        MissingExtrasError: the store declares extras the policy does not give.
+    """
+    if not names:
+        return None
+    given = policy.extras() if hasattr(policy, "extras") else {}
+    missing = sorted(set(names) - set(given))
+    if missing:
+        raise MissingExtrasError(f"the store records extras {missing} per step; policy {type(policy).__name__} "
+                                 "does not provide them (record into a store without those extras)")
+    return {k: given[k] for k in names}
+
+
 class RandomPolicy:
     """Random actions from the env's action space (any space), seeded per episode.
 
@@ -132,6 +153,20 @@ def _sb3_agent(weights: dict[str, torch.Tensor], config: dict[str, Any], device:
     return SB3AgentRunner(SB3Agent.from_artifact(weights, config, device=device))
 
 
+def _gaussian_policy(weights: dict[str, torch.Tensor], config: dict[str, Any], device: str) -> Policy:
+    from robo_post.models.gaussian import GaussianPolicy, GaussianPolicyRunner
+
+    return GaussianPolicyRunner(GaussianPolicy.from_artifact(weights, config), config.get("deterministic", True),
+                                device=device)
+
+
+def _steered_policy(weights: dict[str, torch.Tensor], config: dict[str, Any], device: str) -> Policy:
+    """A frozen actor steered by a goal-conditioned prior (``robo-post steer``)."""
+    from robo_post.steering.policy import SteeredPolicyRunner
+
+    return SteeredPolicyRunner(weights, config, device=device)
+
+
 # (weights, config, device) -> policy
 Builder = Callable[[dict[str, torch.Tensor], dict[str, Any], str], Policy]
 POLICY_KINDS: dict[str, Builder] = {
@@ -142,6 +177,8 @@ POLICY_KINDS: dict[str, Builder] = {
     "flow_ranked": _ranked_flow_policy,
     "sb3": _sb3_policy,
     "sb3_agent": _sb3_agent,
+    "gaussian": _gaussian_policy,
+    "steered": _steered_policy,
 }
 
 

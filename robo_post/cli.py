@@ -260,6 +260,18 @@ def _run(cfg: DictConfig) -> None:
     print(json.dumps(run(cfg), indent=1))
 
 
+def _steer(cfg: DictConfig) -> None:
+    from robo_post.pipelines.steer import steer
+
+    print(json.dumps(steer(cfg), indent=1))
+
+
+def _steer_eval(cfg: DictConfig) -> None:
+    from robo_post.pipelines.steer import steer_eval
+
+    print(json.dumps(steer_eval(cfg), indent=1))
+
+
 # --- dispatch -------------------------------------------------------------------
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "run": ("the main job: demos -> flow BC -> eval -> report (embedded defaults)", _hydra_job("run", _run)),
@@ -267,10 +279,14 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "train": ("train a policy on a store snapshot (algo=bc_flow) and publish it", _hydra_job("train", _train)),
     "eval": ("success rates (95% CI) of pinned policy versions on eval-only seeds", _hydra_job("eval", _eval)),
     "report": ("Markdown/HTML report: success tables, learning curves, rollout frames", _hydra_job("report", _report)),
+    "steer": ("deploy a frozen actor steered by a goal-conditioned prior (PoE, KL-budget selector)",
+              _hydra_job("steer", _steer)),
+    "steer-eval": ("steering grid vs the frozen actor: HELP / FROZEN / HURT, selector vs oracle, heat maps",
+                   _hydra_job("steer-eval", _steer_eval)),
     "store": ("info | validate | repair | export-minari | import-minari: inspect, check, repair, convert a store", _store_main),
     "fleet": ("ros2-bridge | ros2-sim: ROS 2 bridge to a robot, and a simulated robot", _fleet_main),
 }
-JOBS = ("run", "collect", "train", "eval", "report")
+JOBS = ("run", "collect", "train", "eval", "report", "steer", "steer-eval")
 
 
 def _config_main(argv: list[str]) -> int:

@@ -193,6 +193,30 @@ RULES: dict[str, dict[str, Check]] = {
         "eval.from_version": _COUNT, **{f"bc.{k}": c for k, c in _TRAIN.items() if k not in ("store", "run_dir", "device")},
     },
 }
+_STEER_SOURCES = {
+    "actor.kind": choice("registry", "sb3"), "actor.store": text(optional=True), "actor.path": text(optional=True),
+    "actor.algo": text(optional=True), "prior.kind": choice("scripted", "registry"),
+    "prior.quality": choice("good", "degraded", "random_honest", "random_overconfident"),
+    "prior.std": number(0, low_open=True, optional=True), "prior.noise": number(0, optional=True),
+    "prior.random": choice(True, False, optional=True), "prior.seed": _COUNT0, "prior.store": text(optional=True),
+    "device": device, "seed": _COUNT0, "env.name": text(),
+}
+_ALPHAS = items(number(0, 1), "alphas in [0, 1)", optional=False)
+RULES["steer"] = {
+    **_STEER_SOURCES, **_FLEET, "store": text(), "episodes": _COUNT, "alpha": number(0, 1),
+    "rule": choice("poe", "klreg", "additive", "prior", "frozen"), "klreg_form": choice("tilt", "geometric"),
+    "additive_form": choice("mix", "residual"), "deterministic": boolean, "selector.kl_budget": number(0, optional=True),
+    "selector.alpha_grid": _ALPHAS, "selector.alpha_max": number(0, 1, optional=True), "selector.episodes": _COUNT,
+    "selector.store": text(optional=True),
+}
+RULES["steer-eval"] = {
+    **_STEER_SOURCES, "episodes": _COUNT, "calibration_episodes": _COUNT, "alpha_grid": _ALPHAS,
+    "kl_budgets": items(number(0), "KL budgets >= 0", optional=False), "alpha_max": number(0, 1, optional=True),
+    "rules": items(choice("poe", "klreg", "additive"), "rules (poe | klreg | additive)", optional=False),
+    "qualities": items(choice("good", "degraded", "random_honest", "random_overconfident"), "prior qualities",
+                       optional=False),
+    "stochastic": boolean, "out_dir": text(), "margin": number(0),
+}
 # `robo-post run` reads `preset.*` through interpolations: check them first, under their own names.
 RULES["run"] = {**{f"preset.{k}": _COUNT0 for k in ("play_episodes", "deploy_episodes", "critic_warmup",
                                                     "online_episodes", "online_updates")},

@@ -31,9 +31,11 @@ import torch
 from robo_post.algos.actor_critic import PAIRS, ActorCritic, ActorCriticConfig
 from robo_post.algos.bc_flow import BCFlow, BCFlowConfig
 from robo_post.algos.drest import DReSTAgent, DReSTConfig
+from robo_post.algos.gaussian_bc import GaussianBC, GaussianBCConfig
 from robo_post.algos.sb3_agent import SB3Agent, SB3AgentConfig
 from robo_post.models.features import Feature
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
+from robo_post.models.gaussian import GaussianPolicyConfig
 
 
 class UnknownMethodError(ValueError):
@@ -96,6 +98,7 @@ class MethodSpec:
     driver: str = "off_policy"
     needs_reference: bool = False
     description: str = ""
+    model_keys: tuple[str, ...] = ("embed_dim", "hidden_dim", "flow_steps")  # train's model.* keys it takes
 
     def make_config(self, values: dict[str, Any]) -> Any:
         """The typed config from ``algo.*`` values; unknown keys are an error naming them."""
@@ -149,6 +152,17 @@ def _build_bc_flow(config: BCFlowConfig, data: DataSpec, device: torch.device, r
     return method
 
 
+def _build_gaussian_bc(config: GaussianBCConfig, data: DataSpec, device: torch.device,
+                       reference: FlowPolicy | None) -> GaussianBC:
+    if data.discrete_actions:
+        raise ValueError("algo=gaussian_bc fits a Gaussian over continuous (Box) actions; this store's actions are discrete")
+    model = GaussianPolicyConfig(features=data.features, action_dim=data.action_dim, use_text=data.use_text,
+                                 action_low=data.action_low, action_high=data.action_high, **config.model)
+    method = GaussianBC(config, model, device)
+    method.policy.set_state_stats(data.state_mean, data.state_std)
+    return method
+
+
 def _actor_critic_builder(name: str) -> Builder:
     value_learner = PAIRS[name][0]
 
@@ -170,6 +184,9 @@ def _actor_critic_builder(name: str) -> Builder:
 
 register_method(MethodSpec("bc_flow", BCFlowConfig, _build_bc_flow,
                            description="flow-matching behaviour cloning of action chunks"))
+register_method(MethodSpec("gaussian_bc", GaussianBCConfig, _build_gaussian_bc,
+                           description="maximum-likelihood BC of a diagonal-Gaussian actor (steerable; a learned prior)",
+                           model_keys=("embed_dim", "hidden_dim")))
 for _name, _description in (("divl_qam", "DIVL categorical value + QAM adjoint matching"),
                             ("iql_qam", "IQL expectile value + QAM adjoint matching"),
                             ("fql", "FQL's TD critic + one-step policy distilled from the BC flow")):

@@ -206,8 +206,7 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     episodes = select_episodes(snap, cfg.data)
     values = {k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"}
     if "model" in spec.config.__dataclass_fields__:
-        arch = ("embed_dim", "hidden_dim", "flow_steps")
-        values.setdefault("model", {k: cfg.model[k] for k in arch if cfg.model.get(k) is not None})
+        values.setdefault("model", {k: cfg.model[k] for k in spec.model_keys if cfg.model.get(k) is not None})
     config = spec.make_config(values)
     reference, parent = (load_reference(store, config.reference_version, device) if spec.needs_reference
                          else (None, None))

@@ -1,0 +1,153 @@
+"""`robo-post steer` and `robo-post steer-eval`: steer a frozen actor with a goal-conditioned prior.
+
+``steer`` builds the steered policy (choosing alpha with the KL-budget selector when
+``selector.kl_budget`` is set), publishes it as a registry version of kind
+``steered`` in the deployment store and runs the fleet pinned to that version; every
+step records the actor's, the prior's and the steered mean and std as store extras.
+
+``steer-eval`` runs the evaluation grid (``robo_post.steering.evaluate``) over prior
+qualities, rules and alphas on paired seeds and writes the report page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from robo_post.envs.registry import env_spec
+from robo_post.fleet.client import make_env, store_schema
+from robo_post.fleet.collect import FleetError, client_configs, env_config, make_launcher
+from robo_post.steering.evaluate import GridConfig, evaluate_prior, format_table, run_episodes, write_report
+from robo_post.steering.poe import select_alpha
+from robo_post.steering.policy import (SteeredPolicy, SteeringConfig, build_source, extra_specs, resolve_source,
+                                       steered_artifact)
+from robo_post.steering.sources import QUALITIES, SteeringSourceError
+from robo_post.store.registry import PolicyRegistry
+from robo_post.store.store import Store
+
+
+def _container(node: Any) -> dict[str, Any]:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+
+
+def _sources(cfg: DictConfig, env: Any, prior_cfg: dict[str, Any] | None = None):
+    """(actor artifact, prior artifact, actor source, prior source), checked against the env's action space."""
+    actor_art = resolve_source(_container(cfg.actor), "actor")
+    prior_art = resolve_source(prior_cfg or _container(cfg.prior), "prior")
+    actor = build_source(*actor_art, env, cfg.device)
+    prior = build_source(*prior_art, env, cfg.device)
+    obs, _ = env.reset(seed=0)
+    batch = {k: np.asarray(v)[None] for k, v in obs.items()}
+    for what, source in (("actor", actor), ("prior", prior)):
+        shape = tuple(source.distribution(batch).mean.shape[1:])
+        if shape != env.action_space.shape:
+            raise SteeringSourceError(f"{what} acts in shape {shape}; the env's actions are {env.action_space.shape}")
+    return actor_art, prior_art, actor, prior
+
+
+def _visited_states(cfg: DictConfig, env_cfg: dict[str, Any], task: str | None, actor: Any, spec: Any
+                    ) -> dict[str, np.ndarray]:
+    """States the selector reads: the observations of ``selector.store``'s episodes, else those the
+    frozen actor visits in ``selector.episodes`` calibration episodes (seeds apart from the fleet's)."""
+    if cfg.selector.store:
+        snap = Store.open(cfg.selector.store).snapshot(record=False)
+        episodes = list(snap.episodes())
+        if not episodes:
+            raise SteeringSourceError(f"selector.store {cfg.selector.store} has no episodes to read states from")
+        loaded = [snap.load(e)["obs"] for e in episodes]
+        return {k: np.concatenate([o[k] for o in loaded]) for k in loaded[0]}
+    frozen = SteeredPolicy(actor, actor, SteeringConfig("frozen", 0.0), *_bounds(make_env(env_cfg, task)))
+    seeds = [cfg.seed + 7_000_000 + i for i in range(cfg.selector.episodes)]
+    return run_episodes(lambda: make_env(env_cfg, task), frozen.act, frozen.reset, seeds, spec.success,
+                        keep_states=True).states
+
+
+def _bounds(env: Any) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        return env.action_space.low, env.action_space.high
+    finally:
+        env.close()
+
+
+def steer(cfg: DictConfig) -> dict[str, Any]:
+    """Build, publish and deploy a steered policy; returns the deployment summary."""
+    torch.set_num_threads(1)
+    env_cfg, tasks = env_config(cfg)
+    task = tasks[0] if tasks else None
+    spec = env_spec(env_cfg["name"])
+    env = make_env(env_cfg, task)
+    try:
+        actor_art, prior_art, actor, prior = _sources(cfg, env)
+    finally:
+        env.close()
+    alpha, selection = float(cfg.alpha), None
+    if cfg.selector.kl_budget is not None:
+        states = _visited_states(cfg, env_cfg, task, actor, spec)
+        with torch.no_grad():
+            alpha, kls = select_alpha(actor.distribution(states), prior.distribution(states), cfg.selector.alpha_grid,
+                                      cfg.selector.kl_budget, cfg.selector.alpha_max)
+        selection = {"kl_budget": cfg.selector.kl_budget, "alpha_grid": list(cfg.selector.alpha_grid),
+                     "kl_curve": kls, "states": len(next(iter(states.values())))}
+    steering = SteeringConfig(cfg.rule, alpha, cfg.klreg_form, cfg.additive_form, cfg.deterministic)
+
+    schema = store_schema(env_cfg, task)
+    schema = dataclasses.replace(schema, extras=extra_specs(int(np.prod(schema.action.shape))))
+    store = Store.create(cfg.store, schema, exist_ok=True)
+    version = PolicyRegistry(store.root).publish(*steered_artifact(actor_art, prior_art, steering, spec.key,
+                                                                   selection=selection))
+    fleet_cfg = cfg.copy()
+    with open_dict(fleet_cfg):  # clients pinned to the steered version (`policy` is never run)
+        fleet_cfg.policy = {"kind": "random"}
+        fleet_cfg.fleet.policy_version = version
+    configs = client_configs(fleet_cfg, store)
+    before = {c.client_id: store.read_commit(c.client_id)["episodes"] for c in configs}
+    statuses = make_launcher(fleet_cfg, configs).run(show=cfg.show)
+    failed = {s["client_id"]: (s.get("last_error") or s.get("state")) for s in statuses if s.get("state") != "done"}
+    if failed:
+        raise FleetError(f"steered clients did not finish (logs in {store.root}/fleet/): {failed}")
+    episodes = [e for c in configs for e in store.shard_episodes(c.client_id)[before[c.client_id]:]]
+    judged = [e.success for e in episodes if e.success is not None]
+    summary = {"version": version, "store": store.root, "steering": dataclasses.asdict(steering),
+               "selection": selection, "episodes": len(episodes),
+               "mean_return": float(np.mean([e.ret for e in episodes])) if episodes else None,
+               "success": float(np.mean(judged)) if judged else None}
+    os.makedirs(os.path.join(store.root, "steer"), exist_ok=True)
+    with open(os.path.join(store.root, "steer", f"v{version}.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+def steer_eval(cfg: DictConfig) -> dict[str, Any]:
+    """The evaluation grid for every prior quality in ``qualities``; writes the report page."""
+    torch.set_num_threads(1)
+    env_cfg, tasks = env_config(cfg)
+    task = tasks[0] if tasks else None
+    spec = env_spec(env_cfg["name"])
+    grid = GridConfig(rules=tuple(cfg.rules), alpha_grid=tuple(cfg.alpha_grid), kl_budgets=tuple(cfg.kl_budgets),
+                      alpha_max=cfg.alpha_max, episodes=cfg.episodes, calibration_episodes=cfg.calibration_episodes,
+                      stochastic=cfg.stochastic, margin=cfg.margin, seed=cfg.seed)
+    base_prior = _container(cfg.prior)
+    qualities = list(cfg.qualities) if base_prior.get("kind") == "scripted" else [base_prior.get("kind", "prior")]
+    unknown = sorted(set(qualities) - set(QUALITIES)) if base_prior.get("kind") == "scripted" else []
+    if unknown:
+        raise SteeringSourceError(f"unknown prior qualities {unknown}; known: {sorted(QUALITIES)}")
+    results = {}
+    for quality in qualities:
+        prior_cfg = {**base_prior, "quality": quality} if base_prior.get("kind") == "scripted" else base_prior
+        env = make_env(env_cfg, task)
+        try:
+            _, _, actor, prior = _sources(cfg, env, prior_cfg)
+            low, high = env.action_space.low, env.action_space.high
+        finally:
+            env.close()
+        results[quality] = evaluate_prior(lambda: make_env(env_cfg, task), actor, prior, low, high, spec.success, grid)
+        if cfg.show:
+            print(format_table({quality: results[quality]}), flush=True)
+    page = write_report(results, grid, cfg.out_dir, f"Steering on {spec.key}")
+    return {"report": page, "json": os.path.join(cfg.out_dir, "steering.json")}

@@ -1,0 +1,253 @@
+"""Evaluation of steering: per (prior quality, rule, alpha) cell against the frozen actor on the same seeds.
+
+Every arm runs the same episode seeds in lockstep (one batched policy call per step
+over the live episodes), so arm - frozen differences are paired. A cell is
+
+- HELP when the paired-bootstrap 95% CI of the mean return difference lies above 0,
+- HURT when it lies below 0,
+- FROZEN (a tie with the frozen actor) otherwise;
+
+with an equivalence ``margin`` (a fraction of |frozen mean return|), the CI must clear +-margin.
+The oracle alpha is the alpha (0 = frozen, or one of the grid) with the best mean
+PoE return; the oracle set adds every alpha whose paired CI against it does not lie
+below -margin (statistically tied with the best). The KL-budget selector's alpha is
+chosen from states the frozen actor visits on separate calibration seeds, without
+returns, and scored by its distance in grid steps to the oracle set.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from robo_post.steering.poe import select_alpha
+from robo_post.steering.policy import SteeredPolicy, SteeringConfig
+from robo_post.steering.sources import Source
+
+LABELS = ("HELP", "FROZEN", "HURT")
+
+
+@dataclass
+class Rollouts:
+    """Per-episode returns and successes (None where the env defines none) of one arm."""
+
+    returns: np.ndarray
+    successes: np.ndarray | None
+    states: dict[str, np.ndarray] | None = None  # every visited observation, when asked for
+
+
+def run_episodes(make_env: Callable[[], Any], act: Callable[[dict[str, np.ndarray]], np.ndarray],
+                 reset: Callable[[int], None], seeds: Sequence[int], success: Callable[[Mapping[str, Any]], Any],
+                 keep_states: bool = False) -> Rollouts:
+    """Run one episode per seed in lockstep: ``act`` gets the stacked observations of the episodes
+    still running. ``reset(seed)`` reseeds the policy once (its noise is drawn per batch row)."""
+    envs = [make_env() for _ in seeds]
+    reset(int(seeds[0]))
+    obs = [env.reset(seed=int(s))[0] for env, s in zip(envs, seeds)]
+    returns, succ = np.zeros(len(seeds)), [None] * len(seeds)
+    live = list(range(len(seeds)))
+    states: dict[str, list[np.ndarray]] = {}
+    while live:
+        batch = {k: np.stack([obs[i][k] for i in live]) for k in obs[live[0]]}
+        if keep_states:
+            for k, v in batch.items():
+                states.setdefault(k, []).append(v)
+        actions = act(batch)
+        still = []
+        for row, i in enumerate(live):
+            obs[i], reward, terminated, truncated, info = envs[i].step(actions[row])
+            returns[i] += float(reward)
+            if terminated or truncated:
+                succ[i] = success(info)
+            else:
+                still.append(i)
+        live = still
+    for env in envs:
+        env.close()
+    successes = None if any(s is None for s in succ) else np.asarray(succ, dtype=float)
+    return Rollouts(returns, successes, {k: np.concatenate(v) for k, v in states.items()} if keep_states else None)
+
+
+def paired_bootstrap(diff: np.ndarray, n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """Mean of paired differences and its percentile-bootstrap 95% CI."""
+    rng = np.random.default_rng(seed)
+    means = diff[rng.integers(0, len(diff), size=(n_boot, len(diff)))].mean(1)
+    return float(diff.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def label(low: float, high: float, margin: float = 0.0) -> str:
+    """HELP / HURT when the CI clears +-margin, else FROZEN."""
+    return "HELP" if low > margin else "HURT" if high < -margin else "FROZEN"
+
+
+@dataclass
+class GridConfig:
+    """What the evaluation grid runs.
+
+    Attributes:
+        rules: composition rules swept over the alpha grid (``prior`` and ``frozen`` run once).
+        alpha_grid: alphas of the sweep and of the selector.
+        kl_budgets: selector budgets (one arm each).
+        alpha_max: selector cap (``None``: the largest grid alpha).
+        episodes: evaluation episodes per arm (the same seeds for every arm).
+        calibration_episodes: frozen-actor episodes, on other seeds, whose states the selector reads.
+        stochastic: also run PoE and KL-Reg sampled (seeded) at every alpha.
+        margin: equivalence margin of the labels, as a fraction of |frozen mean return| (0: the CI vs 0).
+        seed: base seed of the episodes.
+    """
+
+    rules: tuple[str, ...] = ("poe", "klreg", "additive")
+    alpha_grid: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    kl_budgets: tuple[float, ...] = (0.5, 2.0)
+    alpha_max: float | None = None
+    episodes: int = 200
+    calibration_episodes: int = 20
+    stochastic: bool = True
+    margin: float = 0.0
+    seed: int = 1_000_003
+
+
+def evaluate_prior(make_env: Callable[[], Any], actor: Source, prior: Source, low: np.ndarray, high: np.ndarray,
+                   success: Callable[[Mapping[str, Any]], Any], grid: GridConfig) -> dict[str, Any]:
+    """Every arm of the grid for one prior: returns, successes, HELP/FROZEN/HURT labels, selector vs oracle."""
+    seeds = [grid.seed + i for i in range(grid.episodes)]
+
+    def arm(rule: str, alpha: float, deterministic: bool = True, keep_states: bool = False,
+            on: Sequence[int] = seeds) -> Rollouts:
+        policy = SteeredPolicy(actor, prior, SteeringConfig(rule, alpha, deterministic=deterministic), low, high)
+        return run_episodes(make_env, policy.act, policy.reset, on, success, keep_states)
+
+    frozen = arm("frozen", 0.0)
+    margin = grid.margin * abs(float(frozen.returns.mean()))
+    cells: list[dict[str, Any]] = []
+
+    def cell(name: str, rule: str, alpha: float | None, r: Rollouts, **more: Any) -> dict[str, Any]:
+        mean, low_ci, high_ci = paired_bootstrap(r.returns - frozen.returns)
+        row = {"arm": name, "rule": rule, "alpha": alpha, "return": float(r.returns.mean()),
+               "success": None if r.successes is None else float(r.successes.mean()),
+               "diff": mean, "ci": [low_ci, high_ci], "label": label(low_ci, high_ci, margin), **more}
+        cells.append(row)
+        return row
+
+    cell("frozen", "frozen", 0.0, frozen)
+    cell("prior", "prior", 1.0, arm("prior", 1.0))
+    poe_returns = {0.0: frozen.returns}
+    det_gap = 0.0
+    for rule in grid.rules:
+        for alpha in grid.alpha_grid:
+            r = arm(rule, alpha)
+            cell(f"{rule}", rule, alpha, r)
+            if rule == "poe":
+                poe_returns[alpha] = r.returns
+            if rule == "klreg" and "poe" in grid.rules:
+                poe = next(c for c in cells if c["rule"] == "poe" and c["alpha"] == alpha)
+                det_gap = max(det_gap, abs(poe["return"] - float(r.returns.mean())))
+            if grid.stochastic and rule in ("poe", "klreg"):
+                cell(f"{rule}_sampled", rule, alpha, arm(rule, alpha, deterministic=False))
+    # The selector reads states the frozen actor visits on calibration seeds (never the eval seeds).
+    calibration = arm("frozen", 0.0, keep_states=True,
+                      on=[grid.seed + 10 * grid.episodes + i for i in range(grid.calibration_episodes)])
+    with torch.no_grad():
+        actor_d, prior_d = actor.distribution(calibration.states), prior.distribution(calibration.states)
+    oracle = max(poe_returns, key=lambda a: poe_returns[a].mean())
+    tied = sorted(a for a, r in poe_returns.items()
+                  if paired_bootstrap(r - poe_returns[oracle])[2] >= -margin)  # CI not below -margin
+    steps = [0.0, *sorted(grid.alpha_grid)]
+    selectors = []
+    for budget in grid.kl_budgets:
+        alpha, kls = select_alpha(actor_d, prior_d, grid.alpha_grid, budget, grid.alpha_max)
+        row = cell(f"selector_{budget:g}", "poe", alpha, arm("poe", alpha) if alpha > 0 else frozen, kl_budget=budget)
+        row |= {"kl_curve": kls, "oracle_alpha": oracle, "oracle_set": tied,
+                "steps_from_oracle": min(abs(steps.index(alpha) - steps.index(a)) for a in tied)}
+        selectors.append(row)
+    return {"cells": cells, "oracle_alpha": oracle, "oracle_set": tied, "margin": margin,
+            "deterministic_poe_klreg_gap": det_gap, "selectors": selectors}
+
+
+def heatmap_png(results: Mapping[str, Mapping[str, Any]], rule: str, grid: Sequence[float], title: str) -> bytes:
+    """A (prior quality x alpha) heat map of mean return difference vs frozen, cells marked H/F/X."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    qualities = list(results)
+    values = np.full((len(qualities), len(grid)), np.nan)
+    marks = [[""] * len(grid) for _ in qualities]
+    for i, q in enumerate(qualities):
+        for c in results[q]["cells"]:
+            if c["arm"] == rule and c["alpha"] in grid:
+                j = list(grid).index(c["alpha"])
+                values[i, j] = c["diff"]
+                marks[i][j] = {"HELP": "H", "FROZEN": "F", "HURT": "X"}[c["label"]]
+    scale = np.nanmax(np.abs(values)) or 1.0
+    fig, ax = plt.subplots(figsize=(1.2 * len(grid) + 2.5, 0.6 * len(qualities) + 1.5))
+    im = ax.imshow(values, cmap="RdYlGn", vmin=-scale, vmax=scale, aspect="auto")
+    for i in range(len(qualities)):
+        for j in range(len(grid)):
+            ax.text(j, i, f"{marks[i][j]}\n{values[i, j]:+.1f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(grid)), [f"{a:g}" for a in grid])
+    ax.set_yticks(range(len(qualities)), qualities)
+    ax.set_xlabel("alpha")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, label="return - frozen")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write_report(results: Mapping[str, Mapping[str, Any]], grid: GridConfig, out_dir: str, title: str) -> str:
+    """``steering.json`` and ``steering.html`` (heat map per rule, cell table, selector vs oracle) in ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "steering.json"), "w") as f:
+        json.dump({"title": title, "results": results}, f, indent=1)
+    parts = [f"<html><head><meta charset='utf-8'><title>{title}</title></head><body><h1>{title}</h1>",
+             "<p>H = HELP, F = FROZEN (tie), X = HURT: paired-bootstrap 95% CI of the return difference "
+             f"against the frozen actor on the same {grid.episodes} seeds.</p>"]
+    for rule in grid.rules:
+        png = base64.b64encode(heatmap_png(results, rule, grid.alpha_grid, f"{rule}: return - frozen")).decode()
+        parts.append(f"<h2>{rule}</h2><img src='data:image/png;base64,{png}'>")
+    parts.append("<h2>Cells</h2><table border=1 cellpadding=3><tr><th>prior</th><th>arm</th><th>alpha</th>"
+                 "<th>return</th><th>success</th><th>diff [95% CI]</th><th>label</th></tr>")
+    for quality, res in results.items():
+        for c in res["cells"]:
+            succ = "" if c["success"] is None else f"{c['success']:.2f}"
+            parts.append(f"<tr><td>{quality}</td><td>{c['arm']}</td><td>{c['alpha']}</td><td>{c['return']:.2f}</td>"
+                         f"<td>{succ}</td><td>{c['diff']:+.2f} [{c['ci'][0]:+.2f}, {c['ci'][1]:+.2f}]</td>"
+                         f"<td>{c['label']}</td></tr>")
+    parts.append("</table><h2>Selector vs oracle</h2><table border=1 cellpadding=3><tr><th>prior</th>"
+                 "<th>KL budget</th><th>selected alpha</th><th>oracle alpha</th><th>tied with the oracle</th>"
+                 "<th>grid steps from the tied set</th></tr>")
+    for quality, res in results.items():
+        for s in res["selectors"]:
+            parts.append(f"<tr><td>{quality}</td><td>{s['kl_budget']:g}</td><td>{s['alpha']}</td>"
+                         f"<td>{s['oracle_alpha']}</td><td>{s['oracle_set']}</td><td>{s['steps_from_oracle']}</td></tr>")
+    parts.append("</table></body></html>")
+    path = os.path.join(out_dir, "steering.html")
+    with open(path, "w") as f:
+        f.write("\n".join(parts))
+    return path
+
+
+def format_table(results: Mapping[str, Mapping[str, Any]]) -> str:
+    """Plain-text summary: one line per cell, then selector vs oracle."""
+    lines = [f"{'prior':<22}{'arm':<16}{'alpha':>6}{'return':>10}{'success':>9}{'diff':>9}  {'95% CI':<20}label"]
+    for quality, res in results.items():
+        for c in res["cells"]:
+            succ = "" if c["success"] is None else f"{c['success']:.2f}"
+            lines.append(f"{quality:<22}{c['arm']:<16}{c['alpha']:>6.2g}{c['return']:>10.2f}{succ:>9}{c['diff']:>+9.2f}"
+                         f"  [{c['ci'][0]:+.2f}, {c['ci'][1]:+.2f}]".ljust(22) + f" {c['label']}")
+        for s in res["selectors"]:
+            lines.append(f"{quality:<22}selector eps={s['kl_budget']:g}: alpha*={s['alpha']:g}, oracle={s['oracle_alpha']:g}"
+                         f" (tied: {s['oracle_set']}), {s['steps_from_oracle']} grid steps from the oracle set")
+        lines.append(f"{quality:<22}max |deterministic PoE - KL-Reg| return: {res['deterministic_poe_klreg_gap']:.3g}")
+    return "\n".join(lines)
