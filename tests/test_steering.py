@@ -1,0 +1,156 @@
+"""Steering end to end from the CLI: a Gaussian actor trained for an old goal, steered to new goals."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from robo_post.envs.registry import env_spec
+from robo_post.fleet.policies import MissingExtrasError, build_policy, step_extras
+from robo_post.steering.poe import Gaussian, compose, select_alpha
+from robo_post.steering.policy import SteeredPolicy, SteeringConfig, build_source, resolve_source
+from robo_post.steering.sources import SB3Actor, SteeringSourceError
+from robo_post.store.registry import PolicyRegistry
+from robo_post.store.store import Store
+from tests.helpers import run_cli
+
+OLD_GOAL = [0.5, 0.5]
+
+
+@pytest.fixture(scope="module")
+def actor_store(tmp_path_factory):
+    """Noisy old-goal demonstrations and a Gaussian BC actor that ignores the goal it observes."""
+    root = str(tmp_path_factory.mktemp("steer") / "old")
+    run_cli("collect", "env=point_mass", f"+env.kwargs.goal=[{OLD_GOAL[0]},{OLD_GOAL[1]}]", "policy.noise=0.3",
+             "episodes=40", f"store={root}", "show=false")
+    run_cli("train", "algo=gaussian_bc", f"store={root}", f"run_dir={root}-bc", "updates=1500",
+             "model.features={goal: null}", "data.success=null", "show=false")
+    return root
+
+
+def frozen_episodes(actor_store, n=6):
+    env = env_spec("point_mass").make(None)
+    policy = build_policy(*PolicyRegistry(actor_store).load(1))
+    finals = []
+    for seed in range(n):
+        obs, _ = env.reset(seed=seed)
+        policy.reset(env, seed)
+        for _ in range(100):
+            obs, *_ = env.step(policy.act(obs, env))
+        finals.append((obs["position"], obs["goal"]))
+    return finals
+
+
+def test_gaussian_bc_learns_the_old_goal_and_an_honest_std(actor_store):
+    finals = frozen_episodes(actor_store)
+    assert np.mean([np.linalg.norm(p - OLD_GOAL) for p, _ in finals]) < 0.15  # goes to the old goal...
+    assert np.mean([np.linalg.norm(p - g) for p, g in finals]) > 0.3  # ...wherever the new one is
+    actor = build_source(*resolve_source({"kind": "registry", "store": actor_store}, "actor"), None)
+    obs = {"position": np.zeros((4, 2), np.float32), "velocity": np.zeros((4, 2), np.float32),
+           "goal": np.zeros((4, 2), np.float32)}
+    std = actor.distribution(obs).std.numpy()
+    assert 0.15 < std.mean() < 0.5  # the demonstrations' action noise is 0.3 (before clipping)
+
+
+def test_steer_cli_selects_alpha_publishes_and_records_auditable_extras(actor_store, tmp_path):
+    out = str(tmp_path / "deploy")
+    summary = json.loads(run_cli("steer", "actor.kind=registry", f"actor.store={actor_store}",
+                                  "selector.kl_budget=2.0", "selector.episodes=4", "episodes=4",
+                                  f"store={out}", "show=false", "fleet.n_clients=1").stdout)
+    kls = summary["selection"]["kl_curve"]
+    grid = summary["selection"]["alpha_grid"]
+    expected = max([a for a, k in zip(grid, kls) if k <= 2.0], default=0.0)
+    assert summary["steering"]["alpha"] == expected and 0 < expected < 0.9
+    weights, config = PolicyRegistry(out).load(summary["version"])
+    assert config["kind"] == "steered" and config["steering"]["alpha"] == expected
+    assert config["actor"]["source"]["version"] == 1 and any(k.startswith("actor/") for k in weights)
+    snap = Store.open(out).snapshot(record=False)
+    episodes = list(snap.episodes())
+    assert len(episodes) == 4 and all(e.policy_version == summary["version"] and e.role == "deploy" for e in episodes)
+    data = snap.load(episodes[0])
+    ex = {k: torch.as_tensor(v) for k, v in data["extras"].items()}
+    # The audit: the steered distribution is the PoE of the recorded actor and prior, and is what was executed.
+    steered = compose(Gaussian(ex["actor_mean"], ex["actor_std"].log()), Gaussian(ex["prior_mean"], ex["prior_std"].log()),
+                      expected, "poe")
+    assert torch.allclose(steered.mean, ex["steered_mean"], atol=1e-5)
+    assert np.allclose(data["action"], np.clip(data["extras"]["steered_mean"], -1, 1), atol=1e-6)
+    assert np.allclose(data["extras"]["prior_std"], 0.2)
+    # robo-post eval loads the steered version like any other.
+    run_cli("eval", f"store={out}", f"version={summary['version']}", "episodes_per_task=2", "n_clients=1",
+             "show=false")
+    results = [f for f in os.listdir(out + "-eval/evals") if f.endswith(".json")]
+    assert results
+
+
+def test_steer_eval_grid_and_report(actor_store, tmp_path):
+    out = str(tmp_path / "grid")
+    run_cli("steer-eval", "actor.kind=registry", f"actor.store={actor_store}", "episodes=16",
+             "qualities=[good,random_honest]", "calibration_episodes=4", "stochastic=false", f"out_dir={out}",
+             "show=false")
+    results = json.load(open(os.path.join(out, "steering.json")))["results"]
+    good = {(c["arm"], c["alpha"]): c for c in results["good"]["cells"]}
+    assert good[("poe", 0.9)]["label"] == "HELP" and good[("prior", 1.0)]["label"] == "HELP"
+    honest = {(c["arm"], c["alpha"]): c for c in results["random_honest"]["cells"]}
+    # Anchoring: the honest random prior moves PoE far less than it moves the additive mix.
+    assert abs(honest[("poe", 0.9)]["diff"]) < 0.25 * abs(honest[("additive", 0.9)]["diff"])
+    for res in results.values():
+        assert res["deterministic_poe_klreg_gap"] < 1e-4
+        assert {s["kl_budget"] for s in res["selectors"]} == {0.5, 2.0}
+    page = open(os.path.join(out, "steering.html")).read()
+    assert page.count("data:image/png;base64") == 3 and "Selector vs oracle" in page
+
+
+def test_sb3_zip_actor_is_checked_by_its_checksum(tmp_path):
+    from stable_baselines3 import PPO
+
+    env = env_spec("point_mass").make(None)
+    model = PPO("MultiInputPolicy", env, n_steps=64, batch_size=32, seed=0, verbose=0)
+    model.learn(64)
+    path = str(tmp_path / "ppo.zip")
+    model.save(path)
+    weights, config = resolve_source({"kind": "sb3", "path": path, "algo": "PPO"}, "actor")
+    actor = build_source(weights, config, None)
+    assert isinstance(actor, SB3Actor)
+    obs, _ = env.reset(seed=0)
+    batch = {k: v[None] for k, v in obs.items()}
+    mean = actor.distribution(batch).mean.numpy()[0]
+    assert np.allclose(mean, model.predict(obs, deterministic=True)[0], atol=1e-5)  # PPO's mode = its mean
+    with open(path, "ab") as f:
+        f.write(b"tampered")
+    with pytest.raises(SteeringSourceError, match="changed"):
+        build_source(weights, config, None)
+
+
+def test_bad_sources_are_typed_errors(actor_store, tmp_path):
+    with pytest.raises(SteeringSourceError, match="scripted controller is not a frozen Gaussian actor"):
+        resolve_source({"kind": "scripted"}, "actor")
+    with pytest.raises(SteeringSourceError, match="needs"):
+        resolve_source({"kind": "sb3", "path": None, "algo": "SAC"}, "actor")
+    result = run_cli("steer", "actor.kind=registry", f"actor.store={actor_store}", "prior.quality=perfect",
+                      f"store={tmp_path / 'x'}", ok=False)
+    assert result.returncode == 2 and "prior.quality" in result.stderr
+    assert not os.path.exists(tmp_path / "x")
+
+
+def test_a_store_that_records_extras_refuses_a_policy_without_them():
+    class Plain:
+        pass
+
+    assert step_extras(Plain(), {}) is None
+    with pytest.raises(MissingExtrasError, match="actor_mean"):
+        step_extras(Plain(), {"actor_mean": None})
+
+
+def test_selector_reads_only_states_and_caps_alpha(actor_store):
+    env = env_spec("point_mass").make(None)
+    actor = build_source(*resolve_source({"kind": "registry", "store": actor_store}, "actor"), None)
+    prior = build_source(*resolve_source({"kind": "scripted", "quality": "random_overconfident"}, "prior"), env)
+    policy = SteeredPolicy(actor, actor, SteeringConfig("frozen", 0.0), env.action_space.low, env.action_space.high)
+    obs, _ = env.reset(seed=3)
+    states = {k: np.repeat(v[None], 32, 0) for k, v in obs.items()}
+    policy.act(states)
+    a, kls = select_alpha(actor.distribution(states), prior.distribution(states), (0.1, 0.3, 0.5, 0.7, 0.9), 1e9,
+                          alpha_max=0.3)
+    assert a == 0.3 and len(kls) == 5
