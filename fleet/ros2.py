@@ -1,20 +1,29 @@
 """ROS 2 bridge: record a robot's episodes from standard topics into a store shard and
 serve the registry's policy back to it; plus a simulated robot that speaks the same topics.
 
-Topics, relative to the node namespace (default ``/robot``); every one is reliable,
-volatile, keep-last 1000, so a burst of a whole episode is never dropped:
+What is recorded comes from a robot description (``robot=NAME|PATH.yaml``;
+``RobotDescription``): joint names and order, which JointState fields are recorded,
+action names and bounds, camera size and encoding (or no camera), task vocabulary, the
+episode limit ``max_steps``, and the simulator ``ros2-sim`` runs for it. The store
+schema is derived from it. ``configs/robots/tabletop.yaml`` is the default.
+
+Topics, relative to the node namespace (default ``/robot``); all reliable, volatile,
+keep-last ``burst_episodes * (max_steps + 1)`` (see Bursts):
 
 ==================  =======================  ================  ==========================================
 topic               type                     direction         content
 ==================  =======================  ================  ==========================================
-``joint_states``    sensor_msgs/JointState   robot -> bridge   proprio as ``position`` (``PROPRIO_NAMES``)
-``camera/image``    sensor_msgs/Image        robot -> bridge   camera frame, encoding ``rgb8``
+``joint_states``    sensor_msgs/JointState   robot -> bridge   the described joints (any order, by name);
+                                                               the described fields (position, velocity,
+                                                               effort) are recorded
+``camera/image``    sensor_msgs/Image        robot -> bridge   camera frame in the described size and
+                                                               encoding (absent without a camera)
 ``instruction``     std_msgs/String          robot -> bridge   the episode's language instruction (the
                                                                bridge prefers the start event's copy,
                                                                which cannot race the episode)
 ``action``          sensor_msgs/JointState   either way        the action taken in the obs with the same
-                                                               stamp (``ACTION_NAMES``); JointState, not
-                                                               Float32MultiArray, because it has a header
+                                                               stamp, as ``position`` by action name;
+                                                               JointState because it has a header
 ``episode``         std_msgs/String          robot -> bridge   JSON episode events, below
 ``bridge/status``   std_msgs/String          bridge -> robot   JSON heartbeat every 0.25 s: counters and
                                                                ``matched`` (topic -> robots the bridge
@@ -27,20 +36,36 @@ has matched is lost for good on a volatile topic.
 
 Per episode the robot publishes the instruction, then the event
 ``{"event": "start", "episode", "seed", "task", "instruction", "stamp"}``, then for
-t = 0..T one JointState and one Image sharing the header stamp s_t (strictly increasing),
-and for t < T the action executed at s_t, stamped s_t: its own when it acts locally,
-otherwise the one the bridge served. Last comes ``{"event": "end", "episode", "seed",
-"task", "length": T, "rewards": [T floats], "success", "terminated", "truncated",
-"aborted", "stamp": s_T, "final"}``; ``final`` marks the robot's last episode.
+t = 0..T one JointState (and one Image) sharing the header stamp s_t (strictly
+increasing), and for t < T the action executed at s_t, stamped s_t: its own when it acts
+locally, otherwise the one the bridge served. Last comes ``{"event": "end", "episode",
+"seed", "task", "length": T, "rewards": [T floats], "success", "terminated",
+"truncated", "aborted", "stamp": s_T, "final"}``; ``final`` marks the robot's last episode.
 
-Alignment: the bridge files every valid message by its stamp, whatever order topics
-arrive in (events may overtake data, so several episodes can be open at once), and an
-episode is the set of stamps in [start.stamp, end.stamp]. It commits once that set is
-complete (T + 1 observations, T actions). A malformed message (wrong length, NaN/inf,
-wrong image encoding or size, a stamp not after the previous one on its topic, a bad
-event) is counted by kind, logged and dropped, and the episode in progress (the latest
-started) is discarded at its end instead of committed. An episode that receives nothing
-for ``timeout`` seconds is discarded too. A discarded episode never touches the store.
+Alignment: every message, valid or not, is attributed by its stamp (whatever order
+topics arrive in; events may overtake data, so several episodes can be open at once): an
+episode owns the stamps in [start.stamp, end.stamp]. An episode commits once it holds
+T + 1 observations and T actions. A malformed message (joint names or lengths that do
+not match the description, NaN/inf, an action out of bounds, wrong image encoding or
+size, a stamp not after the previous one on its topic, a bad event, an ``end`` without a
+``start``) is counted by kind in ``malformed``, logged and dropped, and the episode that
+owns its stamp (if any) is discarded at its end; a bad end event discards its own
+episode. An episode that receives nothing for ``timeout`` seconds is discarded. A
+discarded episode never touches the store, nor any other episode.
+
+Bursts: a robot may publish up to ``burst_episodes`` whole episodes of up to
+``max_steps`` steps back to back, as fast as it can, without anything being dropped:
+both ends keep that many messages per topic (the sim sizes its queues the same way).
+Beyond it DDS drops the oldest queued messages; the bridge sees the gap in each
+publisher's sequence numbers, counts the messages in ``lost`` (topic -> count) and
+discards every episode whose stamps the gap spans as ``overflow`` (a publisher's
+first message numbered n > 1 counts as n - 1 lost since the last closed episode). An episode longer
+than ``max_steps`` is discarded as ``too_long``. Neither is ever reported as ``timeout``.
+
+Liveness: the status file ``STORE/fleet/<client_id>.json`` carries ``pid``, ``host``
+and a ``heartbeat`` time refreshed every second; ``read_bridge_status`` (and
+``robo-post fleet ros2-status store=PATH``) reports ``dead`` for a bridge whose status
+says running but whose process is gone or whose heartbeat is older than ``stale_s``.
 
 Environment: importing this module defaults ``RMW_IMPLEMENTATION=rmw_fastrtps_cpp`` (the
 middleware the ``ros`` extra installs) and ``ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST``
@@ -56,18 +81,23 @@ import os
 os.environ.setdefault("RMW_IMPLEMENTATION", "rmw_fastrtps_cpp")
 os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
 
+import importlib.resources
 import json
 import signal
+import socket
 import sys
 import threading
 import time
 import typing
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import rclpy
+import yaml
 from builtin_interfaces.msg import Time
 from gymnasium import spaces
 from rclpy.context import Context
@@ -79,23 +109,33 @@ from rclpy.signals import SignalHandlerOptions
 from sensor_msgs.msg import Image, JointState
 from std_msgs.msg import String
 
-from robo_post.envs.tabletop import PROPRIO_FIELDS, TASKS, TabletopEnv
-from robo_post.fleet.client import episode_seed, store_schema
+from robo_post.fleet.client import episode_seed, make_env
 from robo_post.fleet.policies import Policy, build_policy
-from robo_post.store import EpisodeValidationError, PolicyRegistry, Store, StoreNotFoundError
+from robo_post.store import EpisodeValidationError, PolicyRegistry, Store, StoreNotFoundError, StoreSchema
 from robo_post.store.writer import write_json_atomic
 
 JOINT_TOPIC, IMAGE_TOPIC, INSTRUCTION_TOPIC, ACTION_TOPIC, EPISODE_TOPIC, STATUS_TOPIC = (
     "joint_states", "camera/image", "instruction", "action", "episode", "bridge/status",
 )
-HEARTBEAT_S = 0.25  # bridge status period
-PROPRIO_NAMES: tuple[str, ...] = tuple(f"{name}.{i}" for name, size in PROPRIO_FIELDS for i in range(size))
-ACTION_NAMES: tuple[str, ...] = ("dx", "dy", "dz", "gripper")
-QOS = QoSProfile(
-    history=HistoryPolicy.KEEP_LAST, depth=1000, reliability=ReliabilityPolicy.RELIABLE,
+HEARTBEAT_S = 0.25  # bridge status topic period
+STATUS_FILE_S = 1.0  # status file refresh period (its heartbeat)
+STALE_S = 10.0  # a running bridge whose status file heartbeat is older than this is dead
+STATUS_QOS = QoSProfile(
+    history=HistoryPolicy.KEEP_LAST, depth=10, reliability=ReliabilityPolicy.RELIABLE,
     durability=DurabilityPolicy.VOLATILE,
 )
 SIM_SHARD = "ros2-sim"  # name mixed into the sim's episode seeds
+DEFAULT_ROBOT = "tabletop"  # description shipped in configs/robots/
+JOINT_FIELDS = ("position", "velocity", "effort")
+IMAGE_CHANNELS = {"rgb8": 3, "bgr8": 3, "rgba8": 4, "bgra8": 4, "mono8": 1}
+
+
+def topic_qos(depth: int) -> QoSProfile:
+    """Reliable, volatile, keep-last ``depth``: the QoS of every robot topic."""
+    return QoSProfile(
+        history=HistoryPolicy.KEEP_LAST, depth=depth, reliability=ReliabilityPolicy.RELIABLE,
+        durability=DurabilityPolicy.VOLATILE,
+    )
 
 
 def stamp_ns(header: Any) -> int:
@@ -108,62 +148,389 @@ def _stamp_msg(ns: int) -> Time:
     return Time(sec=sec, nanosec=nanosec)
 
 
-def joint_msg(ns: int, names: tuple[str, ...], values: np.ndarray) -> JointState:
-    """A JointState carrying ``values`` as ``position``, stamped ``ns``."""
+def joint_msg(ns: int, names: typing.Sequence[str], values: np.ndarray, **fields: np.ndarray) -> JointState:
+    """A JointState carrying ``values`` as ``position`` (and ``fields``, e.g. ``velocity``), stamped ``ns``."""
     msg = JointState(name=list(names), position=np.asarray(values, dtype=np.float64).tolist())
+    for name, array in fields.items():
+        setattr(msg, name, np.asarray(array, dtype=np.float64).tolist())
     msg.header.stamp = _stamp_msg(ns)
     return msg
 
 
 def image_msg(ns: int, image: np.ndarray, encoding: str = "rgb8") -> Image:
-    """An Image from an (H, W, 3) uint8 array, stamped ``ns``."""
+    """An Image from an (H, W) or (H, W, C) uint8 array, stamped ``ns``."""
     h, w = image.shape[:2]
-    msg = Image(height=h, width=w, encoding=encoding, is_bigendian=0, step=w * 3)
+    c = image.shape[2] if image.ndim == 3 else 1
+    msg = Image(height=h, width=w, encoding=encoding, is_bigendian=0, step=w * c)
     msg.header.stamp = _stamp_msg(ns)
-    msg.header.frame_id = "front_camera"
+    msg.header.frame_id = "camera"
     msg.data = np.ascontiguousarray(image, dtype=np.uint8).tobytes()
     return msg
+
+
+# --- robot description ------------------------------------------------------------------
+class RobotDescriptionError(ValueError):
+    """A robot description file is invalid, or does not match a store or a simulator."""
+
+
+class MalformedMessage(ValueError):
+    """A message that does not fit the robot description; ``kind`` names the check."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(detail)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class CameraSpec:
+    """The camera: observation ``key``, image size and ROS ``encoding``."""
+
+    key: str
+    height: int
+    width: int
+    encoding: str
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.height, self.width, IMAGE_CHANNELS[self.encoding])
+
+
+@dataclass(frozen=True)
+class RobotDescription:
+    """What a robot publishes and what of it is recorded (a YAML/JSON file, see
+    ``configs/robots/tabletop.yaml``).
+
+    Attributes:
+        name: robot name (the store schema's ``robot`` attr).
+        max_steps: longest episode in steps; sizes the topic queues (see Bursts).
+        joint_key: observation key of the recorded joint vector.
+        joint_fields: JointState fields recorded, concatenated in this order, each with
+            one value per joint in ``joints`` order.
+        joints: joint names in recorded order.
+        camera: the camera, or None.
+        action_names: JointState names of the action dims, in order.
+        action_low, action_high: action bounds per dim.
+        task_key: observation key of the task index.
+        tasks: task vocabulary.
+        env: simulator of the robot for ``ros2-sim`` (env registry ``name`` + kwargs; the
+            schema's ``env`` attr), or None: the sim drives ``KinematicRobotEnv``.
+    """
+
+    name: str
+    max_steps: int
+    joint_key: str
+    joint_fields: tuple[str, ...]
+    joints: tuple[str, ...]
+    camera: CameraSpec | None
+    action_names: tuple[str, ...]
+    action_low: tuple[float, ...]
+    action_high: tuple[float, ...]
+    task_key: str
+    tasks: tuple[str, ...]
+    env: dict[str, Any] | None = None
+
+    @classmethod
+    def load(cls, robot: str) -> "RobotDescription":
+        """Load ``robot``: a file path, or the name of a description in ``configs/robots/``.
+
+        Raises:
+            RobotDescriptionError: missing file, or an invalid description (naming the field).
+        """
+        path = robot_path(robot)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except OSError as e:
+            raise RobotDescriptionError(f"cannot read robot description {str(path)!r}: {e}") from None
+        except yaml.YAMLError as e:
+            raise RobotDescriptionError(f"robot description {str(path)!r} is not YAML/JSON: {e}") from None
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<dict>") -> "RobotDescription":
+        """Build and check a description from its parsed file contents."""
+
+        def need(d: Any, key: str, where: str) -> Any:
+            if not isinstance(d, dict) or key not in d:
+                raise RobotDescriptionError(f"{source}: missing {where}{key}")
+            return d[key]
+
+        def names(values: Any, where: str) -> tuple[str, ...]:
+            if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
+                raise RobotDescriptionError(f"{source}: {where} must be a non-empty list of names")
+            if len(set(values)) != len(values):
+                raise RobotDescriptionError(f"{source}: {where} repeats a name: {values}")
+            return tuple(values)
+
+        try:
+            joints, action, tasks = need(data, "joints", ""), need(data, "action", ""), need(data, "tasks", "")
+            fields = names(need(joints, "fields", "joints."), "joints.fields")
+            if not set(fields) <= set(JOINT_FIELDS):
+                raise RobotDescriptionError(f"{source}: joints.fields {list(fields)} not all in {list(JOINT_FIELDS)}")
+            action_names = names(need(action, "names", "action."), "action.names")
+            low = tuple(float(v) for v in need(action, "low", "action."))
+            high = tuple(float(v) for v in need(action, "high", "action."))
+            if not (len(low) == len(high) == len(action_names)) or not all(lo < hi for lo, hi in zip(low, high)):
+                raise RobotDescriptionError(
+                    f"{source}: action.low {list(low)} and action.high {list(high)} must give "
+                    f"{len(action_names)} bounds (one per action name) with low < high"
+                )
+            camera_data = data.get("camera")
+            camera = None
+            if camera_data is not None:
+                camera = CameraSpec(
+                    str(need(camera_data, "key", "camera.")), int(need(camera_data, "height", "camera.")),
+                    int(need(camera_data, "width", "camera.")), str(need(camera_data, "encoding", "camera.")),
+                )
+                if camera.encoding not in IMAGE_CHANNELS or camera.height < 1 or camera.width < 1:
+                    raise RobotDescriptionError(
+                        f"{source}: camera {camera_data} needs a positive size and an encoding in {list(IMAGE_CHANNELS)}"
+                    )
+            desc = cls(
+                name=str(need(data, "name", "")), max_steps=int(need(data, "max_steps", "")),
+                joint_key=str(need(joints, "key", "joints.")), joint_fields=fields,
+                joints=names(need(joints, "names", "joints."), "joints.names"), camera=camera,
+                action_names=action_names, action_low=low, action_high=high,
+                task_key=str(need(tasks, "key", "tasks.")), tasks=names(need(tasks, "names", "tasks."), "tasks.names"),
+                env=dict(data["env"]) if data.get("env") is not None else None,
+            )
+        except (TypeError, ValueError) as e:
+            if isinstance(e, RobotDescriptionError):
+                raise
+            raise RobotDescriptionError(f"{source}: {e}") from None
+        keys = [desc.joint_key, desc.task_key] + ([camera.key] if camera else [])
+        if len(set(keys)) != len(keys):
+            raise RobotDescriptionError(f"{source}: observation keys {keys} must differ")
+        if desc.max_steps < 1:
+            raise RobotDescriptionError(f"{source}: max_steps must be positive, got {desc.max_steps}")
+        if desc.env is not None and "name" not in desc.env:
+            raise RobotDescriptionError(f"{source}: env needs a registry name, got {desc.env}")
+        return desc
+
+    @property
+    def joint_dim(self) -> int:
+        return len(self.joints) * len(self.joint_fields)
+
+    def observation_space(self) -> spaces.Dict:
+        """The recorded observation: joint vector, task index, camera image (if any)."""
+        obs: dict[str, spaces.Space] = {
+            self.joint_key: spaces.Box(-np.inf, np.inf, (self.joint_dim,), np.float32),
+            self.task_key: spaces.Discrete(len(self.tasks)),
+        }
+        if self.camera is not None:
+            obs[self.camera.key] = spaces.Box(0, 255, self.camera.shape, np.uint8)
+        return spaces.Dict(obs)
+
+    def action_space(self) -> spaces.Box:
+        return spaces.Box(np.array(self.action_low, np.float32), np.array(self.action_high, np.float32),
+                          dtype=np.float32)
+
+    def schema(self) -> StoreSchema:
+        """The store schema of this robot's episodes."""
+        attrs = {"robot": self.name} | ({"env": self.env["name"]} if self.env is not None else {})
+        return StoreSchema.from_spaces(self.observation_space(), self.action_space(), **attrs)
+
+    def check_spaces(self, observation_space: spaces.Dict, action_space: spaces.Space, what: str) -> None:
+        """Raise ``RobotDescriptionError`` if an env's spaces differ from this description's."""
+        self.check_schema(StoreSchema.from_spaces(observation_space, action_space), what)
+
+    def check_schema(self, schema: StoreSchema, what: str) -> None:
+        """Raise ``RobotDescriptionError`` naming the first observation key (or the action)
+        whose dtype, shape or bounds differ between ``schema`` and this description's."""
+        ours = self.schema()
+        for key, spec in ours.observations.items():
+            other = schema.observations.get(key)
+            if other is None or (other.dtype, other.shape) != (spec.dtype, spec.shape):
+                raise RobotDescriptionError(
+                    f"robot {self.name!r}: observation {key!r} is {spec.dtype}{spec.shape}, but {what} has "
+                    f"{'none' if other is None else f'{other.dtype}{other.shape}'} (keys {sorted(schema.observations)})"
+                )
+        act, other = ours.action, schema.action
+        if (other.dtype, other.shape, other.low, other.high) != (act.dtype, act.shape, act.low, act.high):
+            raise RobotDescriptionError(
+                f"robot {self.name!r}: action {act.dtype}{act.shape} in [{act.low}, {act.high}], but {what} "
+                f"has {other.dtype}{other.shape} in [{other.low}, {other.high}]"
+            )
+
+    def parse_joints(self, msg: JointState) -> np.ndarray:
+        """The recorded joint vector of a JointState (reordered by name), as float32.
+
+        Raises:
+            MalformedMessage: ``joint_length`` (a field's length differs from the names'),
+                ``joint_names`` (names other than the described joints), ``nan``.
+        """
+        return _by_name(msg, self.joints, self.joint_fields, "joint")
+
+    def parse_action(self, msg: JointState) -> np.ndarray:
+        """The action of a JointState (positions reordered by action name), as float32.
+
+        Raises:
+            MalformedMessage: ``action_length``, ``action_names``, ``nan``, ``action_bounds``.
+        """
+        action = _by_name(msg, self.action_names, ("position",), "action")
+        low, high = np.float32(self.action_low), np.float32(self.action_high)
+        if (action < low).any() or (action > high).any():
+            raise MalformedMessage("action_bounds", f"action {action.tolist()} outside [{low.tolist()}, {high.tolist()}]")
+        return action
+
+    def parse_image(self, msg: Image) -> np.ndarray:
+        """The camera image of an Image message.
+
+        Raises:
+            MalformedMessage: ``image_encoding``, ``image_size``.
+        """
+        assert self.camera is not None
+        h, w, c = self.camera.shape
+        if msg.encoding != self.camera.encoding:
+            raise MalformedMessage("image_encoding", f"encoding {msg.encoding!r}, expected {self.camera.encoding!r}")
+        if (msg.height, msg.width, msg.step, len(msg.data)) != (h, w, w * c, h * w * c):
+            raise MalformedMessage(
+                "image_size", f"{msg.height}x{msg.width} (step {msg.step}, {len(msg.data)} bytes), expected {h}x{w}x{c}"
+            )
+        return np.frombuffer(msg.data, dtype=np.uint8).reshape(h, w, c).copy()
+
+    def joint_msg(self, ns: int, values: np.ndarray) -> JointState:
+        """The JointState of a recorded joint vector (the inverse of ``parse_joints``);
+        fields that are not recorded stay empty."""
+        parts = dict(zip(self.joint_fields, np.split(np.asarray(values, dtype=np.float64), len(self.joint_fields))))
+        return joint_msg(ns, self.joints, parts.pop("position", np.zeros(0)), **parts)
+
+    def action_msg(self, ns: int, action: np.ndarray) -> JointState:
+        """The JointState of an action (the inverse of ``parse_action``)."""
+        return joint_msg(ns, self.action_names, action)
+
+
+def _by_name(msg: JointState, names: tuple[str, ...], fields: tuple[str, ...], what: str) -> np.ndarray:
+    got = list(msg.name)
+    for f in fields:
+        n = len(getattr(msg, f))
+        if n != len(got):
+            raise MalformedMessage(
+                f"{what}_length", f"{what} message has {len(got)} names but {n} {f} values (names {got[:40]})"
+            )
+    if len(got) != len(names) or set(got) != set(names):
+        unknown = [x for x in got if x not in names]
+        missing = [x for x in names if x not in got]
+        dups = sorted({x for x in got if got.count(x) > 1})
+        raise MalformedMessage(
+            f"{what}_names", f"{what} names do not match the description: unknown {unknown}, missing {missing}"
+            + (f", repeated {dups}" if dups else "")
+        )
+    order = [got.index(x) for x in names]
+    values = np.concatenate([np.asarray(getattr(msg, f), dtype=np.float64)[order] for f in fields])
+    out = values.astype(np.float32)
+    if not np.isfinite(out).all():
+        raise MalformedMessage("nan", f"{what} message holds NaN/inf (or values beyond float32)")
+    return out
+
+
+def robot_path(robot: str) -> Path:
+    """The file of ``robot``: a path as given, or a bare name of a description shipped
+    in ``configs/robots/`` (e.g. ``tabletop``)."""
+    if os.sep in robot or robot.endswith((".yaml", ".yml", ".json")):
+        return Path(robot)
+    return Path(str(importlib.resources.files("robo_post.configs") / "robots" / f"{robot}.yaml"))
+
+
+class KinematicRobotEnv(gym.Env):
+    """The sim's stand-in for a robot whose description names no simulator: joints move
+    by a fixed random linear response to the action (no physics, reward 0, never a
+    success); the camera, if any, shows noise. It exercises the protocol, nothing more.
+    """
+
+    def __init__(self, robot: RobotDescription, task: str, max_steps: int):
+        self.robot, self.task, self.max_steps = robot, task, max_steps
+        self.observation_space = robot.observation_space()
+        self.action_space = robot.action_space()
+        self._gain = np.random.default_rng(len(robot.joints)).normal(
+            size=(len(robot.joints), len(robot.action_names))) / np.sqrt(len(robot.action_names))
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        n = len(self.robot.joints)
+        self._pos, self._vel, self._steps = self.np_random.uniform(-0.5, 0.5, n), np.zeros(n), 0
+        return self._obs(np.zeros(n)), {"instruction": self.task, "success": False}
+
+    def step(self, action: np.ndarray):
+        effort = self._gain @ np.asarray(action, dtype=np.float64)
+        self._vel = 0.8 * self._vel + 0.2 * effort
+        self._pos = self._pos + 0.04 * self._vel
+        self._steps += 1
+        return self._obs(effort), 0.0, False, self._steps >= self.max_steps, {"instruction": self.task, "success": False}
+
+    def _obs(self, effort: np.ndarray) -> dict[str, Any]:
+        r = self.robot
+        values = {"position": self._pos, "velocity": self._vel, "effort": effort}
+        obs: dict[str, Any] = {
+            r.joint_key: np.concatenate([values[f] for f in r.joint_fields]).astype(np.float32),
+            r.task_key: np.int64(r.tasks.index(self.task)),
+        }
+        if r.camera is not None:
+            obs[r.camera.key] = self.np_random.integers(0, 256, r.camera.shape, dtype=np.uint8)
+        return obs
 
 
 # --- configs ----------------------------------------------------------------------
 @dataclass
 class SimConfig:
-    """``robo-post fleet ros2-sim key=value ...``: a simulated tabletop robot on ROS 2.
+    """``robo-post fleet ros2-sim key=value ...``: a simulated robot on ROS 2.
 
     Attributes:
+        robot: robot description (a name in ``configs/robots/`` or a file path); the sim
+            runs its ``env``, or ``KinematicRobotEnv`` if it names none.
         namespace: namespace of the robot's topics.
         domain_id: ROS domain id (None: ``$ROS_DOMAIN_ID``, else 0).
-        task: tabletop task of every episode.
+        task: task of every episode ("": the description's first task).
         episodes: episodes to run before exiting.
         seed: base seed; episode i runs with ``episode_seed(seed, "ros2-sim", i)``.
         act_locally: act with the local scripted ``policy`` (data collection) and publish
             the executed action; otherwise wait for the bridge's action every step.
         policy: local policy kind (``expert`` | ``random``).
         noise: action-noise std of the local expert.
-        image_size: camera image side in pixels.
-        max_steps: truncation horizon (0: the task's default).
+        max_steps: truncation horizon (0: the env's default; the description's
+            ``max_steps`` for the kinematic stand-in); also the episode limit its topic
+            queues are sized for when larger than the description's.
+        burst_episodes: whole episodes its topic queues hold (see Bursts).
         rate_hz: control rate (0: as fast as possible).
         action_timeout: seconds to wait for a served action before aborting the episode.
         discovery_timeout: seconds to wait for a bridge heartbeat showing every topic matched.
         subscribers: episode-topic subscribers (the bridge plus any monitors) to wait for.
         dump: if set, write everything published to this ``.npz`` (arrays + JSON metadata).
+        faults: joint messages to corrupt, to exercise a bridge: ``EPISODE:STEP:KIND``
+            items joined by ``+`` (STEP -1: the last; KIND ``nan``: NaN values, ``names``:
+            the last joint name left out). The dump keeps the true values.
     """
 
+    robot: str = DEFAULT_ROBOT
     namespace: str = "/robot"
     domain_id: int | None = None
-    task: str = "reach"
+    task: str = ""
     episodes: int = 3
     seed: int = 0
     act_locally: bool = True
     policy: str = "expert"
     noise: float = 0.0
-    image_size: int = 64
     max_steps: int = 0
+    burst_episodes: int = 2
     rate_hz: float = 25.0
     action_timeout: float = 5.0
     discovery_timeout: float = 60.0
     subscribers: int = 1
     dump: str = ""
+    faults: str = ""
+
+
+SIM_FAULTS = ("nan", "names")
+
+
+def parse_faults(text: str) -> dict[tuple[int, int], str]:
+    """``SimConfig.faults`` as {(episode, step): kind}."""
+    out: dict[tuple[int, int], str] = {}
+    for item in filter(None, text.split("+")):
+        episode, step, kind = item.split(":") if item.count(":") == 2 else ("", "", "")
+        if kind not in SIM_FAULTS or not episode.lstrip("-").isdigit() or not step.lstrip("-").isdigit():
+            raise ValueError(f"fault {item!r}: expected EPISODE:STEP:KIND with KIND in {SIM_FAULTS}")
+        out[int(episode), int(step)] = kind
+    return out
 
 
 @dataclass
@@ -171,7 +538,9 @@ class BridgeConfig:
     """``robo-post fleet ros2-bridge store=PATH key=value ...``: record a robot into a shard.
 
     Attributes:
-        store: store root; created with the tabletop schema if missing.
+        store: store root; created with the robot's schema if missing (an existing store
+            must match the robot description).
+        robot: robot description (a name in ``configs/robots/`` or a file path).
         client_id: shard this bridge writes (one writer per shard).
         namespace: namespace of the robot's topics.
         domain_id: ROS domain id (None: ``$ROS_DOMAIN_ID``, else 0).
@@ -180,11 +549,15 @@ class BridgeConfig:
             policies see observations only (no simulator), so scripted experts cannot be served.
         follow_registry: load the newest registry version at every episode start.
         timeout: seconds an open episode may receive nothing before it is discarded.
-        image_size: camera image side used when creating a new store.
+        max_steps: episode limit (0: the description's ``max_steps``); longer episodes
+            are discarded as ``too_long``.
+        burst_episodes: whole episodes of ``max_steps`` steps a robot may publish back to
+            back without loss; each topic queue holds ``burst_episodes * (max_steps + 1)``.
         exit_on_final: exit once the episode flagged ``final`` is committed or discarded.
     """
 
     store: str
+    robot: str = DEFAULT_ROBOT
     client_id: str = "ros2-bridge"
     namespace: str = "/robot"
     domain_id: int | None = None
@@ -192,8 +565,33 @@ class BridgeConfig:
     policy: str = "random"
     follow_registry: bool = True
     timeout: float = 5.0
-    image_size: int = 64
+    max_steps: int = 0
+    burst_episodes: int = 2
     exit_on_final: bool = False
+
+
+@dataclass
+class StatusConfig:
+    """``robo-post fleet ros2-status store=PATH key=value ...``: print the bridges' status
+    (JSON, one line per bridge), ``dead`` for a bridge that is gone.
+
+    Attributes:
+        store: store root.
+        client_id: one bridge ("": every bridge with a status file in the store).
+        stale_s: a heartbeat older than this many seconds means dead.
+    """
+
+    store: str
+    client_id: str = ""
+    stale_s: float = STALE_S
+
+
+def queue_depth(max_steps: int, burst_episodes: int) -> int:
+    """Messages per topic queue: ``burst_episodes`` whole episodes of ``max_steps`` steps
+    (T + 1 observations each, and one start and end event per episode)."""
+    if max_steps < 1 or burst_episodes < 1:
+        raise ValueError(f"max_steps and burst_episodes must be positive, got {max_steps}, {burst_episodes}")
+    return burst_episodes * (max_steps + 1)
 
 
 def parse_config(cls: type, argv: list[str]) -> Any:
@@ -223,44 +621,55 @@ def _convert(text: str, tp: Any) -> Any:
 
 # --- simulated robot --------------------------------------------------------------
 class SimRobotNode(Node):
-    """A TabletopEnv behind ROS 2 topics (see the module docstring for the protocol).
+    """A simulated robot behind ROS 2 topics (see the module docstring for the protocol).
 
     ``run()`` waits for a bridge, runs ``cfg.episodes`` episodes and keeps everything it
-    published in ``self.records`` (one dict of arrays + metadata per episode).
+    published in ``self.records`` (one dict of arrays per observation key + metadata per episode).
     """
 
     def __init__(self, cfg: SimConfig, context: Context | None = None):
         super().__init__("sim_robot", namespace=cfg.namespace, context=context)
         self.cfg = cfg
-        self.env = TabletopEnv(task=cfg.task, image_size=cfg.image_size, max_steps=cfg.max_steps or None)
+        self.robot = RobotDescription.load(cfg.robot)
+        self.task = cfg.task or self.robot.tasks[0]
+        if self.task not in self.robot.tasks:
+            raise RobotDescriptionError(f"task {self.task!r} is not one of robot {self.robot.name!r}'s {self.robot.tasks}")
+        if self.robot.env is not None:
+            env_cfg = self.robot.env | ({"max_steps": cfg.max_steps} if cfg.max_steps else {})
+            self.env = make_env(env_cfg, self.task)
+        else:
+            self.env = KinematicRobotEnv(self.robot, self.task, cfg.max_steps or self.robot.max_steps)
+        self.robot.check_spaces(self.env.observation_space, self.env.action_space, f"the sim's env {self.robot.env}")
         self.policy: Policy | None = (
             build_policy({}, {"kind": cfg.policy, "noise": cfg.noise}) if cfg.act_locally else None
         )
+        qos = topic_qos(queue_depth(max(cfg.max_steps, self.robot.max_steps), cfg.burst_episodes))
         self.pubs = {
-            JOINT_TOPIC: self.create_publisher(JointState, JOINT_TOPIC, QOS),
-            IMAGE_TOPIC: self.create_publisher(Image, IMAGE_TOPIC, QOS),
-            INSTRUCTION_TOPIC: self.create_publisher(String, INSTRUCTION_TOPIC, QOS),
-            EPISODE_TOPIC: self.create_publisher(String, EPISODE_TOPIC, QOS),
+            JOINT_TOPIC: self.create_publisher(JointState, JOINT_TOPIC, qos),
+            INSTRUCTION_TOPIC: self.create_publisher(String, INSTRUCTION_TOPIC, qos),
+            EPISODE_TOPIC: self.create_publisher(String, EPISODE_TOPIC, qos),
         }
+        if self.robot.camera is not None:
+            self.pubs[IMAGE_TOPIC] = self.create_publisher(Image, IMAGE_TOPIC, qos)
         self._served: dict[int, np.ndarray] = {}
         self._heartbeat: dict[str, Any] = {}
-        self.create_subscription(String, STATUS_TOPIC, self._on_heartbeat, QOS)
+        self.create_subscription(String, STATUS_TOPIC, self._on_heartbeat, STATUS_QOS)
         self._action_sub = None
         if cfg.act_locally:
-            self.pubs[ACTION_TOPIC] = self.create_publisher(JointState, ACTION_TOPIC, QOS)
+            self.pubs[ACTION_TOPIC] = self.create_publisher(JointState, ACTION_TOPIC, qos)
         else:
-            self._action_sub = self.create_subscription(JointState, ACTION_TOPIC, self._on_action, QOS)
+            self._action_sub = self.create_subscription(JointState, ACTION_TOPIC, self._on_action, qos)
         self._executor = SingleThreadedExecutor(context=context)
         self._executor.add_node(self)
         self._last_stamp = 0
+        self._faults = parse_faults(cfg.faults)
         self.records: list[dict[str, Any]] = []
 
     def _on_action(self, msg: JointState) -> None:
-        action = np.asarray(msg.position, dtype=np.float32)
-        if action.shape != self.env.action_space.shape or not np.isfinite(action).all():
-            self.get_logger().warning(f"ignoring malformed action {list(msg.position)}")
-            return
-        self._served[stamp_ns(msg.header)] = action
+        try:
+            self._served[stamp_ns(msg.header)] = self.robot.parse_action(msg)
+        except MalformedMessage as e:
+            self.get_logger().warning(f"ignoring malformed action: {e}")
 
     def _on_heartbeat(self, msg: String) -> None:
         self._heartbeat = json.loads(msg.data)
@@ -297,16 +706,22 @@ class SimRobotNode(Node):
     def _event(self, payload: dict[str, Any]) -> None:
         self.pubs[EPISODE_TOPIC].publish(String(data=json.dumps(payload)))
 
-    def _publish_obs(self, obs: dict[str, Any], ns: int) -> None:
-        self.pubs[JOINT_TOPIC].publish(joint_msg(ns, PROPRIO_NAMES, obs["proprio"]))
-        self.pubs[IMAGE_TOPIC].publish(image_msg(ns, obs["image"]))
+    def _publish_obs(self, obs: dict[str, Any], ns: int, fault: str | None = None) -> None:
+        msg = self.robot.joint_msg(ns, obs[self.robot.joint_key])
+        if fault == "nan":
+            msg.position = [float("nan")] * len(msg.position)
+        elif fault == "names":
+            msg.name = msg.name[:-1]
+        self.pubs[JOINT_TOPIC].publish(msg)
+        if self.robot.camera is not None:
+            self.pubs[IMAGE_TOPIC].publish(image_msg(ns, obs[self.robot.camera.key], self.robot.camera.encoding))
 
     def _act(self, obs: dict[str, Any], ns: int) -> np.ndarray | None:
         """The action to execute at stamp ``ns``, or None if the bridge never sent one."""
         if self.policy is not None:
             space = self.env.action_space
             action = np.clip(np.asarray(self.policy.act(obs, self.env), dtype=np.float32), space.low, space.high)
-            self.pubs[ACTION_TOPIC].publish(joint_msg(ns, ACTION_NAMES, action))
+            self.pubs[ACTION_TOPIC].publish(self.robot.action_msg(ns, action))
             return action
         deadline = time.monotonic() + self.cfg.action_timeout
         while ns not in self._served and time.monotonic() < deadline:
@@ -321,17 +736,20 @@ class SimRobotNode(Node):
         obs, info = self.env.reset(seed=seed)
         if self.policy is not None:
             self.policy.reset(self.env, seed)
+        keys = [self.robot.joint_key] + ([self.robot.camera.key] if self.robot.camera is not None else [])
         stamps = [self._stamp()]
-        rec: dict[str, list] = {"proprio": [obs["proprio"]], "image": [obs["image"]], "action": [], "reward": []}
-        meta = {"episode": index, "seed": seed, "task": self.cfg.task, "instruction": info["instruction"]}
-        self.pubs[INSTRUCTION_TOPIC].publish(String(data=info["instruction"]))
+        rec: dict[str, list] = {k: [obs[k]] for k in keys} | {"action": [], "reward": []}
+        instruction = str(info.get("instruction", self.task))
+        meta = {"episode": index, "seed": seed, "task": self.task, "instruction": instruction}
+        self.pubs[INSTRUCTION_TOPIC].publish(String(data=instruction))
         self._event({"event": "start", **meta, "stamp": stamps[0]})
         terminated = truncated = aborted = False
         period = 1.0 / self.cfg.rate_hz if self.cfg.rate_hz > 0 else 0.0
         next_tick = time.monotonic()
         while True:
-            self._publish_obs(obs, stamps[-1])
-            if terminated or truncated:
+            t, last = len(stamps) - 1, terminated or truncated
+            self._publish_obs(obs, stamps[-1], self._faults.get((index, -1 if last else t), self._faults.get((index, t))))
+            if last:
                 break
             action = self._act(obs, stamps[-1])
             if action is None:
@@ -341,15 +759,15 @@ class SimRobotNode(Node):
             obs, reward, terminated, truncated, info = self.env.step(action)
             rec["action"].append(action)
             rec["reward"].append(reward)
-            rec["proprio"].append(obs["proprio"])
-            rec["image"].append(obs["image"])
+            for k in keys:
+                rec[k].append(obs[k])
             next_tick += period
             time.sleep(max(next_tick - time.monotonic(), 0.0))
             stamps.append(self._stamp())
         end = {
             **meta, "length": len(rec["action"]), "rewards": [float(r) for r in rec["reward"]],
-            "success": bool(info["success"]), "terminated": bool(terminated), "truncated": bool(truncated),
-            "aborted": aborted, "stamp": stamps[-1], "final": final,
+            "success": bool(info.get("success", False)), "terminated": bool(terminated),
+            "truncated": bool(truncated), "aborted": aborted, "stamp": stamps[-1], "final": final,
         }
         self._event({"event": "end", **end})
         record = {k: np.asarray(v) for k, v in rec.items()}
@@ -370,8 +788,8 @@ class SimRobotNode(Node):
         return self.records
 
     def dump(self, path: str) -> None:
-        """Write ``self.records`` as ``ep{i}_{proprio,image,action,reward,stamp}`` arrays plus
-        a ``meta`` JSON string (a list of end events)."""
+        """Write ``self.records`` as ``ep{i}_{KEY}`` arrays (each observation key, ``action``,
+        ``reward``, ``stamp``) plus a ``meta`` JSON string (a list of end events)."""
         arrays = {f"ep{i}_{k}": v for i, r in enumerate(self.records) for k, v in r.items() if k != "meta"}
         arrays["meta"] = np.array(json.dumps([r["meta"] for r in self.records]))
         tmp = f"{path}.tmp.npz"
@@ -413,96 +831,159 @@ class _Episode:
     last_rx: float  # monotonic time of the last message that belonged to it
     last_stamp: int  # newest data stamp that belonged to it
     end: dict[str, Any] | None = None
-    tainted: str | None = None  # kind of the first malformed message seen during it
+    policy_error: bool = False  # the served policy failed during it
 
     def owns(self, ns: int) -> bool:
         return self.start <= ns and (self.end is None or ns <= self.end["stamp"])
+
+
+@dataclass
+class _Fault:
+    """Stamps [lo, hi] whose data were malformed (``reason`` "malformed") or lost ("overflow")."""
+
+    lo: int
+    hi: int
+    reason: str
 
 
 class BridgeNode(Node):
     """Records episodes from the robot's topics into one store shard; optionally serves actions.
 
     Several episodes can be open at once: the executor takes one message per topic per
-    wake-up, so the few event messages overtake the many data messages. Every message
-    belongs to the open episode with the latest start stamp at or before its own.
+    wake-up, so the few event messages overtake the many data messages. Every message,
+    good or bad, belongs to the open episode with the latest start stamp at or before its
+    own (and, once that episode's end is known, at or before its end stamp).
 
-    Counters: ``malformed`` (message kind -> count) and ``discarded`` (reason -> count);
-    both also go to ``STORE/fleet/<client_id>.json`` and the heartbeat with the commit counts.
+    Counters: ``malformed`` (message kind -> count), ``lost`` (topic -> messages DDS
+    dropped) and ``discarded`` (reason -> episodes); all go to
+    ``STORE/fleet/<client_id>.json`` and the heartbeat with the commit counts.
     """
 
     def __init__(self, cfg: BridgeConfig, context: Context | None = None):
         super().__init__("ros2_bridge", namespace=cfg.namespace, context=context)
         self.cfg = cfg
+        self.robot = RobotDescription.load(cfg.robot)
+        self.max_steps = cfg.max_steps or self.robot.max_steps
+        self.depth = queue_depth(self.max_steps, cfg.burst_episodes)
         try:
             self.store = Store.open(cfg.store)
         except StoreNotFoundError:
-            env = {"name": "tabletop", "image_size": cfg.image_size}
-            self.store = Store.create(cfg.store, store_schema(env, TASKS[0]), exist_ok=True)
+            self.store = Store.create(cfg.store, self.robot.schema(), exist_ok=True)
+        self.robot.check_schema(self.store.schema, f"the store {self.store.root}")
         self.writer = self.store.writer(cfg.client_id)
-        schema = self.store.schema
-        self._proprio_dim = schema.observations["proprio"].shape[0]
-        image = schema.observations.get("image")
-        self._image_shape = image.shape if image is not None else None
-        self._obs_keys = {"proprio"} | ({"image"} if image is not None else set())
-        act = schema.action
-        self._action_space = spaces.Box(
-            np.float32(act.low if act.low is not None else -np.inf),
-            np.float32(act.high if act.high is not None else np.inf), act.shape, np.float32,
-        )
+        self._action_space = self.robot.action_space()
+        self._obs_keys = {self.robot.joint_key} | ({self.robot.camera.key} if self.robot.camera else set())
         self.malformed: Counter[str] = Counter()
         self.discarded: Counter[str] = Counter()
+        self.lost: Counter[str] = Counter()
         self.committed = 0
         self.done = False
-        self._pool: dict[int, dict[str, np.ndarray]] = {}  # stamp -> {proprio, image, action}
+        self._pool: dict[int, dict[str, np.ndarray]] = {}  # stamp -> {observation keys, "action"}
+        self._faults: list[_Fault] = []
         self._last: dict[str, int] = {}  # newest accepted stamp per topic
+        self._seq: dict[tuple[str, bytes], tuple[int, int]] = {}  # (topic, publisher) -> (sequence, stamp)
         self._open: list[_Episode] = []  # by start stamp
-        self._closed_until = 0  # newest stamp of a closed episode; older data are stragglers
+        self._floor = 0  # every stamp up to here belongs to a closed episode (or none)
+        self._closed: list[tuple[int, int]] = []  # stamp ranges of closed episodes above the floor
+        self._closed_index: dict[int, None] = {}  # recent closed episode indices, oldest first
         self._final_seen = False
         self._instruction = ""
         self._last_rx = time.monotonic()
+        self._started = time.time()
         self._status_path = os.path.join(self.store.root, "fleet", f"{cfg.client_id}.json")
         os.makedirs(os.path.dirname(self._status_path), exist_ok=True)
 
+        qos = topic_qos(self.depth)
         self._subs = {
-            INSTRUCTION_TOPIC: self.create_subscription(String, INSTRUCTION_TOPIC, self._on_instruction, QOS),
-            EPISODE_TOPIC: self.create_subscription(String, EPISODE_TOPIC, self._on_event, QOS),
-            JOINT_TOPIC: self.create_subscription(JointState, JOINT_TOPIC, self._on_joint, QOS),
+            INSTRUCTION_TOPIC: self.create_subscription(String, INSTRUCTION_TOPIC, self._on_instruction, qos),
+            EPISODE_TOPIC: self.create_subscription(String, EPISODE_TOPIC, self._on_event, qos),
+            JOINT_TOPIC: self.create_subscription(JointState, JOINT_TOPIC, self._on_joint, qos),
         }
-        if self._image_shape is not None:
-            self._subs[IMAGE_TOPIC] = self.create_subscription(Image, IMAGE_TOPIC, self._on_image, QOS)
+        if self.robot.camera is not None:
+            self._subs[IMAGE_TOPIC] = self.create_subscription(Image, IMAGE_TOPIC, self._on_image, qos)
         self.registry = PolicyRegistry(self.store.root)
         self.policy_version = 0
         self._robot = RemoteRobot(self._action_space)
         if cfg.serve_policy:
             self._policy: Policy = build_policy({}, {"kind": cfg.policy})
-            self._action_pub = self.create_publisher(JointState, ACTION_TOPIC, QOS)
+            self._action_pub = self.create_publisher(JointState, ACTION_TOPIC, qos)
         else:  # a served action is recorded when served, so only listen when the robot acts itself
-            self._subs[ACTION_TOPIC] = self.create_subscription(JointState, ACTION_TOPIC, self._on_action, QOS)
-        self._status_pub = self.create_publisher(String, STATUS_TOPIC, QOS)
-        self._next_beat = 0.0
+            self._subs[ACTION_TOPIC] = self.create_subscription(JointState, ACTION_TOPIC, self._on_action, qos)
+        self._status_pub = self.create_publisher(String, STATUS_TOPIC, STATUS_QOS)
+        self._next_beat = self._next_file = 0.0
         self.write_status("running")
 
     def _owner(self, ns: int) -> _Episode | None:
-        return next((ep for ep in reversed(self._open) if ep.owns(ns)), None)
+        """The open episode that owns stamp ``ns`` (episodes never overlap), if any."""
+        if self._is_closed(ns):
+            return None
+        ep = next((e for e in reversed(self._open) if e.start <= ns), None)
+        return ep if ep is not None and ep.owns(ns) else None
 
-    # --- incoming messages ----------------------------------------------------------
-    def _reject(self, kind: str, detail: str) -> None:
-        self.malformed[kind] += 1
-        ep = self._open[-1] if self._open else None  # the episode in progress
-        if ep is not None and ep.tainted is None:
-            ep.tainted = kind
-        where = f"; discarding episode {ep.index}" if ep is not None else ""
-        self.get_logger().warning(f"dropped malformed message ({kind}): {detail}{where}")
+    def _is_closed(self, ns: int) -> bool:
+        return ns <= self._floor or any(lo <= ns <= hi for lo, hi in self._closed)
+
+    # --- faults ---------------------------------------------------------------------
+    def _fault(self, lo: int, hi: int, reason: str, detail: str) -> None:
+        """Record that stamps [lo, hi] carried bad or lost data: the episode owning them is
+        discarded (now if its end is known, else at its end)."""
+        owners = sorted({ep.index for ep in self._open if ep.start <= hi and (ep.end is None or lo <= ep.end["stamp"])})
+        if hi > self._floor:
+            self._faults.append(_Fault(lo, hi, reason))
+        where = f"episode {owners[0]}" if len(owners) == 1 else f"episodes {owners}" if owners else "no open episode"
+        self.get_logger().warning(f"{detail} (stamps {lo}..{hi}: {where})")
+        for ep in [e for e in self._open if e.end is not None]:
+            self._try_finish(ep)
         self.write_status("running")
 
-    def _accept(self, topic: str, ns: int, key: str, value: np.ndarray) -> None:
+    def _reject(self, kind: str, ns: int | None, detail: str) -> None:
+        self.malformed[kind] += 1
+        detail = f"dropped malformed message ({kind}): {detail}"
+        if ns is None:
+            self.get_logger().warning(f"{detail} (no stamp: attributed to no episode)")
+            self.write_status("running")
+        else:
+            self._fault(ns, ns, "malformed", detail)
+
+    def _fault_of(self, ep: _Episode) -> str | None:
+        assert ep.end is not None
+        hit = [f.reason for f in self._faults if f.lo <= ep.end["stamp"] and ep.start <= f.hi]
+        return "overflow" if "overflow" in hit else hit[0] if hit else None
+
+    def _sequence(self, topic: str, ns: int, info: dict[str, Any]) -> None:
+        """Detect messages DDS dropped (queue overflow) from gaps in each publisher's sequence
+        numbers, which start at 1: a first message numbered n > 1 means n - 1 were lost
+        (or sent before this bridge matched; either way they never arrived)."""
+        seq, gid = info.get("publication_sequence_number"), info.get("publisher_gid")
+        if seq is None or gid is None:
+            return  # the middleware does not report them
+        key = (topic, bytes(gid["data"]))
+        previous_seq, previous_ns = self._seq.get(key, (0, self._floor))
+        self._seq[key] = (seq, ns)
+        if seq > previous_seq + 1:
+            n = seq - previous_seq - 1
+            self.lost[topic] += n
+            lo, hi = sorted((previous_ns + 1, ns - 1))
+            self._fault(lo, hi, "overflow", f"{n} {topic} messages lost (a queue of {self.depth} overflowed, "
+                        "or they were sent before this bridge matched)")
+
+    # --- incoming messages ----------------------------------------------------------
+    def _on_data(self, topic: str, msg: Any, info: dict[str, Any], parse: typing.Callable[[Any], np.ndarray],
+                 key: str) -> None:
+        ns = stamp_ns(msg.header)
+        self._sequence(topic, ns, info)
+        try:
+            value = parse(msg)
+        except MalformedMessage as e:
+            self._reject(e.kind, ns, f"{topic}: {e}")
+            return
         last = self._last.get(topic, 0)
         if ns <= last:
-            self._reject("out_of_order", f"{topic} stamp {ns} is not after {last}")
+            self._reject("out_of_order", ns, f"{topic} stamp {ns} is not after {last}")
             return
         self._last[topic] = ns
         self._last_rx = time.monotonic()
-        if ns <= self._closed_until:
+        if self._is_closed(ns):
             return  # straggler of an episode already closed
         self._pool.setdefault(ns, {})[key] = value
         ep = self._owner(ns)
@@ -511,71 +992,60 @@ class BridgeNode(Node):
             self._serve(ep, ns)
             self._try_finish(ep)
 
-    def _on_joint(self, msg: JointState) -> None:
-        proprio = np.asarray(msg.position, dtype=np.float64)
-        if proprio.shape != (self._proprio_dim,) or (msg.name and len(msg.name) != len(msg.position)):
-            self._reject("joint_length", f"{len(msg.position)} positions, expected {self._proprio_dim}")
-        elif not np.isfinite(proprio.astype(np.float32)).all():
-            self._reject("nan", f"{JOINT_TOPIC} holds NaN/inf")
-        else:
-            self._accept(JOINT_TOPIC, stamp_ns(msg.header), "proprio", proprio.astype(np.float32))
+    def _on_joint(self, msg: JointState, info: dict[str, Any]) -> None:
+        self._on_data(JOINT_TOPIC, msg, info, self.robot.parse_joints, self.robot.joint_key)
 
-    def _on_image(self, msg: Image) -> None:
-        h, w, c = self._image_shape
-        if msg.encoding != "rgb8":
-            self._reject("image_encoding", f"encoding {msg.encoding!r}, expected 'rgb8'")
-        elif (msg.height, msg.width, msg.step, len(msg.data)) != (h, w, w * c, h * w * c):
-            self._reject("image_size", f"{msg.height}x{msg.width} (step {msg.step}), expected {h}x{w}")
-        else:
-            image = np.frombuffer(msg.data, dtype=np.uint8).reshape(h, w, c).copy()
-            self._accept(IMAGE_TOPIC, stamp_ns(msg.header), "image", image)
+    def _on_image(self, msg: Image, info: dict[str, Any]) -> None:
+        assert self.robot.camera is not None
+        self._on_data(IMAGE_TOPIC, msg, info, self.robot.parse_image, self.robot.camera.key)
 
-    def _on_action(self, msg: JointState) -> None:
-        action = np.asarray(msg.position, dtype=np.float32)
-        space = self._action_space
-        if action.shape != space.shape:
-            self._reject("action_length", f"{len(msg.position)} values, expected {space.shape}")
-        elif not np.isfinite(action).all():
-            self._reject("nan", f"{ACTION_TOPIC} holds NaN/inf")
-        elif not space.contains(action):
-            self._reject("action_bounds", f"action {action.tolist()} outside [{space.low}, {space.high}]")
-        else:
-            self._accept(ACTION_TOPIC, stamp_ns(msg.header), "action", action)
+    def _on_action(self, msg: JointState, info: dict[str, Any]) -> None:
+        self._on_data(ACTION_TOPIC, msg, info, self.robot.parse_action, "action")
 
     def _on_instruction(self, msg: String) -> None:
         self._instruction = msg.data
 
-    def _on_event(self, msg: String) -> None:
+    def _on_event(self, msg: String, info: dict[str, Any]) -> None:
         self._last_rx = time.monotonic()
         try:
             ev = json.loads(msg.data)
+            stamp = int(ev["stamp"])
+        except (ValueError, KeyError, TypeError) as e:
+            self._reject("event", None, f"bad episode event {msg.data[:200]!r}: {e!r}")
+            return
+        self._sequence(EPISODE_TOPIC, stamp, info)
+        try:
             kind = ev["event"]
             if kind == "start":
-                self._on_start(ev)
+                self._on_start(ev, stamp)
             elif kind == "end":
-                self._on_end(ev)
+                self._on_end(ev, stamp)
             else:
                 raise ValueError(f"unknown event {kind!r}")
+        except MalformedMessage as e:
+            self._reject(e.kind, None, str(e))
         except (ValueError, KeyError, TypeError) as e:
-            self._reject("event", f"bad episode event {msg.data[:200]!r}: {e}")
+            if ev.get("event") == "start" and isinstance(ev.get("episode"), int):
+                self._closed_index[ev["episode"]] = None  # its end is then no surprise
+            self._reject("event", stamp, f"bad episode event {msg.data[:200]!r}: {e!r}")
 
-    def _on_start(self, ev: dict[str, Any]) -> None:
-        start, index, seed, task = int(ev["stamp"]), int(ev["episode"]), int(ev["seed"]), str(ev["task"])
-        if task not in TASKS:
-            raise ValueError(f"unknown task {task!r}")
-        if start <= self._closed_until or any(ep.index == index or ep.start >= start for ep in self._open):
+    def _on_start(self, ev: dict[str, Any], start: int) -> None:
+        index, seed, task = int(ev["episode"]), int(ev["seed"]), str(ev["task"])
+        if task not in self.robot.tasks:
+            raise ValueError(f"unknown task {task!r}; robot {self.robot.name!r} has {list(self.robot.tasks)}")
+        if self._is_closed(start) or any(ep.index == index or ep.start >= start for ep in self._open):
             raise ValueError(f"episode {index} starts at {start}, not after the episodes already seen")
         # The event's instruction is tied to this episode; the topic's latest one may not be yet.
         instruction = str(ev.get("instruction", self._instruction))
-        version, tainted = int(ev.get("policy_version", 0)), None
+        version, policy_error = int(ev.get("policy_version", 0)), False
         if self.cfg.serve_policy:
             try:
                 version = self._prepare_policy(instruction, task, seed)
             except Exception as e:  # a broken artifact must not take the bridge down
                 self.get_logger().error(f"cannot prepare a policy for episode {index}: {e!r}")
-                version, tainted = self.policy_version, "policy_error"
-        ep = _Episode(index, seed, task, TASKS.index(task), instruction, start, version, time.monotonic(), start,
-                      tainted=tainted)
+                version, policy_error = self.policy_version, True
+        ep = _Episode(index, seed, task, self.robot.tasks.index(task), instruction, start, version,
+                      time.monotonic(), start, policy_error=policy_error)
         # Data before this start that no open episode owns can never be used (e.g. we joined mid-episode).
         self._pool = {ns: v for ns, v in self._pool.items() if ns >= start or self._owner(ns)}
         self._open.append(ep)
@@ -583,15 +1053,27 @@ class BridgeNode(Node):
             ep.last_stamp = ns
             self._serve(ep, ns)
 
-    def _on_end(self, ev: dict[str, Any]) -> None:
-        ep = next((e for e in self._open if e.index == int(ev["episode"]) and e.end is None), None)
+    def _on_end(self, ev: dict[str, Any], stamp: int) -> None:
+        index = int(ev["episode"])
+        ep = next((e for e in self._open if e.index == index and e.end is None), None)
         if ep is None:
-            self.get_logger().info(f"end of episode {ev['episode']}, which is not open; ignored")
+            if index in self._closed_index:
+                self.get_logger().info(f"end of episode {index}, already closed; ignored")
+                return
+            raise MalformedMessage("end_without_start", f"end of episode {index} (stamp {stamp}), which never started")
+        try:
+            length, rewards = int(ev["length"]), [float(r) for r in ev["rewards"]]
+            if len(rewards) != length or stamp < ep.start:
+                raise ValueError(f"{len(rewards)} rewards for {length} steps, end stamp {stamp} < start {ep.start}")
+            ev = {**ev, "length": length, "rewards": rewards, "stamp": stamp}
+        except (ValueError, KeyError, TypeError) as e:
+            # Its own episode is known by index: discard exactly that one.
+            self.malformed["event"] += 1
+            self.get_logger().warning(f"dropped malformed message (event): bad end of episode {index}: {e!r}")
+            ep.end = {"stamp": max(stamp, ep.last_stamp)}
+            self._discard(ep, "malformed")
             return
-        length, rewards, stamp = int(ev["length"]), [float(r) for r in ev["rewards"]], int(ev["stamp"])
-        if len(rewards) != length or stamp < ep.start:
-            raise ValueError(f"{len(rewards)} rewards for {length} steps, end stamp {stamp}")
-        ep.end = {**ev, "length": length, "rewards": rewards, "stamp": stamp}
+        ep.end = ev
         ep.last_rx = time.monotonic()
         self._final_seen |= bool(ev.get("final"))
         self._try_finish(ep)
@@ -615,45 +1097,49 @@ class BridgeNode(Node):
             action = np.clip(action, self._action_space.low, self._action_space.high)
         except Exception as e:  # a broken policy must not take the bridge down
             self.get_logger().error(f"policy v{self.policy_version} failed: {e!r}")
-            ep.tainted = ep.tainted or "policy_error"
+            ep.policy_error = True
             return
         if action.shape != self._action_space.shape or not np.isfinite(action).all():
-            ep.tainted = ep.tainted or "policy_error"
+            ep.policy_error = True
             self.get_logger().error(f"policy v{self.policy_version} returned {action!r}; not served")
             return
         step["action"] = action
-        self._action_pub.publish(joint_msg(ns, ACTION_NAMES, action))
+        self._action_pub.publish(self.robot.action_msg(ns, action))
 
     # --- episode completion -----------------------------------------------------------
     def _obs(self, step: dict[str, np.ndarray], ep: _Episode) -> dict[str, Any]:
         obs = {k: step[k] for k in self._obs_keys}
-        obs["task_id"] = np.int64(ep.task_index)
+        obs[self.robot.task_key] = np.int64(ep.task_index)
         return obs
 
     def _try_finish(self, ep: _Episode) -> None:
         if ep.end is None:
             return
+        fault = self._fault_of(ep)
         if ep.end.get("aborted"):
             self._discard(ep, "aborted")
-            return
-        if ep.tainted:
-            self._discard(ep, "policy_error" if ep.tainted == "policy_error" else "malformed")
-            return
-        T = ep.end["length"]
-        stamps = sorted(ns for ns in self._pool if ep.owns(ns))
-        if len(stamps) > T + 1:
-            self._discard(ep, "inconsistent")
-            return
-        complete = (
-            len(stamps) == T + 1
-            and all(self._obs_keys <= self._pool[ns].keys() for ns in stamps)
-            and all("action" in self._pool[ns] for ns in stamps[:T])
-        )
-        if complete:  # else stragglers are still in flight; the silence deadline bounds the wait
-            self._commit(ep, stamps)
+        elif ep.end["length"] > self.max_steps:
+            self._discard(ep, "too_long")
+        elif fault is not None:
+            self._discard(ep, fault)
+        elif ep.policy_error:
+            self._discard(ep, "policy_error")
+        else:
+            T = ep.end["length"]
+            stamps = sorted(ns for ns in self._pool if ep.owns(ns))
+            if len(stamps) > T + 1:
+                self._discard(ep, "inconsistent")
+            elif (
+                len(stamps) == T + 1
+                and all(self._obs_keys <= self._pool[ns].keys() for ns in stamps)
+                and all("action" in self._pool[ns] for ns in stamps[:T])
+            ):
+                self._commit(ep, stamps)
+            # else stragglers are still in flight; the silence deadline bounds the wait
 
     def _commit(self, ep: _Episode, stamps: list[int]) -> None:
         end, steps = ep.end, [self._pool[ns] for ns in stamps]
+        assert end is not None
         T = end["length"]
         for t in range(T):
             last = t == T - 1
@@ -667,7 +1153,8 @@ class BridgeNode(Node):
                 final_obs=self._obs(steps[T], ep), task_id=ep.task, instruction=ep.instruction, seed=ep.seed,
                 success=bool(end["success"]), policy_version=ep.policy_version, start_time=stamps[0] / 1e9,
                 end_time=stamps[-1] / 1e9,
-                attrs={"source": "ros2", "namespace": self.get_namespace(), "robot_episode": ep.index},
+                attrs={"source": "ros2", "robot": self.robot.name, "namespace": self.get_namespace(),
+                       "robot_episode": ep.index},
             )
         except EpisodeValidationError as e:
             self.get_logger().warning(f"episode {ep.index} rejected by the store: {e}")
@@ -680,20 +1167,32 @@ class BridgeNode(Node):
     def _discard(self, ep: _Episode, reason: str) -> None:
         self.discarded[reason] += 1
         self.writer.discard()
-        self.get_logger().warning(f"discarded episode {ep.index} ({reason}{': ' + ep.tainted if ep.tainted else ''})")
+        self.get_logger().warning(f"discarded episode {ep.index} ({reason})")
         self._close(ep)
 
     def _close(self, ep: _Episode) -> None:
-        """Forget an episode and every message up to its last stamp."""
+        """Forget an episode and the messages it owns; no other episode's data are touched."""
         self._open.remove(ep)
-        self._closed_until = max(self._closed_until, ep.end["stamp"] if ep.end is not None else ep.last_stamp)
-        self._pool = {ns: v for ns, v in self._pool.items() if ns > self._closed_until}
+        hi = ep.end["stamp"] if ep.end is not None else ep.last_stamp
+        self._closed.append((ep.start, hi))
+        self._closed_index[ep.index] = None
+        while len(self._closed_index) > 10_000:
+            del self._closed_index[next(iter(self._closed_index))]
+        # The floor may only pass closed ranges below the earliest open episode.
+        limit = min((e.start for e in self._open), default=None)
+        below = [r for r in self._closed if limit is None or r[0] < limit]
+        if below:
+            top = max(h for _, h in below)
+            self._floor = max(self._floor, top if limit is None else min(top, limit - 1))
+        self._closed = [r for r in self._closed if r[1] > self._floor]
+        self._pool = {ns: v for ns, v in self._pool.items() if not (ep.start <= ns <= hi) and ns > self._floor}
+        self._faults = [f for f in self._faults if f.hi > self._floor]
         self.done = self.cfg.exit_on_final and self._final_seen and not self._open
         self.write_status("running")
 
     def tick(self) -> None:
-        """Publish the heartbeat when due and enforce the silence deadline of every open
-        episode; call periodically."""
+        """Publish the heartbeat and refresh the status file when due, and enforce the
+        silence deadline of every open episode; call periodically."""
         now = time.monotonic()
         if now >= self._next_beat:
             self._next_beat = now + HEARTBEAT_S
@@ -701,23 +1200,30 @@ class BridgeNode(Node):
             if self.cfg.serve_policy:
                 matched[ACTION_TOPIC] = self._action_pub.get_subscription_count()
             self._status_pub.publish(String(data=json.dumps({**self._status("running"), "matched": matched})))
+        if now >= self._next_file:
+            self.write_status("running")
         for ep in [e for e in self._open if now - e.last_rx > self.cfg.timeout]:
             self._discard(ep, "timeout")
         if not self._open and now - self._last_rx > self.cfg.timeout:
             self._pool.clear()  # data whose start event never came
+            self._faults.clear()
 
     def _status(self, state: str) -> dict[str, Any]:
         return {
-            "client_id": self.cfg.client_id, "pid": os.getpid(), "state": state, "kind": "ros2-bridge",
-            "episodes": self.writer.n_episodes, "steps": self.writer.n_steps, "committed": self.committed,
-            "malformed": dict(self.malformed), "discarded": dict(self.discarded),
-            "policy_version": self.policy_version,
+            "client_id": self.cfg.client_id, "kind": "ros2-bridge", "state": state, "pid": os.getpid(),
+            "host": socket.gethostname(), "started": self._started, "heartbeat": time.time(),
+            "robot": self.robot.name, "episodes": self.writer.n_episodes, "steps": self.writer.n_steps,
+            "committed": self.committed, "malformed": dict(self.malformed), "discarded": dict(self.discarded),
+            "lost": dict(self.lost), "policy_version": self.policy_version,
+            "max_burst": {"episodes": self.cfg.burst_episodes, "max_steps": self.max_steps,
+                          "messages_per_topic": self.depth},
         }
 
     def write_status(self, state: str) -> dict[str, Any]:
         """Write and return the bridge status (``STORE/fleet/<client_id>.json``)."""
         status = self._status(state)
         write_json_atomic(self._status_path, status, fsync=False)
+        self._next_file = time.monotonic() + STATUS_FILE_S
         return status
 
     def close(self) -> dict[str, Any]:
@@ -728,6 +1234,55 @@ class BridgeNode(Node):
         self.writer.close()
         self.destroy_node()
         return status
+
+
+# --- status -------------------------------------------------------------------------
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    try:  # a killed child not yet reaped is a zombie: gone for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def read_bridge_status(root: str, client_id: str, stale_s: float = STALE_S, now: float | None = None) -> dict[str, Any]:
+    """A bridge's status file, with ``state`` set to ``dead`` (and ``dead_reason``) when it
+    says ``running`` but its pid is gone (same host) or its heartbeat is older than ``stale_s``.
+
+    Raises:
+        FileNotFoundError: no status file for ``client_id``.
+    """
+    with open(os.path.join(root, "fleet", f"{client_id}.json")) as f:
+        status = json.load(f)
+    if status.get("state") != "running":
+        return status
+    now = time.time() if now is None else now
+    age = now - float(status.get("heartbeat", 0.0))
+    if status.get("host") == socket.gethostname() and not _pid_alive(int(status["pid"])):
+        return {**status, "state": "dead", "dead_reason": f"process {status['pid']} is gone"}
+    if age > stale_s:
+        return {**status, "state": "dead", "dead_reason": f"no heartbeat for {age:.1f} s (> {stale_s} s)"}
+    return status
+
+
+def bridge_statuses(root: str, stale_s: float = STALE_S) -> list[dict[str, Any]]:
+    """``read_bridge_status`` of every ROS 2 bridge with a status file under ``root``."""
+    folder = Path(root) / "fleet"
+    out = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            kind = json.loads(path.read_text()).get("kind")
+        except (OSError, ValueError):
+            continue  # being replaced, or not a status file
+        if kind == "ros2-bridge":
+            out.append(read_bridge_status(root, path.stem, stale_s))
+    return out
 
 
 # --- processes ------------------------------------------------------------------------
@@ -774,14 +1329,23 @@ def run_sim(cfg: SimConfig) -> list[dict[str, Any]]:
         context.try_shutdown()
 
 
-USAGE = """usage: robo-post fleet ros2-bridge store=PATH [key=value ...]
-       robo-post fleet ros2-sim [key=value ...]
-`robo-post fleet ros2-bridge --help` (or ros2-sim) lists the keys."""
+def run_status(cfg: StatusConfig) -> list[dict[str, Any]]:
+    """The status of one bridge (``client_id``) or of every bridge in the store."""
+    if cfg.client_id:
+        return [read_bridge_status(cfg.store, cfg.client_id, cfg.stale_s)]
+    return bridge_statuses(cfg.store, cfg.stale_s)
+
+
+USAGE = """usage: robo-post fleet ros2-bridge store=PATH [robot=NAME|PATH.yaml] [key=value ...]
+       robo-post fleet ros2-sim [robot=NAME|PATH.yaml] [key=value ...]
+       robo-post fleet ros2-status store=PATH [client_id=ID]
+`robo-post fleet ros2-bridge --help` (or ros2-sim, ros2-status) lists the keys."""
 
 
 def main(argv: list[str]) -> int:
-    """``robo-post fleet ros2-bridge|ros2-sim key=value ...``."""
-    commands = {"ros2-bridge": (BridgeConfig, run_bridge), "ros2-sim": (SimConfig, run_sim)}
+    """``robo-post fleet ros2-bridge|ros2-sim|ros2-status key=value ...``."""
+    commands = {"ros2-bridge": (BridgeConfig, run_bridge), "ros2-sim": (SimConfig, run_sim),
+                "ros2-status": (StatusConfig, run_status)}
     if not argv or argv[0] not in commands:
         print(USAGE, file=sys.stderr if argv[:1] not in (["-h"], ["--help"]) else sys.stdout)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
@@ -791,11 +1355,28 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         cfg = parse_config(cls, argv[1:])
+        if argv[0] == "ros2-sim":
+            parse_faults(cfg.faults)
+        if argv[0] != "ros2-status":
+            RobotDescription.load(cfg.robot)  # refuse a bad description in one line, before ROS starts
     except (TypeError, ValueError) as e:
         print(f"robo-post fleet {argv[0]}: {e}", file=sys.stderr)
         return 2
     if argv[0] == "ros2-bridge":
-        print(json.dumps(run(cfg)), flush=True)
+        try:
+            status = run(cfg)
+        except RobotDescriptionError as e:  # e.g. a store recorded from another robot
+            print(f"robo-post fleet ros2-bridge: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(status), flush=True)
+    elif argv[0] == "ros2-status":
+        try:
+            statuses = run(cfg)
+        except FileNotFoundError as e:
+            print(f"robo-post fleet ros2-status: no status file: {e.filename}", file=sys.stderr)
+            return 1
+        for status in statuses:
+            print(json.dumps(status))
     else:
         run(cfg)
     return 0

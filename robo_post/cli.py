@@ -284,7 +284,8 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "steer-eval": ("steering grid vs the frozen actor: HELP / FROZEN / HURT, selector vs oracle, heat maps",
                    _hydra_job("steer-eval", _steer_eval)),
     "store": ("info | validate | repair | export-minari | import-minari: inspect, check, repair, convert a store", _store_main),
-    "fleet": ("ros2-bridge | ros2-sim: ROS 2 bridge to a robot, and a simulated robot", _fleet_main),
+    "fleet": ("ros2-bridge | ros2-sim | ros2-status: ROS 2 bridge to a robot, a simulated robot, bridge liveness",
+              _fleet_main),
 }
 JOBS = ("run", "collect", "train", "eval", "report", "steer", "steer-eval")
 

@@ -12,6 +12,7 @@ import os
 os.environ.setdefault("MUJOCO_GL", "egl")  # headless rendering; must precede importing mujoco
 
 import itertools
+import signal
 import json
 import subprocess
 import sys
@@ -28,12 +29,14 @@ from sensor_msgs.msg import Image, JointState
 from std_msgs.msg import String
 
 from robo_post.cli import main as cli_main
-from robo_post.envs.tabletop import PROPRIO_DIM, TASKS
 from robo_post.fleet import ros2
 from robo_post.store import PolicyRegistry, Store
 
 DEADLINE_S = 60.0
 _domains = itertools.count()
+TABLETOP = ros2.RobotDescription.load("tabletop")
+ARM2_PATH = str(Path(__file__).parent / "data" / "robots" / "arm2.yaml")
+ARM2 = ros2.RobotDescription.load(ARM2_PATH)  # 2 joints (position + velocity), no camera, 3 action dims
 
 
 def fresh_domain() -> int:
@@ -70,23 +73,27 @@ def kill_all(procs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
         print(f"--- {name} ---\n{log.read_text()}")
 
 
-def assert_store_matches_dump(root: str, client: str, dump_path: Path, expected: dict[int, int | None]) -> None:
+def assert_store_matches_dump(root: str, client: str, dump_path: Path, expected: dict[int, int | None],
+                              robot: ros2.RobotDescription = TABLETOP) -> None:
     """The committed episodes are exactly the sim's episodes ``expected`` (index -> policy
     version, None for either), array for array, each run by one policy version throughout."""
-    snap = Store.open(root).snapshot()
+    store = Store.open(root)
+    snap = store.snapshot()
     recorded = {e.attrs["robot_episode"]: e for e in snap.episodes(client=client)}
     assert sorted(recorded) == sorted(expected)
     dump = np.load(dump_path)  # no pickle: plain arrays and one JSON string
     meta = json.loads(str(dump["meta"]))
+    keys = [robot.joint_key] + ([robot.camera.key] if robot.camera else [])
+    assert sorted(store.schema.observations) == sorted(keys + [robot.task_key])
     for i in expected:
         ep, sim = snap.load(recorded[i]), meta[i]
         T = sim["length"]
         assert not sim["aborted"] and ep["info"].length == T
-        for key in ("proprio", "image"):
+        for key in keys:
             got, want = ep["obs"][key], dump[f"ep{i}_{key}"]
             assert got.dtype == want.dtype and got.shape == want.shape == (T + 1, *want.shape[1:])
             np.testing.assert_array_equal(got, want)
-        np.testing.assert_array_equal(ep["obs"]["task_id"], np.full(T + 1, TASKS.index(sim["task"])))
+        np.testing.assert_array_equal(ep["obs"][robot.task_key], np.full(T + 1, robot.tasks.index(sim["task"])))
         np.testing.assert_array_equal(ep["action"], dump[f"ep{i}_action"])
         np.testing.assert_array_equal(ep["reward"], dump[f"ep{i}_reward"].astype(np.float32))
         np.testing.assert_array_equal(ep["timestamp"], dump[f"ep{i}_stamp"][:-1] / 1e9)
@@ -123,20 +130,29 @@ def test_records_sim_episodes_exactly(tmp_path):
 
 
 class Injector:
-    """A third ROS participant that watches episode events and publishes bad messages."""
+    """A third ROS participant that watches bridge heartbeats (and, once ``listen`` is
+    called, episode events) and publishes messages of its own, bad ones included."""
 
-    def __init__(self, domain_id: int):
+    def __init__(self, domain_id: int, robot: ros2.RobotDescription = TABLETOP, listen: bool = True):
+        self.robot = robot
         self.context = Context()
         rclpy.init(context=self.context, domain_id=domain_id, signal_handler_options=SignalHandlerOptions.NO)
         self.node = rclpy.create_node("injector", namespace="/robot", context=self.context)
-        self.joint = self.node.create_publisher(JointState, ros2.JOINT_TOPIC, ros2.QOS)
-        self.image = self.node.create_publisher(Image, ros2.IMAGE_TOPIC, ros2.QOS)
+        qos = ros2.topic_qos(100)
+        self.joint = self.node.create_publisher(JointState, ros2.JOINT_TOPIC, qos)
+        self.image = self.node.create_publisher(Image, ros2.IMAGE_TOPIC, qos) if robot.camera else None
+        self.episode = self.node.create_publisher(String, ros2.EPISODE_TOPIC, qos)
         self.events: list[dict[str, Any]] = []
         self.heartbeat: dict[str, Any] = {}
-        self.node.create_subscription(String, ros2.EPISODE_TOPIC, self._on_event, ros2.QOS)
-        self.node.create_subscription(String, ros2.STATUS_TOPIC, self._on_heartbeat, ros2.QOS)
+        self.node.create_subscription(String, ros2.STATUS_TOPIC, self._on_heartbeat, ros2.STATUS_QOS)
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
+        if listen:
+            self.listen()
+
+    def listen(self) -> None:
+        """Subscribe to episode events (a sim with ``subscribers=2`` waits for this)."""
+        self.node.create_subscription(String, ros2.EPISODE_TOPIC, self._on_event, ros2.topic_qos(100))
 
     def _on_event(self, msg: String) -> None:
         self.events.append(json.loads(msg.data))
@@ -151,9 +167,12 @@ class Injector:
     def started(self) -> list[int]:
         return [e["episode"] for e in self.events if e["event"] == "start"]
 
+    def ended(self) -> dict[int, dict[str, Any]]:
+        return {e["episode"]: e for e in self.events if e["event"] == "end"}
+
     def running(self) -> int | None:
         """The episode the sim has started and not yet ended, as far as we have heard."""
-        ended = {e["episode"] for e in self.events if e["event"] == "end"}
+        ended = self.ended()
         live = [k for k in self.started() if k not in ended]
         return live[-1] if live else None
 
@@ -163,14 +182,19 @@ class Injector:
             assert time.monotonic() < deadline, f"timed out waiting for {what}"
             self.executor.spin_once(timeout_sec=0.02)
 
+    def spin_for(self, seconds: float) -> None:
+        until = time.monotonic() + seconds
+        self.spin_until(lambda: time.monotonic() > until, f"{seconds} s")
+
     def inject(self) -> None:
         now = self.node.get_clock().now().nanoseconds
-        good = np.zeros(PROPRIO_DIM)
-        self.joint.publish(ros2.joint_msg(now, ros2.PROPRIO_NAMES[:5], good[:5]))  # wrong length
-        self.joint.publish(ros2.joint_msg(now, ros2.PROPRIO_NAMES, np.full(PROPRIO_DIM, np.nan)))  # NaN
+        names, dim = TABLETOP.joints, TABLETOP.joint_dim
+        good = np.zeros(dim)
+        self.joint.publish(ros2.joint_msg(now, names[:5], good[:5]))  # 5 of the 31 joints
+        self.joint.publish(ros2.joint_msg(now, names, np.full(dim, np.nan)))  # NaN
         self.image.publish(ros2.image_msg(now, np.zeros((64, 64, 3), np.uint8), encoding="bgr8"))  # encoding
         self.image.publish(ros2.image_msg(now, np.zeros((32, 32, 3), np.uint8)))  # size
-        self.joint.publish(ros2.joint_msg(1, ros2.PROPRIO_NAMES, good))  # stamp long before the last one
+        self.joint.publish(ros2.joint_msg(1, names, good))  # stamp long before the last one
 
     def close(self) -> None:
         self.executor.shutdown()
@@ -218,7 +242,7 @@ def test_malformed_messages_discard_only_their_episode(tmp_path):
         injector.close()
 
     status = read_status(root, "robot-1")
-    assert status["malformed"] == {"joint_length": 1, "nan": 1, "image_encoding": 1, "image_size": 1,
+    assert status["malformed"] == {"joint_names": 1, "nan": 1, "image_encoding": 1, "image_size": 1,
                                    "out_of_order": 1}
     assert status["discarded"] == {"malformed": 1} and status["committed"] == 4
     assert status["policy_version"] == 1
@@ -226,3 +250,153 @@ def test_malformed_messages_discard_only_their_episode(tmp_path):
     assert_store_matches_dump(root, "robot-1", dump, expected)
     assert not json.loads(str(np.load(dump)["meta"]))[k]["aborted"]  # the robot was served throughout
     assert cli_main(["store", "validate", root]) == 0
+
+
+def wait_status(root: str, client: str, condition: Callable[[dict[str, Any]], bool], what: str) -> dict[str, Any]:
+    """Poll the bridge's status file until ``condition`` holds."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        try:
+            status = read_status(root, client)
+        except (FileNotFoundError, ValueError):
+            status = {}
+        if status and condition(status):
+            return status
+        assert time.monotonic() < deadline, f"timed out waiting for {what}; last status {status}"
+        time.sleep(0.1)
+
+
+def stop_bridge_once_matched(injector: Injector, bridge: subprocess.Popen, topics: tuple[str, ...]) -> None:
+    """SIGSTOP the bridge once it is matched with the sim and us, then let the sim (which
+    waits for a second episode subscriber) start: everything it sends queues up."""
+    injector.spin_until(lambda: injector.bridge_matched(topics, 2), "matching")
+    injector.spin_for(0.6)  # let the sim receive heartbeats that show the bridge matched
+    os.kill(bridge.pid, signal.SIGSTOP)
+    injector.listen()
+
+
+def test_faults_are_blamed_by_stamp_under_queued_traffic(tmp_path):
+    """While the bridge is stalled the robot queues 4 episodes, whose joint messages on
+    episode 1's first and last steps are malformed (names that do not match the positions;
+    NaN), and an end without a start is queued among them. Only episode 1 is discarded, as
+    malformed (not timeout); the episodes before and after it are recorded exactly."""
+    root, dump, domain_id = str(tmp_path / "store"), tmp_path / "sim.npz", fresh_domain()
+    domain = f"domain_id={domain_id}"
+    injector = Injector(domain_id, ARM2, listen=False)
+    procs = {
+        "bridge": spawn(tmp_path, "bridge", ["ros2-bridge", f"store={root}", f"robot={ARM2_PATH}", "client_id=arm-1",
+                                             domain, "timeout=20", "max_steps=20", "burst_episodes=5"]),
+        "sim": spawn(tmp_path, "sim", ["ros2-sim", f"robot={ARM2_PATH}", domain, "episodes=4", "rate_hz=0",
+                                       "max_steps=20", "policy=random", "subscribers=2", f"dump={dump}",
+                                       "faults=1:0:names+1:-1:nan"]),
+    }
+    bridge = procs["bridge"][0]
+    try:
+        stop_bridge_once_matched(injector, bridge, (ros2.JOINT_TOPIC, ros2.EPISODE_TOPIC))
+        injector.spin_until(lambda: 1 in injector.ended(), "episode 1 to end")
+        stamp = injector.ended()[1]["stamp"] + 1  # between episodes 1 and 2
+        injector.episode.publish(String(data=json.dumps({"event": "end", "episode": 99, "length": 0, "rewards": [],
+                                                         "stamp": stamp})))
+        injector.spin_until(lambda: 3 in injector.ended(), "the last episode to end")
+        injector.spin_for(0.3)
+        os.kill(bridge.pid, signal.SIGCONT)
+        status = wait_status(root, "arm-1", lambda s: s["committed"] + sum(s["discarded"].values()) >= 4
+                             and sum(s["malformed"].values()) >= 3, "4 closed episodes and 3 malformed messages")
+        assert status["committed"] == 3 and status["discarded"] == {"malformed": 1}
+        assert status["malformed"] == {"nan": 1, "joint_length": 1, "end_without_start": 1}
+        assert status["lost"] == {}
+        bridge.send_signal(signal.SIGTERM)
+        wait_exit(procs)
+    finally:
+        if bridge.poll() is None:
+            os.kill(bridge.pid, signal.SIGCONT)
+        kill_all(procs)
+        injector.close()
+    log = procs["bridge"][1].read_text()
+    assert "joint message has 1 names but 2 position values (names ['shoulder'])" in log
+    assert "end of episode 99" in log and "never started" in log
+    assert "discarded episode 1 (malformed)" in log and "timeout" not in log
+    assert_store_matches_dump(root, "arm-1", dump, {0: 0, 2: 0, 3: 0}, robot=ARM2)
+
+
+def test_other_robot_two_long_episodes_in_one_burst(tmp_path, capsys):
+    """A robot that is not the tabletop (2 joints recorded as positions and velocities, no
+    camera, 3 action dims with their own bounds, its own tasks): two 1000-step episodes
+    sent as fast as possible, within the burst the bridge documents (2 episodes of
+    max_steps=1000), are both recorded exactly under a schema derived from its description;
+    a store recorded from another robot is refused."""
+    root, dump, domain = str(tmp_path / "store"), tmp_path / "sim.npz", f"domain_id={fresh_domain()}"
+    procs = {
+        "bridge": spawn(tmp_path, "bridge", ["ros2-bridge", f"store={root}", f"robot={ARM2_PATH}", "client_id=arm-2",
+                                             domain, "exit_on_final=true", "timeout=20", "max_steps=1000",
+                                             "burst_episodes=2"]),
+        "sim": spawn(tmp_path, "sim", ["ros2-sim", f"robot={ARM2_PATH}", domain, "episodes=2", "rate_hz=0",
+                                       "max_steps=1000", "policy=random", "task=fold", f"dump={dump}"]),
+    }
+    try:
+        wait_exit(procs)
+    finally:
+        kill_all(procs)
+    status = read_status(root, "arm-2")
+    assert (status["committed"], status["malformed"], status["discarded"], status["lost"]) == (2, {}, {}, {})
+    assert status["max_burst"] == {"episodes": 2, "max_steps": 1000, "messages_per_topic": 2002}
+    assert_store_matches_dump(root, "arm-2", dump, {0: 0, 1: 0}, robot=ARM2)
+    schema = Store.open(root).schema
+    assert schema.attrs["robot"] == "arm2" and "env" not in schema.attrs
+    assert (schema.action.shape, schema.action.low, schema.action.high) == ((3,), [-2.0, -0.5, 0.0], [2.0, 0.5, 1.0])
+    assert schema.observations["joints"].shape == (4,) and schema.observations["goal"].high == 1
+    meta = json.loads(str(np.load(dump)["meta"]))
+    assert [m["length"] for m in meta] == [1000, 1000] and {m["task"] for m in meta} == {"fold"}
+    capsys.readouterr()
+    assert cli_main(["fleet", "ros2-bridge", f"store={root}", "client_id=other", f"domain_id={fresh_domain()}"]) == 2
+    err = capsys.readouterr().err
+    assert "robot 'tabletop': observation 'image' is uint8(64, 64, 3)" in err and "keys ['goal', 'joints']" in err
+
+
+def test_refused_bursts_are_counted_and_a_killed_bridge_reads_dead(tmp_path):
+    """A burst beyond what the bridge documents (6 episodes queued against a queue of one
+    episode while it is stalled) loses messages: they are counted in ``lost`` and their
+    episodes discarded as ``overflow``, never as ``timeout``; an episode longer than the
+    limit is discarded as ``too_long``. A SIGKILLed bridge still says running in its file,
+    and reads as dead."""
+    root, domain_id = str(tmp_path / "store"), fresh_domain()
+    domain = f"domain_id={domain_id}"
+    injector = Injector(domain_id, ARM2, listen=False)
+    procs = {
+        "bridge": spawn(tmp_path, "bridge", ["ros2-bridge", f"store={root}", f"robot={ARM2_PATH}", "client_id=arm-3",
+                                             domain, "timeout=20", "max_steps=20", "burst_episodes=1"]),
+        "sim": spawn(tmp_path, "sim", ["ros2-sim", f"robot={ARM2_PATH}", domain, "episodes=6", "rate_hz=0",
+                                       "max_steps=20", "burst_episodes=8", "policy=random", "subscribers=2"]),
+    }
+    bridge = procs["bridge"][0]
+    try:
+        stop_bridge_once_matched(injector, bridge, (ros2.JOINT_TOPIC, ros2.EPISODE_TOPIC))
+        injector.spin_until(lambda: 5 in injector.ended(), "the last episode to end")
+        injector.spin_for(0.3)
+        os.kill(bridge.pid, signal.SIGCONT)
+        status = wait_status(root, "arm-3", lambda s: s["committed"] + sum(s["discarded"].values()) >= 6,
+                             "6 closed episodes")
+        assert status["lost"].get(ros2.JOINT_TOPIC, 0) > 0 and status["discarded"].get("overflow", 0) >= 1
+        assert status["committed"] + status["discarded"]["overflow"] == 6 and status["malformed"] == {}
+        wait_exit({"sim": procs["sim"]})
+        procs["long"] = spawn(tmp_path, "long", ["ros2-sim", f"robot={ARM2_PATH}", domain, "episodes=1", "rate_hz=0",
+                                                 "max_steps=21", "policy=random"])
+        wait_exit({"long": procs["long"]})
+        status = wait_status(root, "arm-3", lambda s: "too_long" in s["discarded"], "the too-long episode")
+        assert status["discarded"]["too_long"] == 1 and "timeout" not in status["discarded"]
+        assert ros2.read_bridge_status(root, "arm-3")["state"] == "running"
+        bridge.kill()
+        bridge.wait()
+    finally:
+        if bridge.poll() is None:
+            os.kill(bridge.pid, signal.SIGCONT)
+        kill_all(procs)
+        injector.close()
+    assert read_status(root, "arm-3")["state"] == "running"  # the file alone cannot tell
+    dead = ros2.read_bridge_status(root, "arm-3")
+    assert dead["state"] == "dead" and dead["dead_reason"] == f"process {bridge.pid} is gone"
+    stale = ros2.read_bridge_status(root, "arm-3", now=dead["heartbeat"] + 60, stale_s=10)
+    out = subprocess.run([sys.executable, "-m", "robo_post.cli", "fleet", "ros2-status", f"store={root}"],
+                         capture_output=True, text=True, timeout=DEADLINE_S)
+    assert out.returncode == 0 and json.loads(out.stdout)["state"] == "dead", out.stderr
+    assert stale["state"] == "dead"
