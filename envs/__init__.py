@@ -1,5 +1,5 @@
-"""Simulated environments (tabletop MuJoCo tasks, driving, reacher, point mass, shutdown grid) and
-the env registry (``env_spec``)."""
+"""Simulated environments (tabletop MuJoCo tasks, driving, highway meta-actions, reacher, point mass,
+shutdown grid) and the env registry (``env_spec``)."""
 
 import gymnasium as gym
 
@@ -15,6 +15,12 @@ gym.register(
     id="robo_post/Driving-v0",
     entry_point="robo_post.envs.driving:DrivingEnv",
     kwargs={"scenario": "highway-fast"},
+)
+
+# highway-env's fast highway with discrete meta-actions and counterfactual candidate scoring.
+gym.register(
+    id="robo_post/HighwayMeta-v0",
+    entry_point="robo_post.envs.highway_meta:HighwayMetaEnv",
 )
 
 # Sparse-reward Reacher-v5 of demonstration E3 (docs/methods.md, "Demonstrations: E3").

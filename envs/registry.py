@@ -2,8 +2,8 @@
 
 ``env_spec(name_or_id)`` returns an :class:`EnvSpec` for
 
-- robo-post's own envs, by alias (``tabletop``, ``driving``, ``point_mass``,
-  ``reacher``, ``shutdown_grid``) or gymnasium id (``robo_post/Tabletop-v0``, ...): they
+- robo-post's own envs, by alias (``tabletop``, ``driving``, ``highway_meta``,
+  ``point_mass``, ``reacher``, ``shutdown_grid``) or gymnasium id (``robo_post/Tabletop-v0``, ...): they
   come with scripted experts, an overseer, a success rule, for driving per-episode
   metrics and, for the goal-reaching envs, goal-conditioned priors (``make_prior``);
 - any other id ``gymnasium.make`` accepts (``Hopper-v5``, ``CartPole-v1``,
@@ -28,7 +28,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from robo_post.store.schema import BARE_OBS_KEY
+from robo_post.store.schema import BARE_OBS_KEY, ArraySpec
 
 # (env, noise, mode, seed) -> act(obs) -> action; built at every episode start.
 ExpertFactory = Callable[[gym.Env, float, str, "int | None"], Callable[[Mapping[str, Any]], np.ndarray]]
@@ -120,6 +120,12 @@ class EnvSpec:
         features: default observation-role overrides for models trained on this env's
             data (key -> role, or ``None`` to leave a key out), under the user's
             ``model.features``.
+        candidates: zero-argument callable returning the vocabulary of candidate futures
+            (sequences of discrete actions) that candidate-scoring policies choose from;
+            ``None``: the env has none.
+        step_extras: ``info -> {name: array}``, per-step values the env reports (e.g.
+            events) that a store declaring them records beside the action; ``None``: none.
+        step_extra_specs: name -> ``ArraySpec`` of those values.
         priors: goal-conditioned prior controllers by name, each a factory
             ``env -> prior(obs) -> actions``: given one made env, a deterministic,
             vectorised function from a batch of flat-dict observations (every key of
@@ -146,6 +152,9 @@ class EnvSpec:
     policy_env_kwargs: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     render_kwargs: Mapping[str, Any] = field(default_factory=lambda: {"render_mode": "rgb_array"})
     features: Mapping[str, str | None] = field(default_factory=dict)
+    candidates: Callable[[], Sequence[Sequence[int]]] | None = None
+    step_extras: Callable[[Mapping[str, Any]], dict[str, np.ndarray]] | None = None
+    step_extra_specs: Mapping[str, Any] = field(default_factory=dict)
     priors: Mapping[str, PriorFactory] = field(default_factory=dict)
 
     @property
@@ -489,4 +498,40 @@ register_env(EnvSpec(
     horizon=1,
     execute_steps=1,
     priors={"jacobian_transpose": _reacher_jacobian_transpose},
+))
+
+
+def _highway_meta_expert(env: gym.Env, noise: float, mode: str, seed: int | None) -> Callable:
+    from robo_post.envs.highway_meta import HeuristicDriver
+
+    if mode != "expert":
+        raise UnknownExpertModeError(f"env {_env_id(env)!r}: its expert has no mode {mode!r}; only 'expert'")
+    driver, unwrapped = HeuristicDriver(noise=noise, seed=seed), env.unwrapped
+    return lambda obs: driver(unwrapped)
+
+
+def _highway_meta_metrics(infos: list[Mapping[str, Any]]) -> dict[str, Metric]:
+    return {
+        "collision": any(bool(i["crashed"]) for i in infos),
+        "mean_speed": float(np.mean([i["speed"] for i in infos])),
+    }
+
+
+register_env(EnvSpec(
+    id="robo_post/HighwayMeta-v0",
+    name="highway_meta",
+    make_kwargs={"disable_env_checker": True},
+    expert=_highway_meta_expert,  # a deliberately mediocre driver (brakes when close, never overtakes)
+    # No overseer: the normalized ego x saturates and steady traffic keeps the state still, so
+    # a stall watch on it would fire on healthy driving.
+    step_limit=lambda env: env.unwrapped.duration,
+    success=lambda info: not bool(info["crashed"]),
+    success_rule="not info['crashed'] at the last step: the episode ended without a collision",
+    metrics=_highway_meta_metrics,
+    candidates=lambda: importlib.import_module("robo_post.envs.highway_meta").CANDIDATES,
+    step_extras=lambda info: {"events": np.asarray(info["events"], dtype=np.float32)},
+    step_extra_specs={"events": ArraySpec("float32", (2,))},  # crash, TTC breach (highway_meta.EVENTS)
+    # One decision per second; a candidate future spans 3 decisions, of which only the first runs.
+    horizon=3,
+    execute_steps=1,
 ))

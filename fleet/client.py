@@ -25,7 +25,7 @@ import torch
 from gymnasium import spaces
 
 from robo_post.envs.registry import EnvRegistryError, EnvSpec, env_spec
-from robo_post.fleet.policies import ExpertPolicy, Policy, build_policy, step_extras
+from robo_post.fleet.policies import ExpertPolicy, Policy, build_policy, policy_extras, recorded_extras
 from robo_post.store import EpisodeValidationError, PolicyRegistry, Store, StoreSchema
 from robo_post.store.writer import write_json_atomic
 
@@ -231,10 +231,11 @@ def run_client(cfg: ClientConfig) -> dict[str, Any]:
                 if overseer:
                     action, intervened = overseer.filter(obs, action, env)
                     n_interventions += intervened
-                extras = step_extras(policy, store.schema.extras)  # what the policy acted from, for audits
+                decided = policy_extras(policy, store.schema.extras)  # what the policy acted from, for audits
                 next_obs, reward, terminated, truncated, info = env.step(action)
+                reported = spec.step_extras(info) if spec.step_extras and store.schema.extras else {}
                 writer.add(obs, action, reward, terminated, truncated, policy_version=version, intervention=intervened,
-                           extras=extras)
+                           extras=recorded_extras(store.schema.extras, decided, reported))
                 if spec.metrics is not None:
                     infos.append(info)
                 obs = next_obs

@@ -29,20 +29,26 @@ class MissingExtrasError(ValueError):
     """The store records per-step extras the running policy does not provide."""
 
 
-def step_extras(policy: Policy, names: Any) -> dict[str, np.ndarray] | None:
-    """The per-step store extras ``names`` from a policy that provides them (``policy.extras()``,
-    e.g. a steered policy's actor and prior distributions); ``None`` when the store declares none.
+def policy_extras(policy: Policy, names: Any) -> dict[str, np.ndarray]:
+    """What the policy reports about its last decision (``policy.extras()``, e.g. a steered
+    policy's actor and prior distributions), when the store records extras at all."""
+    return policy.extras() if names and hasattr(policy, "extras") else {}
+
+
+def recorded_extras(names: Any, *sources: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    """The store's per-step extras ``names`` from the policy's and the env's reports; ``None``
+    when the store declares none.
 
     Raises:
-        MissingExtrasError: the store declares extras the policy does not give.
+        MissingExtrasError: the store declares extras nobody reported.
     """
     if not names:
         return None
-    given = policy.extras() if hasattr(policy, "extras") else {}
+    given = {k: v for source in sources for k, v in source.items()}
     missing = sorted(set(names) - set(given))
     if missing:
-        raise MissingExtrasError(f"the store records extras {missing} per step; policy {type(policy).__name__} "
-                                 "does not provide them (record into a store without those extras)")
+        raise MissingExtrasError(f"the store records extras {missing} per step; neither the policy nor the env "
+                                 "reports them (record into a store without those extras)")
     return {k: given[k] for k in names}
 
 
@@ -84,7 +90,8 @@ class ExpertPolicy:
         self._act = spec_for_env(env).make_expert(env, noise=self.noise, mode=self.mode, seed=seed)
 
     def act(self, obs: dict[str, Any], env: Any) -> np.ndarray:
-        return np.asarray(self._act(obs), dtype=np.float32)
+        action = np.asarray(self._act(obs))
+        return action if action.dtype.kind in "iub" else action.astype(np.float32)  # Discrete actions stay integer
 
 
 class SB3Policy:
@@ -167,6 +174,14 @@ def _steered_policy(weights: dict[str, torch.Tensor], config: dict[str, Any], de
     return SteeredPolicyRunner(weights, config, device=device)
 
 
+def _candidate_policy(weights: dict[str, torch.Tensor], config: dict[str, Any], device: str) -> Policy:
+    """A candidate-scoring policy (``algo=craft``); ``env_extras`` asks the env for counterfactual scores."""
+    from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyRunner
+
+    return CandidatePolicyRunner(CandidatePolicy.from_artifact(weights, config), config.get("deterministic", True),
+                                 device=device, env_extras=config.get("env_extras", True))
+
+
 # (weights, config, device) -> policy
 Builder = Callable[[dict[str, torch.Tensor], dict[str, Any], str], Policy]
 POLICY_KINDS: dict[str, Builder] = {
@@ -179,6 +194,7 @@ POLICY_KINDS: dict[str, Builder] = {
     "sb3_agent": _sb3_agent,
     "gaussian": _gaussian_policy,
     "steered": _steered_policy,
+    "candidate": _candidate_policy,
 }
 
 

@@ -20,7 +20,7 @@ from robo_post.store.schema import ROLES
 
 # Dicts whose keys are free-form (passed through to a class, an env or a policy) at any level below.
 FREE_FORM = ("algo.critic", "algo.value", "algo.actor", "algo.hyperparameters", "algo.agent_hyperparameters",
-             "algo.env_kwargs", "algo.heldout_kwargs", "env.kwargs", "env_kwargs", "policy", "model.features",
+             "algo.env_kwargs", "algo.heldout_kwargs", "algo.model", "env.kwargs", "env_kwargs", "policy", "model.features",
              "lwd.critic", "lwd.value", "lwd.actor", "tracking.wandb", "tracking.mlflow", "lwd.tracking.wandb",
              "lwd.tracking.mlflow")
 MISSING = "???"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from robo_post.envs.registry import env_spec
-from robo_post.fleet.policies import MissingExtrasError, build_policy, step_extras
+from robo_post.fleet.policies import MissingExtrasError, build_policy, policy_extras, recorded_extras
 from robo_post.steering.poe import Gaussian, compose, select_alpha
 from robo_post.steering.policy import SteeredPolicy, SteeringConfig, build_source, resolve_source
 from robo_post.steering.sources import SB3Actor, SteeringSourceError
@@ -138,9 +138,10 @@ def test_a_store_that_records_extras_refuses_a_policy_without_them():
     class Plain:
         pass
 
-    assert step_extras(Plain(), {}) is None
+    assert policy_extras(Plain(), {"actor_mean": None}) == {} and recorded_extras({}, {}) is None
     with pytest.raises(MissingExtrasError, match="actor_mean"):
-        step_extras(Plain(), {"actor_mean": None})
+        recorded_extras({"actor_mean": None, "events": None}, policy_extras(Plain(), {"actor_mean": None}),
+                        {"events": np.zeros(2)})
 
 
 def test_selector_reads_only_states_and_caps_alpha(actor_store):
@@ -154,3 +155,22 @@ def test_selector_reads_only_states_and_caps_alpha(actor_store):
     a, kls = select_alpha(actor.distribution(states), prior.distribution(states), (0.1, 0.3, 0.5, 0.7, 0.9), 1e9,
                           alpha_max=0.3)
     assert a == 0.3 and len(kls) == 5
+
+
+def test_a_prior_learned_from_store_data_steers_with_its_fitted_std(actor_store, tmp_path):
+    demos = str(tmp_path / "goal_demos")
+    run_cli("collect", "env=point_mass", "policy.noise=0.3", "episodes=30", f"store={demos}", "show=false")
+    run_cli("train", "algo=gaussian_bc", f"store={demos}", f"run_dir={demos}-bc", "updates=1500",
+            "data.success=null", "show=false")
+    out = str(tmp_path / "grid")
+    run_cli("steer-eval", "actor.kind=registry", f"actor.store={actor_store}", "prior.kind=registry",
+            f"prior.store={demos}", "episodes=12", "rules=[poe]", "calibration_episodes=2", "stochastic=false",
+            f"out_dir={out}", "show=false")
+    cells = json.load(open(os.path.join(out, "steering.json")))["results"]["registry"]["cells"]
+    poe = {c["alpha"]: c for c in cells if c["arm"] == "poe"}
+    assert poe[0.9]["label"] == "HELP" and poe[0.9]["diff"] > poe[0.1]["diff"] > 0
+    env = env_spec("point_mass").make(None)
+    prior = build_source(*resolve_source({"kind": "registry", "store": demos}, "prior"), env)
+    obs, _ = env.reset(seed=0)
+    std = prior.distribution({k: v[None] for k, v in obs.items()}).std.numpy()
+    assert 0.15 < std.mean() < 0.5  # fitted to the demonstrations' noise, not a chosen constant

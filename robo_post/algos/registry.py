@@ -30,10 +30,12 @@ import torch
 
 from robo_post.algos.actor_critic import PAIRS, ActorCritic, ActorCriticConfig
 from robo_post.algos.bc_flow import BCFlow, BCFlowConfig
+from robo_post.algos.craft import Craft, CraftConfig
 from robo_post.algos.drest import DReSTAgent, DReSTConfig
 from robo_post.algos.gaussian_bc import GaussianBC, GaussianBCConfig
 from robo_post.algos.sb3_agent import SB3Agent, SB3AgentConfig
 from robo_post.models.features import Feature
+from robo_post.models.candidate_policy import CandidatePolicy
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
 from robo_post.models.gaussian import GaussianPolicyConfig
 
@@ -209,3 +211,17 @@ def _build_drest(config: DReSTConfig, data: DataSpec | None, device: torch.devic
 
 register_method(MethodSpec("drest", DReSTConfig, _build_drest, driver="sb3",
                            description="DReST: an SB3 agent on meta-episodes rewarded for choosing lengths evenly"))
+
+
+def _build_craft(config: CraftConfig, data: DataSpec | None, device: torch.device,
+                 reference: CandidatePolicy | None) -> Craft:
+    if not isinstance(reference, CandidatePolicy):
+        raise ValueError("algo=craft fine-tunes a candidate policy (artifact kind 'candidate'): a published one "
+                         "(algo.reference_version) or one its driver pre-trains from the store")
+    return Craft(config, reference, device)
+
+
+register_method(MethodSpec("craft", CraftConfig, _build_craft, driver="craft",
+                           description="CRAFT: on-policy fine-tuning of a candidate-scoring policy (counterfactual "
+                                       "proxy + grounded residual + EMA-teacher KL) through the fleet",
+                           model_keys=("embed_dim", "hidden_dim")))

@@ -7,6 +7,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from robo_post.algos.registry import method_spec
+from robo_post.learner import craft_driver  # noqa: F401  (registers the `craft` driver)
 from robo_post.learner.drivers import DRIVERS
 
 

@@ -1,0 +1,343 @@
+"""highway-env's fast highway with discrete meta-actions, a candidate vocabulary and
+counterfactual scoring of candidate futures.
+
+:class:`HighwayMetaEnv` is highway-env's ``highway-fast-v0`` (3 lanes, 20 vehicles,
+30 s episodes, decisions at 1 Hz, simulation at 5 Hz) behind robo-post's env
+conventions:
+
+- action ``Discrete(5)``: ``0 LANE_LEFT, 1 IDLE, 2 LANE_RIGHT, 3 FASTER, 4 SLOWER``;
+- observation ``{"state": Box(-1, 1, (25,), float32)}``, highway-env's normalized 5x5
+  Kinematics table (ego first) flattened row by row;
+- highway-env's reward, unchanged;
+- info: highway-env's ``crashed``, ``speed`` and ``rewards`` plus ``ttc_front`` [s] and
+  the step's ``events`` vector (:data:`EVENTS`).
+
+Candidate futures are short meta-action sequences (:data:`CANDIDATES`).
+:func:`counterfactual_scores` rolls each one out in a copy of the scene: with
+``reactive=False`` the other vehicles of the copy ignore the ego (the cheap,
+deliberately biased proxy world model); with ``reactive=True`` the copy is exact (an
+oracle that measures the proxy's bias). The live scene is never touched: the copy has
+its own vehicles and its own random generator.
+
+Scoring costs a few clone steps per candidate, so it runs in the process that owns
+the env. Parallelism comes from the fleet (one env per client process); envs are not
+shipped to process pools, which would pickle them.
+
+:class:`HeuristicDriver` is a deliberately mediocre lane-keeping driver (brake when
+the car ahead is close, never change lanes), the scripted expert of the registry entry.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from typing import Any, Mapping, Sequence, SupportsFloat
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+from highway_env.envs.common.abstract import AbstractEnv
+from highway_env.envs.highway_env import HighwayEnvFast
+
+from robo_post.envs.driving import _coast, _gap_and_closing_speed, _time_to_collision
+
+__all__ = [
+    "FASTER",
+    "IDLE",
+    "LANE_LEFT",
+    "LANE_RIGHT",
+    "SLOWER",
+    "ACTIONS",
+    "CANDIDATES",
+    "EVENTS",
+    "EVENT_WEIGHTS",
+    "PROXY_WEIGHTS",
+    "TTC_THRESHOLD",
+    "HeuristicDriver",
+    "HighwayMetaEnv",
+    "InvalidCandidatesError",
+    "InvalidHighwayConfigError",
+    "InvalidMetaActionError",
+    "counterfactual_scores",
+    "event_reward",
+    "step_events",
+]
+
+LANE_LEFT, IDLE, LANE_RIGHT, FASTER, SLOWER = range(5)
+ACTIONS: tuple[str, ...] = ("LANE_LEFT", "IDLE", "LANE_RIGHT", "FASTER", "SLOWER")
+"""Names of the meta-actions, by index (highway-env's ``DiscreteMetaAction``)."""
+
+CANDIDATES: list[list[int]] = [
+    *([a, IDLE, IDLE] for a in range(len(ACTIONS))),
+    [LANE_LEFT, FASTER, IDLE],
+    [LANE_RIGHT, FASTER, IDLE],
+    [SLOWER, SLOWER, IDLE],
+]
+"""The candidate vocabulary: K = 8 macro-futures of H = 3 meta-actions (each action
+then idling, overtaking left or right, braking twice)."""
+
+TTC_THRESHOLD = 1.5
+"""Time-to-collision [s] with the car ahead below which a step counts as a near miss."""
+
+EVENTS: tuple[str, ...] = ("crash", "ttc_breach")
+"""Entries of the per-step ``info["events"]`` vector (1.0 if it happened, else 0.0)."""
+
+EVENT_WEIGHTS: tuple[float, ...] = (-1.0, -0.3)
+"""Default reward of each event in :data:`EVENTS` (see :func:`event_reward`)."""
+
+PROXY_WEIGHTS: Mapping[str, float] = types.MappingProxyType(
+    {"high_speed": 0.4, "right_lane": 0.1, "collision": -1.0, "ttc": -0.3}
+)
+"""Default per-step weights of the counterfactual score (see :func:`counterfactual_scores`)."""
+
+# Proxy weight name -> highway-env reward term it weighs ("ttc" is computed here).
+_REWARD_TERMS = {"high_speed": "high_speed_reward", "right_lane": "right_lane_reward",
+                 "collision": "collision_reward"}
+
+
+class InvalidHighwayConfigError(ValueError):
+    """A highway config entry (or render mode) this env does not accept: unknown, or fixed by the env."""
+
+
+class InvalidMetaActionError(ValueError):
+    """An action that is not one of the five meta-action indices."""
+
+
+class InvalidCandidatesError(ValueError):
+    """A candidate set, score weight or discount that counterfactual scoring cannot use."""
+
+
+def step_events(core: AbstractEnv) -> np.ndarray:
+    """The :data:`EVENTS` vector of a highway-env scene's current state, float32 (2,)."""
+    ego = core.vehicle
+    ttc = _time_to_collision(core.road, ego)
+    return np.array([float(ego.crashed), float(ttc < TTC_THRESHOLD)], dtype=np.float32)
+
+
+def event_reward(events: np.ndarray | Sequence[float], weights: Sequence[float] = EVENT_WEIGHTS
+                 ) -> float | np.ndarray:
+    """Event reward: ``events @ weights`` for one (2,) vector (a float) or a (T, 2) batch (T,).
+
+    Raises:
+        InvalidCandidatesError: the last axis of ``events`` does not match ``weights``.
+    """
+    events = np.asarray(events, dtype=np.float64)
+    weights = np.asarray(weights, dtype=np.float64)
+    if events.ndim not in (1, 2) or events.shape[-1] != weights.shape[0]:
+        raise InvalidCandidatesError(
+            f"events must have shape ({weights.shape[0]},) or (T, {weights.shape[0]}), got {events.shape}")
+    reward = events @ weights
+    return float(reward) if reward.ndim == 0 else reward
+
+
+class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
+    """highway-env's fast highway with discrete meta-actions (see the module docstring).
+
+    ``terminated`` on a crash, ``truncated`` when the episode time (``duration`` s)
+    is up. Info keys on every step: ``crashed``, ``speed`` [m/s], ``rewards``
+    (highway-env's reward terms), ``ttc_front`` [s] (``inf``: nobody ahead in the
+    lane, or not closing in), ``events`` (float32 (2,), :data:`EVENTS`).
+
+    Args:
+        oracle: :meth:`candidate_extras` also scores candidates in exact clones
+            (``oracle_scores``); an exact clone steps about 3.5x slower than a
+            non-reactive one (its traffic runs IDM and lane-change decisions).
+        render_mode: ``None`` or ``"rgb_array"``.
+        **config: highway-env config entries (``vehicles_count``, ``lanes_count``,
+            ``duration`` [s], ...); the observation and action types are fixed.
+
+    Raises:
+        InvalidHighwayConfigError: an unknown config key, or ``observation`` / ``action``.
+    """
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 1}
+
+    def __init__(self, oracle: bool = False, render_mode: str | None = None, **config: Any) -> None:
+        if render_mode not in (None, *self.metadata["render_modes"]):
+            raise InvalidHighwayConfigError(f"unsupported render_mode {render_mode!r}")
+        known = HighwayEnvFast.default_config()
+        fixed = {"observation", "action"} & config.keys()
+        if fixed:
+            raise InvalidHighwayConfigError(f"HighwayMetaEnv fixes the observation and action types; got {sorted(fixed)}")
+        unknown = sorted(config.keys() - known.keys())
+        if unknown:
+            raise InvalidHighwayConfigError(f"unknown highway-env config keys {unknown}; known: {sorted(known)}")
+        self._core = HighwayEnvFast(config=config, render_mode=render_mode)
+        self.oracle = oracle
+        self.render_mode = render_mode
+        policy_frequency = self._core.config["policy_frequency"]
+        self.metadata = {**self.metadata, "render_fps": policy_frequency}
+        self.duration = round(self._core.config["duration"] * policy_frequency)  # in decisions
+        self.observation_space = spaces.Dict(
+            {"state": spaces.Box(-1.0, 1.0, (int(np.prod(self._core.observation_space.shape)),), np.float32)})
+        self.action_space = spaces.Discrete(len(ACTIONS))
+
+    @property
+    def core(self) -> AbstractEnv:
+        """The wrapped highway-env scene (privileged state: road, vehicles, lanes)."""
+        return self._core
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+              ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        super().reset(seed=seed)
+        # highway-env draws every random scene element from its own np_random.
+        raw, core_info = self._core.reset(seed=seed)
+        return self._observation(raw), self._info(core_info)
+
+    def step(self, action: int | np.integer) -> tuple[dict[str, np.ndarray], SupportsFloat, bool, bool, dict[str, Any]]:
+        if np.asarray(action).dtype.kind not in "iu" or not self.action_space.contains(np.int64(action)):
+            raise InvalidMetaActionError(f"meta-action must be an integer in [0, {len(ACTIONS)}), got {action!r}")
+        raw, reward, terminated, truncated, core_info = self._core.step(int(action))
+        return self._observation(raw), float(reward), bool(terminated), bool(truncated), self._info(core_info)
+
+    def render(self) -> np.ndarray | None:
+        return self._core.render() if self.render_mode is not None else None
+
+    def close(self) -> None:
+        self._core.close()
+
+    def candidate_extras(self, candidates: Sequence[Sequence[int]] = CANDIDATES) -> dict[str, np.ndarray]:
+        """Per-candidate scores of the current state, for a candidate-scoring policy runner.
+
+        Returns ``{"proxy_scores": (K,) float32}`` from non-reactive clones and, for an
+        env made with ``oracle=True``, also ``"oracle_scores"`` from exact clones. The
+        env itself is left untouched (see :func:`counterfactual_scores`).
+        """
+        out = {"proxy_scores": counterfactual_scores(self, candidates, reactive=False).astype(np.float32)}
+        if self.oracle:
+            out["oracle_scores"] = counterfactual_scores(self, candidates, reactive=True).astype(np.float32)
+        return out
+
+    def _observation(self, raw: np.ndarray) -> dict[str, np.ndarray]:
+        return {"state": np.asarray(raw, dtype=np.float32).reshape(-1)}
+
+    def _info(self, core_info: Mapping[str, Any]) -> dict[str, Any]:
+        ego = self._core.vehicle
+        return {
+            "crashed": bool(ego.crashed),
+            "speed": float(ego.speed),
+            "rewards": {name: float(value) for name, value in core_info["rewards"].items()},
+            "ttc_front": _time_to_collision(self._core.road, ego),
+            "events": step_events(self._core),
+        }
+
+
+class _NoObservation:
+    """Stands in for a clone's observation type: scoring reads only the step info, and
+    building the Kinematics table is about half the cost of a non-reactive step."""
+
+    def observe(self) -> None:
+        return None
+
+
+def _scene(env: gym.Env | AbstractEnv) -> AbstractEnv:
+    """The highway-env scene of ``env`` (a made env, a :class:`HighwayMetaEnv` or a scene)."""
+    unwrapped = env.unwrapped
+    if isinstance(unwrapped, HighwayMetaEnv):
+        return unwrapped.core
+    if isinstance(unwrapped, AbstractEnv):
+        return unwrapped
+    raise TypeError(f"counterfactual scoring needs a highway-env scene, got {type(unwrapped).__name__}")
+
+
+def _clone(core: AbstractEnv, reactive: bool) -> AbstractEnv:
+    """A copy of ``core`` for scoring: exact, or with every other vehicle coasting."""
+    twin = copy.deepcopy(core)
+    twin.observation_type = _NoObservation()
+    if not reactive:
+        for vehicle in twin.road.vehicles:
+            if vehicle not in twin.controlled_vehicles:
+                vehicle.act = types.MethodType(_coast, vehicle)
+    return twin
+
+
+def counterfactual_scores(
+    env: gym.Env | AbstractEnv,
+    candidates: Sequence[Sequence[int]] = CANDIDATES,
+    reactive: bool = False,
+    gamma: float = 0.98,
+    weights: Mapping[str, float] = PROXY_WEIGHTS,
+) -> np.ndarray:
+    """Discounted score of each candidate future, rolled out in a copy of the scene.
+
+    For candidate ``k`` the scene is deep-copied and the copy steps through the
+    candidate's meta-actions, stopping after a crash or at the episode's end; the
+    score is ``sum_h gamma^h (w_high_speed high_speed_h + w_right_lane right_lane_h +
+    w_collision collision_h + w_ttc 1[ttc_front_h < TTC_THRESHOLD])`` with the
+    first three terms from the copy's ``info["rewards"]``.
+
+    With ``reactive=False`` the other vehicles of the copy hold their speed and lane
+    (zero acceleration, lane-keeping steering): a world model that ignores how
+    traffic reacts to the ego. With ``reactive=True`` the copy is exact (its random
+    generator is a copy too), so the score is the candidate's true outcome.
+
+    ``env`` is never modified and its random generator is never drawn from.
+
+    Args:
+        env: a made ``robo_post/HighwayMeta-v0`` env, a :class:`HighwayMetaEnv`, or a
+            highway-env scene with discrete meta-actions.
+        candidates: K sequences of meta-action indices (:data:`CANDIDATES`).
+        reactive: exact copies (oracle) instead of non-reactive ones (proxy).
+        gamma: per-decision discount in (0, 1].
+        weights: the four weights by name (:data:`PROXY_WEIGHTS`).
+
+    Returns:
+        float64 (K,) scores.
+
+    Raises:
+        InvalidCandidatesError: empty candidates, an action outside ``[0, 5)``, a
+            discount outside (0, 1], or weights whose names differ from
+            :data:`PROXY_WEIGHTS`'.
+    """
+    core = _scene(env)
+    n_actions = core.action_space.n
+    if not candidates or any(len(c) == 0 for c in candidates):
+        raise InvalidCandidatesError("candidates must be a non-empty list of non-empty action sequences")
+    bad = [a for c in candidates for a in c if not (isinstance(a, (int, np.integer)) and 0 <= a < n_actions)]
+    if bad:
+        raise InvalidCandidatesError(f"candidate actions must be integers in [0, {n_actions}), got {bad[:5]}")
+    if not 0.0 < gamma <= 1.0:
+        raise InvalidCandidatesError(f"gamma must lie in (0, 1], got {gamma}")
+    if set(weights) != set(PROXY_WEIGHTS):
+        raise InvalidCandidatesError(f"weights must name exactly {sorted(PROXY_WEIGHTS)}, got {sorted(weights)}")
+
+    scores = np.zeros(len(candidates))
+    for k, candidate in enumerate(candidates):
+        twin = _clone(core, reactive)
+        for h, action in enumerate(candidate):
+            _, _, terminated, truncated, info = twin.step(int(action))
+            step = sum(weights[name] * info["rewards"][term] for name, term in _REWARD_TERMS.items())
+            step += weights["ttc"] * float(_time_to_collision(twin.road, twin.vehicle) < TTC_THRESHOLD)
+            scores[k] += gamma**h * step
+            if terminated or truncated:
+                break
+    return scores
+
+
+class HeuristicDriver:
+    """A mediocre scripted driver: SLOWER when the car ahead in the ego's lane is less
+    than :attr:`MIN_GAP` m away (bumper to bumper), else IDLE; it never changes lanes.
+
+    With probability ``noise`` it instead takes a uniformly random meta-action (lane
+    changes included), drawn from its own seeded generator. Reads privileged state
+    from ``env.unwrapped.core`` and never modifies it.
+    """
+
+    MIN_GAP = 20.0  # [m]
+
+    def __init__(self, noise: float = 0.0, seed: int | None = None) -> None:
+        if not 0.0 <= noise <= 1.0:
+            raise ValueError(f"noise is a probability in [0, 1], got {noise}")
+        self.noise = noise
+        self._rng = np.random.default_rng(seed)
+
+    def __call__(self, env: gym.Env) -> np.int64:
+        """The meta-action for the env's current state."""
+        if self.noise > 0.0 and self._rng.random() < self.noise:
+            return np.int64(self._rng.integers(len(ACTIONS)))
+        core = _scene(env)
+        ego = core.vehicle
+        front, _ = core.road.neighbour_vehicles(ego)
+        if front is not None and _gap_and_closing_speed(ego, front)[0] < self.MIN_GAP:
+            return np.int64(SLOWER)
+        return np.int64(IDLE)

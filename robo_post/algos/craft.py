@@ -1,0 +1,487 @@
+"""CRAFT: counterfactual-to-interactive reinforcement fine-tuning of a candidate-scoring policy (``algo=craft``).
+
+A pre-trained ``CandidatePolicy`` scores K candidate futures at every visited state
+and executes the chosen one's first meta-action. CRAFT fine-tunes it on-policy with
+two learning signals and one anchor:
+
+- a dense **proxy**: every candidate is scored counterfactually in an approximate
+  model of the world, and the scores are normalised within the state's group;
+- a sparse, grounded **residual**: short windows of event rewards from the real
+  rollout correct the proxy on the executed candidate ``k*`` only;
+- an **EMA teacher** started from the pre-trained policy, and a KL between student
+  and teacher that keeps the student near reliable behaviour.
+
+The equations, numbered as the code below refers to them (``pi`` the student,
+``A`` the true closed-loop advantage, ``r~`` the counterfactual scores, ``e`` events):
+
+(1) proxy advantage  ``A~_k = (r~_k - mean_j r~_j) / (std_j r~_j + eps)`` (population std per state);
+(2) decomposition    ``sum_k grad pi_k A_k = sum_k grad pi_k A~_k + sum_k grad pi_k (A_k - A~_k)``:
+    the proxy term is exact over all K candidates; sampling ``k* ~ pi`` turns the second
+    into the expectation of ``grad log pi_k* (A_k* - A~_k*)``, so a proxy close to ``A``
+    leaves little for this noisy one-sample term to carry;
+(3) residual         ``G_t = sum_{j<W} gamma^j e_{t+j}`` and ``delta^_t = z(G_t) - A~_{t,k*}``
+    (``cv``) or ``m_t z(G_t)`` (``event``), ``z`` the batch z-score, ``m_t`` "an event in the window";
+(4) loss             ``L = L_proxy + lambda_res L_res + beta_sd L_SD`` with dual-clipped PPO
+    surrogates on the ratios ``pi / pi_old`` (all candidates with ``A~``; ``k*`` with ``delta^``)
+    and ``L_SD`` the student-teacher KL;
+(5) teacher          ``theta_T <- m theta_T + (1 - m) theta`` after every optimiser step, no gradient.
+
+The functions below are the math, one idea each, top to bottom; ``Craft`` composes
+them into the registry's ``Method``. The env side (candidates, counterfactual scores,
+events) and the on-policy loop belong to the driver.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from robo_post.models.candidate_policy import CandidatePolicy
+
+RESIDUAL_MODES = ("cv", "event")
+PROXY_WEIGHTS = ("uniform", "policy")
+KL_DIRECTIONS = ("reverse", "forward")
+KL_GATES = ("none", "nonpositive_adv")
+
+
+class CraftConfigError(ValueError):
+    """A CRAFT setting outside its allowed values."""
+
+
+class CraftBatchError(ValueError):
+    """A CRAFT batch is missing an entry or has a state without any valid candidate."""
+
+
+# --- (1) group-normalised proxy advantage -------------------------------------------------
+def group_advantages(scores: torch.Tensor, eps: float = 1e-5, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-state z-scores of the K candidates' counterfactual scores (B, K).
+
+    ``A~_k = (r~_k - mean_j r~_j) / (std_j r~_j + eps)`` with the population std over the
+    state's valid candidates (``mask`` (B, K) bool; all valid when ``None``). Invalid
+    entries get 0. A constant group has zero deviation and so all-zero advantages.
+
+    Raises:
+        CraftBatchError: a state has no valid candidate.
+    """
+    valid = torch.ones_like(scores, dtype=torch.bool) if mask is None else mask.to(torch.bool)
+    if not bool(valid.any(-1).all()):
+        raise CraftBatchError("group_advantages: a state has no valid candidate (mask row all False)")
+    w = valid.to(scores.dtype)
+    n = w.sum(-1, keepdim=True)
+    # shifting by a member first is exact for a constant group (a rounded mean is not: its
+    # tiny deviations over a tiny std would give advantages far from 0)
+    shifted = (scores - scores.masked_fill(~valid, float("-inf")).amax(-1, keepdim=True)) * w
+    centred = (shifted - shifted.sum(-1, keepdim=True) / n) * w
+    std = (centred.pow(2).sum(-1, keepdim=True) / n).sqrt()
+    return centred / (std + eps)
+
+
+def masked_log_softmax(logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``log pi(k|s)`` over the valid candidates (B, K); invalid entries read 0 (mask them out of any sum).
+
+    Each row needs at least one valid candidate (``group_advantages`` checks the batch).
+    """
+    if mask is None:
+        return logits.log_softmax(-1)
+    # -inf keeps invalid probabilities exactly 0; zero-filling afterwards keeps every
+    # difference of two log-probabilities finite (no inf - inf, no NaN gradient).
+    return logits.masked_fill(~mask, float("-inf")).log_softmax(-1).masked_fill(~mask, 0.0)
+
+
+# --- (4) dual-clipped surrogate and policy losses -------------------------------------------------------------
+def dual_clip_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_clip: float = 0.2, dual_c: float = 3.0
+                        ) -> torch.Tensor:
+    """Per-element dual-clipped PPO surrogate (to be maximised).
+
+    For ``A >= 0`` the PPO clip ``min(rho A, clip(rho, 1-eps, 1+eps) A)``; for ``A < 0`` that
+    value floored at ``c A``, so a very large ratio on a bad candidate cannot make the
+    surrogate (and its gradient) unbounded.
+    """
+    clipped = torch.minimum(ratio * adv, ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip) * adv)
+    return torch.where(adv >= 0, clipped, torch.maximum(clipped, dual_c * adv))
+
+
+def policy_losses(logits: torch.Tensor, old_logits: torch.Tensor, proxy_adv: torch.Tensor, chosen: torch.Tensor,
+                  delta: torch.Tensor, valid: torch.Tensor | None = None, eps_clip: float = 0.2, dual_c: float = 3.0,
+                  proxy_weight: str = "uniform") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two policy-gradient losses of (4) and the ratios ``rho = pi / pi_old`` (B, K).
+
+    ``L_proxy`` is the negated dual-clipped surrogate of every valid candidate ``k`` with
+    its proxy advantage; ``L_res`` that of the executed candidate ``chosen`` (B,) with the
+    residual ``delta`` (B,), averaged over states. ``proxy_weight`` says how the K
+    candidates of a state are combined in ``L_proxy``:
+
+    - ``uniform``: the mean over all valid (state, candidate) pairs, as RIFT's loss. At
+      ``rho = 1`` its gradient is ``sum_k grad log pi_k A~_k / K`` per state, which is *not*
+      the proxy term ``sum_k grad pi_k A~_k`` of the decomposition (2).
+    - ``policy``: per state ``sum_k pi_old(k) DC(rho_k, A~_k)``, averaged over states; at
+      ``rho = 1`` its gradient is exactly ``sum_k grad pi_k A~_k``, so proxy plus residual
+      (mode ``cv``) is the full-advantage policy gradient.
+    """
+    if proxy_weight not in PROXY_WEIGHTS:
+        raise CraftConfigError(f"craft proxy_weight {proxy_weight!r}; choose one of {PROXY_WEIGHTS}")
+    old_log_p = masked_log_softmax(old_logits, valid)
+    ratio = (masked_log_softmax(logits, valid) - old_log_p).exp()
+    surrogate = dual_clip_surrogate(ratio, proxy_adv, eps_clip, dual_c)
+    w = torch.ones_like(ratio) if valid is None else valid.to(ratio.dtype)
+    if proxy_weight == "policy":
+        proxy_loss = -(w * old_log_p.exp() * surrogate).sum(-1).mean()
+    else:
+        proxy_loss = -(surrogate * w).sum() / w.sum()
+    executed = ratio.gather(-1, chosen.long()[:, None])[:, 0]
+    residual_loss = -dual_clip_surrogate(executed, delta, eps_clip, dual_c).mean()
+    return proxy_loss, residual_loss, ratio
+
+
+# --- KL between two distributions over the candidates --------------------------------------
+def categorical_kl(p_logits: torch.Tensor, q_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact ``KL(p || q) = sum_k p_k (log p_k - log q_k)`` per state (B,), over the valid candidates."""
+    log_p, log_q = masked_log_softmax(p_logits, mask), masked_log_softmax(q_logits, mask)
+    p = log_p.exp() if mask is None else log_p.exp() * mask
+    return (p * (log_p - log_q)).sum(-1)
+
+
+# --- (3) grounded residual --------------------------------------------------------------------
+def event_returns(events: torch.Tensor, gamma: float, window: int) -> torch.Tensor:
+    """Short-window discounted event return of one episode, ``G_t = sum_{j<W} gamma^j e_{t+j}`` (T,).
+
+    The window is truncated at the episode's end (no event is borrowed from another episode).
+    """
+    if window < 1:
+        raise CraftConfigError(f"craft window must be >= 1, got {window}")
+    e = torch.as_tensor(events, dtype=torch.float32)
+    out = torch.zeros_like(e)
+    for j in range(min(window, e.shape[0])):
+        out[: e.shape[0] - j] += gamma ** j * e[j:]
+    return out
+
+
+def event_mask(events: torch.Tensor, window: int) -> torch.Tensor:
+    """``m_t = 1[an event (e != 0) in steps [t, t+W)]`` of one episode (T,) bool, truncated at its end."""
+    hit = torch.as_tensor(events) != 0
+    out = torch.zeros_like(hit)
+    for j in range(min(window, hit.shape[0])):
+        out[: hit.shape[0] - j] |= hit[j:]
+    return out
+
+
+def batch_zscore(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """``(x - mean) / (std + eps)`` over the whole batch (population std); all zeros for a constant batch."""
+    shifted = x - x.reshape(-1)[0]  # exact zeros for a constant batch (see group_advantages)
+    centred = shifted - shifted.mean()
+    return centred / (centred.pow(2).mean().sqrt() + eps)
+
+
+def residual(G: torch.Tensor, proxy_adv_executed: torch.Tensor, mode: str = "cv",
+             event_mask: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """The residual estimate ``delta^_t`` on the executed candidate (B,).
+
+    ``z(G)`` (the batch z-score of the event returns) stands in for the true advantage of
+    ``k*``. Mode ``cv`` (control variate): ``z(G) - A~_{k*}``, the part of the true
+    advantage the proxy missed. Mode ``event``: ``m * z(G)``, the grounded signal only on
+    states with an interaction-critical event in the window (``event_mask``).
+    """
+    z = batch_zscore(G.float(), eps)
+    if mode == "cv":
+        return z - proxy_adv_executed.to(z.dtype)
+    if mode == "event":
+        if event_mask is None:
+            raise CraftConfigError("craft residual_mode='event' needs event_mask")
+        return event_mask.to(z.dtype) * z
+    raise CraftConfigError(f"craft residual_mode {mode!r}; choose one of {RESIDUAL_MODES}")
+
+
+def residual_for_batch(G: torch.Tensor, proxy_adv: torch.Tensor, chosen: torch.Tensor, mode: str = "cv",
+                       event_mask: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """``residual`` from the full proxy advantages (B, K) and the executed indices ``chosen`` (B,)."""
+    executed = proxy_adv.gather(-1, chosen.long()[:, None])[:, 0]
+    return residual(G, executed, mode, event_mask, eps)
+
+
+# --- (5) EMA teacher --------------------------------------------------------------------------
+class EMATeacher(nn.Module):
+    """A frozen copy of the pre-trained policy that trails the student: ``theta_T <- m theta_T + (1-m) theta``.
+
+    Starts bitwise equal to the policy it is built from; its parameters never take a
+    gradient. Buffers (state statistics) stay the pre-trained ones.
+    """
+
+    def __init__(self, policy: CandidatePolicy):
+        super().__init__()
+        self.policy = copy.deepcopy(policy).requires_grad_(False).eval()
+
+    def logits(self, obs: dict[str, Any]) -> torch.Tensor:
+        """The teacher's candidate logits (B, K)."""
+        return self.policy.logits(obs)
+
+    @torch.no_grad()
+    def update(self, student: nn.Module, m: float) -> None:
+        """One EMA step toward ``student`` (same architecture); ``m = 1`` leaves the teacher as is."""
+        if not 0.0 <= m <= 1.0:
+            raise CraftConfigError(f"craft ema_m must be in [0, 1], got {m}")
+        # lerp: theta_T + (1-m)(theta - theta_T) == m theta_T + (1-m) theta, one fused kernel
+        torch._foreach_lerp_(list(self.policy.parameters()), list(student.parameters()), 1.0 - m)
+
+
+# --- behaviour-cloning pretraining -------------------------------------------------------------
+def bc_loss(policy: CandidatePolicy, obs: dict[str, Any], target_index: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the candidate indices ``target_index`` (B,) under the policy."""
+    log_p = policy.logits(obs).log_softmax(-1)
+    return -log_p.gather(-1, target_index.to(log_p.device).long()[:, None]).mean()
+
+
+def take_rows(tree: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
+    """Rows ``index`` of every entry of a batch dict (tensors, nested dicts, lists such as instructions)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out[key] = take_rows(value, index)
+        elif isinstance(value, torch.Tensor):
+            out[key] = value[index.to(value.device)]
+        else:
+            out[key] = [value[i] for i in index.tolist()]
+    return out
+
+
+def minibatch_indices(n: int, size: int, epochs: int, generator: torch.Generator | None = None
+                      ) -> Iterator[torch.Tensor]:
+    """``epochs`` shuffled passes over ``n`` rows in minibatches of at most ``size``."""
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=generator)
+        yield from order.split(size)
+
+
+def bc_pretrain(policy: CandidatePolicy, obs: dict[str, Any], target_index: torch.Tensor, updates: int,
+                lr: float = 1e-3, minibatch: int = 256, grad_clip: float = 1.0,
+                generator: torch.Generator | None = None) -> dict[str, float]:
+    """Behaviour-clone candidate indices into ``policy`` in place (``updates`` AdamW steps).
+
+    Returns the final ``loss`` and the ``accuracy`` of the argmax over the whole set.
+    """
+    n = int(target_index.shape[0])
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr)
+    policy.train()
+    steps = 0
+    while steps < updates:
+        for index in minibatch_indices(n, minibatch, 1, generator):
+            if steps == updates:
+                break
+            loss = bc_loss(policy, take_rows(obs, index), target_index[index])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
+            optimizer.step()
+            steps += 1
+    policy.eval()
+    with torch.no_grad():
+        logits = policy.logits(obs)
+        target = target_index.to(logits.device).long()
+        accuracy = (logits.argmax(-1) == target).float().mean()
+        final = -logits.log_softmax(-1).gather(-1, target[:, None]).mean()
+    return {"loss": float(final), "accuracy": float(accuracy)}
+
+
+# --- the method -------------------------------------------------------------------------------
+@dataclass
+class CraftConfig:
+    """CRAFT's hyperparameters.
+
+    Attributes:
+        eps_clip / dual_c: PPO clip range ``[1-eps, 1+eps]`` and the dual-clip floor ``c A`` (c > 1).
+        ema_m: teacher momentum in [0, 1] (1 freezes the teacher at the pre-trained policy).
+        beta_sd: weight of the student-teacher KL.
+        lambda_res: weight of the residual loss.
+        residual_mode: ``cv`` (control variate ``z(G) - A~_{k*}``) or ``event`` (``m z(G)``).
+        kl_direction: ``reverse`` = KL(student || teacher) (mode-seeking: penalises mass the
+            teacher lacks) or ``forward`` = KL(teacher || student).
+        kl_gate: ``none`` applies the KL on every state. ``nonpositive_adv`` reads
+            "asymmetric" as sign-dependent: the KL acts only on states whose executed
+            candidate's advantage estimate (the proxy ``A~_{k*}`` plus the residual
+            ``delta^``, each when its term is used) is <= 0, so the student may move freely
+            where its own choice proved better and is held to the teacher elsewhere; the
+            KL term stays a mean over all states (gated states count 0).
+        proxy_weight: ``uniform`` (RIFT's mean over all candidates) or
+            ``policy`` (candidates weighted by ``pi_old``, the exact proxy term of the
+            decomposition (2)); see ``policy_losses``.
+        use_proxy / use_residual: the two policy-gradient terms (ablations: proxy only, residual only).
+        gamma_event / window: discount and window W of the event returns.
+        adv_eps: epsilon of the group and batch normalisations.
+        lr / weight_decay / grad_clip: AdamW and the max global gradient norm.
+        epochs / minibatch: passes and minibatch size over one on-policy batch (``Craft.fit``).
+        reference_version: registry version of the pre-trained candidate policy to fine-tune;
+            ``None``: the driver pre-trains a fresh one with ``bc_pretrain``.
+        bc_updates / bc_lr / bc_minibatch: that behaviour-cloning pretraining.
+        model: ``CandidatePolicyConfig`` settings for a fresh policy (``embed_dim``, ``hidden_dim``).
+        env / env_kwargs: the env the fleet runs (``None``: the store's) and its constructor keywords.
+        iterations / episodes_per_iteration / n_clients: the on-policy loop: versions trained,
+            episodes each version runs before its update, parallel client processes.
+        oracle: also score the candidates in exact (reactive) clones, to measure the proxy's
+            bias (the proxy-oracle advantage correlation; doubles the counterfactual cost).
+        online_store: where the fleet records on-policy episodes (``None``: ``<store>-online``).
+        event_weights: reward of each entry of the env's per-step ``events`` (crash, TTC breach).
+    """
+
+    eps_clip: float = 0.2
+    dual_c: float = 3.0
+    ema_m: float = 0.99
+    beta_sd: float = 0.05
+    lambda_res: float = 1.0
+    residual_mode: str = "cv"
+    kl_direction: str = "reverse"
+    kl_gate: str = "none"
+    proxy_weight: str = "uniform"
+    use_proxy: bool = True
+    use_residual: bool = True
+    gamma_event: float = 0.9
+    window: int = 3
+    adv_eps: float = 1e-5
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    epochs: int = 4
+    minibatch: int = 256
+    reference_version: int | None = None
+    bc_updates: int = 2000
+    bc_lr: float = 1e-3
+    bc_minibatch: int = 256
+    model: dict[str, Any] = field(default_factory=dict)
+    env: str | None = None
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    iterations: int = 8
+    episodes_per_iteration: int = 8
+    n_clients: int = 2
+    oracle: bool = False
+    online_store: str | None = None
+    event_weights: list[float] = field(default_factory=lambda: [-1.0, -0.3])
+
+    def __post_init__(self):
+        for name, value, choices in (("residual_mode", self.residual_mode, RESIDUAL_MODES),
+                                     ("kl_direction", self.kl_direction, KL_DIRECTIONS),
+                                     ("kl_gate", self.kl_gate, KL_GATES),
+                                     ("proxy_weight", self.proxy_weight, PROXY_WEIGHTS)):
+            if value not in choices:
+                raise CraftConfigError(f"craft {name}={value!r}; choose one of {choices}")
+        if not (self.use_proxy or self.use_residual):
+            raise CraftConfigError("craft use_proxy and use_residual are both off: no policy-gradient term left")
+        if not 0.0 < self.eps_clip < 1.0:
+            raise CraftConfigError(f"craft eps_clip must be in (0, 1), got {self.eps_clip}")
+        if self.dual_c <= 1.0:
+            raise CraftConfigError(f"craft dual_c must be > 1, got {self.dual_c}")
+        if not 0.0 <= self.ema_m <= 1.0:
+            raise CraftConfigError(f"craft ema_m must be in [0, 1], got {self.ema_m}")
+        for name in ("beta_sd", "lambda_res"):
+            if getattr(self, name) < 0:
+                raise CraftConfigError(f"craft {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("window", "epochs", "minibatch", "bc_minibatch", "episodes_per_iteration", "n_clients"):
+            if getattr(self, name) < 1:
+                raise CraftConfigError(f"craft {name} must be >= 1, got {getattr(self, name)}")
+
+
+BATCH_KEYS = ("obs", "proxy_adv", "chosen", "old_logits", "delta")
+
+
+class Craft:
+    """Student, EMA teacher and optimiser; ``update(batch)`` is one gradient step of the loss (4).
+
+    Built from a pre-trained ``CandidatePolicy``: the student is a copy of it (the
+    reference is left untouched), the teacher an ``EMATeacher`` of it.
+
+    Args:
+        config: hyperparameters.
+        reference: the pre-trained policy.
+        device: where the networks live.
+    """
+
+    def __init__(self, config: CraftConfig, reference: CandidatePolicy, device: str | torch.device = "cpu"):
+        self.config = config
+        self.policy = copy.deepcopy(reference).to(device).requires_grad_(True)
+        self.teacher = EMATeacher(self.policy)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+    @property
+    def modules(self) -> dict[str, nn.Module]:
+        return {"policy": self.policy, "teacher": self.teacher}
+
+    @property
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {"policy": self.optimizer}
+
+    def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The student as a ``candidate`` artifact."""
+        return self.policy.artifact(**{"algorithm": "craft", **provenance})
+
+    def teacher_kl(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+        """KL between student and teacher per state (B,) in the configured direction."""
+        if self.config.kl_direction == "reverse":
+            return categorical_kl(student_logits, teacher_logits, mask)
+        return categorical_kl(teacher_logits, student_logits, mask)
+
+    def update(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """One step of ``L = L_proxy + lambda_res L_res + beta_sd L_SD``, then one EMA step of the teacher.
+
+        ``batch``: ``obs`` (model inputs), ``proxy_adv`` (B, K) group advantages, ``chosen``
+        (B,) executed indices, ``old_logits`` (B, K) of the acting policy, ``delta`` (B,)
+        residuals (computed over the whole on-policy batch before minibatching), optional
+        ``valid`` (B, K) bool candidate mask. Metrics are 0-d detached tensors.
+        """
+        missing = [k for k in BATCH_KEYS if k not in batch]
+        if missing:
+            raise CraftBatchError(f"craft batch lacks {missing}; it needs {list(BATCH_KEYS)} (+ optional 'valid')")
+        c, device = self.config, self.policy.device
+        valid = batch.get("valid")
+        valid = None if valid is None else valid.to(device, torch.bool)
+        proxy_adv = batch["proxy_adv"].to(device).float()
+        chosen = batch["chosen"].to(device).long()
+        delta = batch["delta"].to(device).float()
+        old_logits = batch["old_logits"].to(device).float()
+
+        self.policy.train()
+        logits = self.policy.logits(batch["obs"])
+        with torch.no_grad():
+            teacher_logits = self.teacher.logits(batch["obs"])
+        proxy_loss, residual_loss, ratio = policy_losses(logits, old_logits, proxy_adv, chosen, delta, valid,
+                                                         c.eps_clip, c.dual_c, c.proxy_weight)
+        kl_teacher = self.teacher_kl(logits, teacher_logits, valid)
+        gate = torch.ones_like(kl_teacher)
+        if c.kl_gate == "nonpositive_adv":
+            executed_adv = torch.zeros_like(delta)
+            if c.use_proxy:
+                executed_adv = executed_adv + proxy_adv.gather(-1, chosen[:, None])[:, 0]
+            if c.use_residual:
+                executed_adv = executed_adv + delta
+            gate = (executed_adv <= 0).float()
+        sd_loss = (gate * kl_teacher).mean()
+        loss = c.beta_sd * sd_loss
+        if c.use_proxy:
+            loss = loss + proxy_loss
+        if c.use_residual:
+            loss = loss + c.lambda_res * residual_loss
+
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), c.grad_clip)
+        self.optimizer.step()
+        self.teacher.update(self.policy, c.ema_m)
+
+        with torch.no_grad():
+            kl_old = categorical_kl(old_logits, logits.detach(), valid).mean()
+            w = torch.ones_like(ratio) if valid is None else valid.float()
+            clip_fraction = (((ratio - 1.0).abs() > c.eps_clip).float() * w).sum() / w.sum()
+        return {"loss": loss.detach(), "proxy_loss": proxy_loss.detach(), "residual_loss": residual_loss.detach(),
+                "sd_loss": sd_loss.detach(), "kl_teacher": kl_teacher.detach().mean(), "kl_old": kl_old,
+                "clip_fraction": clip_fraction, "grad_norm": grad_norm.detach()}
+
+    def fit(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """``config.epochs`` shuffled passes of ``update`` over one on-policy batch in minibatches.
+
+        Returns each metric's mean over all the updates (0-d tensors).
+        """
+        n = int(batch["chosen"].shape[0])
+        history = [self.update(take_rows(batch, index))
+                   for index in minibatch_indices(n, self.config.minibatch, self.config.epochs, generator)]
+        return {k: torch.stack([h[k] for h in history]).mean() for k in history[0]}

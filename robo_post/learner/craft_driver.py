@@ -1,0 +1,236 @@
+"""The on-policy driver of candidate-scoring methods (``algo=craft``): through the fleet and the store.
+
+One ``robo-post train algo=craft store=S`` run:
+
+1. **Pretrain** (unless ``algo.reference_version``): behaviour-clone a ``CandidatePolicy``
+   on the store's episodes (e.g. a heuristic driver recorded by ``robo-post collect``):
+   the target of each step is the first vocabulary entry that starts with the executed
+   action. Published as a version of kind ``candidate``.
+2. **Iterate**: publish the student (sampling) -> the fleet's clients run
+   ``episodes_per_iteration`` episodes pinned to that version into the online store
+   (``<store>-online``), recording per step the policy's logits and chosen index and
+   the env's candidate proxy scores and events as store extras -> the learner reads
+   them from a snapshot, computes group advantages and grounded residuals over the
+   whole batch and runs ``epochs`` of minibatch updates -> next version.
+3. **Publish** the final student acting greedily (argmax), for evaluation and deployment.
+
+A killed run resumes after its last finished iteration (checkpoint: student, teacher,
+optimiser, iteration); episodes already recorded for the next version are reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from robo_post.algos.craft import (CraftConfig, bc_pretrain, event_mask, event_returns, group_advantages,
+                                   residual_for_batch)
+from robo_post.algos.registry import MethodSpec
+from robo_post.envs.registry import env_spec
+from robo_post.learner.drivers import register_driver, resolve_device, select_episodes
+from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyConfig
+from robo_post.models.features import infer_features, state_keys
+from robo_post.store.registry import PolicyRegistry
+from robo_post.store.schema import ArraySpec
+from robo_post.store.store import Store
+
+EXTRAS = ("logits", "chosen", "proxy_scores", "events")
+
+
+class CraftDataError(ValueError):
+    """The store cannot train a candidate-scoring policy (no vocabulary, no events, no data)."""
+
+
+def _vocabulary(env: str) -> list[list[int]]:
+    spec = env_spec(env)
+    if spec.candidates is None:
+        raise CraftDataError(f"env {env!r} has no candidate vocabulary (its registry entry sets none); "
+                             "algo=craft needs an env whose registry entry gives `candidates`")
+    return [list(map(int, c)) for c in spec.candidates()]
+
+
+def _load(snap, episodes) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, np.ndarray], list[int]]:
+    """Observations (without the final one), actions and extras of ``episodes``, concatenated, and their lengths."""
+    loaded = [snap.load(e) for e in episodes]
+    obs = {k: np.concatenate([d["obs"][k][:-1] for d in loaded]) for k in loaded[0]["obs"]}
+    actions = np.concatenate([d["action"] for d in loaded])
+    extras = {k: np.concatenate([d["extras"][k] for d in loaded]) for k in loaded[0]["extras"]}
+    return obs, actions, extras, [len(d["action"]) for d in loaded]
+
+
+def pretrain(store: Store, cfg: DictConfig, config: CraftConfig, vocabulary: list[list[int]]) -> CandidatePolicy:
+    """Behaviour-clone candidate indices from the store's episodes (``data.*`` filters apply)."""
+    snap = store.snapshot()
+    episodes = select_episodes(snap, cfg.data)
+    obs, actions, _, _ = _load(snap, episodes)
+    first = {}
+    for k, c in enumerate(vocabulary):
+        first.setdefault(c[0], k)  # the first entry that starts with each action
+    unknown = sorted(set(np.unique(actions).tolist()) - set(first))
+    if unknown:
+        raise CraftDataError(f"actions {unknown} in the data start no candidate of the vocabulary {vocabulary}")
+    target = torch.as_tensor([first[int(a)] for a in actions.reshape(-1)])
+    features = infer_features(store.schema.observations, OmegaConf.to_container(cfg.model.features, resolve=True)
+                              if cfg.model.get("features") else None, use_images=cfg.model.use_images)
+    policy = CandidatePolicy(CandidatePolicyConfig(features=features, n_candidates=len(vocabulary),
+                                                   candidates=vocabulary, **config.model))
+    keys = state_keys(features)
+    if keys:
+        states = np.concatenate([obs[k].reshape(len(target), -1) for k in keys], axis=1)
+        policy.set_state_stats(states.mean(0), states.std(0))
+    batch = {k: torch.as_tensor(obs[k]) for k in features}
+    stats = bc_pretrain(policy, batch, target, config.bc_updates, config.bc_lr, config.bc_minibatch,
+                        generator=torch.Generator().manual_seed(cfg.seed))
+    print(f"craft pretraining: {len(target)} steps from {len(episodes)} episodes, "
+          f"accuracy {stats['accuracy']:.3f}", flush=True)
+    return policy.eval()
+
+
+def online_store(root: str, env: str, env_kwargs: dict[str, Any], k: int, oracle: bool = False) -> Store:
+    """The store the fleet records on-policy episodes into, with the candidate extras
+    (and the oracle's scores of every candidate with ``oracle``)."""
+    from robo_post.fleet.client import store_schema
+
+    spec = env_spec(env)
+    schema = store_schema({"name": env, **env_kwargs}, None)
+    extras = {"logits": ArraySpec("float32", (k,)), "chosen": ArraySpec("int64", ()),
+              "proxy_scores": ArraySpec("float32", (k,)), **spec.step_extra_specs}
+    if oracle:
+        extras["oracle_scores"] = ArraySpec("float32", (k,))
+    if "events" not in extras:
+        raise CraftDataError(f"env {env!r} reports no per-step `events` (its registry entry's step_extras); "
+                             "the grounded residual needs them")
+    return Store.create(root, dataclasses.replace(schema, extras=extras), exist_ok=True)
+
+
+def on_policy_batch(config: CraftConfig, obs: dict[str, np.ndarray], extras: dict[str, np.ndarray],
+                    lengths: list[int], event_weights: np.ndarray) -> dict[str, Any]:
+    """The update batch of one iteration: group advantages per state, residuals over the whole batch."""
+    scores = torch.as_tensor(extras["proxy_scores"], dtype=torch.float32)
+    proxy_adv = group_advantages(scores, config.adv_eps)
+    chosen = torch.as_tensor(extras["chosen"], dtype=torch.long)
+    rewards = torch.as_tensor(extras["events"] @ event_weights, dtype=torch.float32)
+    G, mask, start = [], [], 0
+    for n in lengths:  # windows never cross an episode boundary
+        G.append(event_returns(rewards[start:start + n], config.gamma_event, config.window))
+        mask.append(event_mask(rewards[start:start + n], config.window))
+        start += n
+    delta = residual_for_batch(torch.cat(G), proxy_adv, chosen, config.residual_mode, torch.cat(mask), config.adv_eps)
+    return {"obs": {k: torch.as_tensor(v) for k, v in obs.items()}, "proxy_adv": proxy_adv, "chosen": chosen,
+            "old_logits": torch.as_tensor(extras["logits"], dtype=torch.float32), "delta": delta}
+
+
+def _correlation(extras: dict[str, np.ndarray], eps: float) -> float | None:
+    """Mean per-state correlation of the proxy's and the oracle's group advantages (when recorded)."""
+    if "oracle_scores" not in extras:
+        return None
+    a = group_advantages(torch.as_tensor(extras["proxy_scores"]), eps)
+    b = group_advantages(torch.as_tensor(extras["oracle_scores"]), eps)
+    keep = (a.abs().sum(-1) > 0) & (b.abs().sum(-1) > 0)  # constant groups have no direction
+    if not bool(keep.any()):
+        return None
+    return float(((a[keep] * b[keep]).mean(-1)).mean())  # both have unit population std
+
+
+def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
+    """`robo-post train algo=craft`: pretraining, on-policy iterations through the fleet, a greedy final version."""
+    from robo_post.fleet.client import ClientConfig
+    from robo_post.fleet.collect import FleetError
+    from robo_post.fleet.launcher import LocalLauncher
+    from robo_post.learner.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.torch_threads)
+    device = resolve_device(cfg.device)
+    values = {k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"}
+    values.setdefault("model", {k: cfg.model[k] for k in spec.model_keys if cfg.model.get(k) is not None})
+    config: CraftConfig = spec.make_config(values)
+    store = Store.open(cfg.store)
+    env = config.env or store.schema.attrs.get("env")
+    if env is None:
+        raise CraftDataError(f"store {cfg.store} names no env; set algo.env")
+    vocabulary = _vocabulary(env)
+    registry = PolicyRegistry(store.root)
+    run_dir = cfg.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    ckpt, log_path = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "metrics.jsonl")
+    state_path = os.path.join(run_dir, "craft_state.json")
+    state = json.load(open(state_path)) if os.path.exists(state_path) else {"iteration": 0}
+
+    if config.reference_version is not None:
+        weights, artifact = registry.load(config.reference_version)
+        reference, parent = CandidatePolicy.from_artifact(weights, artifact), config.reference_version
+    elif "pretrained_version" in state:
+        parent = state["pretrained_version"]
+        reference = CandidatePolicy.from_artifact(*registry.load(parent))
+    else:
+        reference = pretrain(store, cfg, config, vocabulary)
+        parent = registry.publish(*reference.artifact(algorithm="craft", phase="pretrain", deterministic=True,
+                                                      env_extras=False))
+        state["pretrained_version"] = parent
+        json.dump(state, open(state_path, "w"))
+    method = spec.build(config, None, device, reference)
+    if has_checkpoint(ckpt):
+        load_checkpoint(ckpt, method.modules, method.optimizers, {})
+
+    env_kwargs = dict(config.env_kwargs) | ({"oracle": True} if config.oracle else {})
+    online = online_store(config.online_store or f"{store.root.rstrip('/')}-online", env, env_kwargs, len(vocabulary),
+                          config.oracle)
+    event_weights = np.asarray(config.event_weights, dtype=np.float32)
+    t0 = time.perf_counter()
+    while state["iteration"] < config.iterations:
+        i = state["iteration"]
+        if "acting_version" not in state:  # the version the fleet samples from in this iteration
+            state["acting_version"] = registry.publish(*method.artifact(
+                phase="online", iteration=i, parent_version=parent, deterministic=False, env_extras=True))
+            json.dump(state, open(state_path, "w"))
+        version = state["acting_version"]
+        per_client = -(-config.episodes_per_iteration // config.n_clients)
+        configs = [ClientConfig(store=online.root, client_id=f"craft-{j}", episodes=0, env={"name": env, **env_kwargs},
+                                policy={"kind": "random"}, follow_registry=False, seed=cfg.seed + 1000 * (i + 1),
+                                policy_store=store.root, policy_version=version, role="online")
+                   for j in range(config.n_clients)]
+        for c in configs:  # resume: count what this version already recorded
+            done = sum(e.policy_version == version for e in online.shard_episodes(c.client_id))
+            c.episodes = len(online.shard_episodes(c.client_id)) + max(per_client - done, 0)
+        statuses = LocalLauncher(configs).run(show=cfg.show)
+        failed = {s["client_id"]: s.get("last_error") or s.get("state") for s in statuses if s.get("state") != "done"}
+        if failed:
+            raise FleetError(f"craft clients did not finish (logs in {online.root}/fleet/): {failed}")
+        snap = online.snapshot()
+        episodes = snap.episodes(policy_version=version)
+        obs, _, extras, lengths = _load(snap, episodes)
+        batch = on_policy_batch(config, obs, extras, lengths, event_weights)
+        metrics = {k: float(v) for k, v in method.fit(batch, torch.Generator().manual_seed(cfg.seed + i)).items()}
+        row = {"iteration": i + 1, "version": version, "time": time.time(), "episodes": len(episodes),
+               "steps": int(sum(lengths)), "episode_return": float(np.mean([e.ret for e in episodes])),
+               "collision": float(np.mean([bool((e.attrs.get("metrics") or {}).get("collision")) for e in episodes])),
+               "mean_speed": float(np.mean([(e.attrs.get("metrics") or {}).get("mean_speed", np.nan) for e in episodes])),
+               "proxy_oracle_corr": _correlation(extras, config.adv_eps), **metrics}
+        with open(log_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if cfg.show:
+            print(json.dumps(row), flush=True)
+        save_checkpoint(ckpt, method.modules, method.optimizers, {}, {"iteration": i + 1})
+        state = {k: v for k, v in state.items() if k != "acting_version"} | {"iteration": i + 1}
+        json.dump(state, open(state_path, "w"))
+    final = registry.publish(*method.artifact(phase="final", parent_version=parent, iterations=config.iterations,
+                                              deterministic=True, env_extras=False,
+                                              config=OmegaConf.to_container(cfg, resolve=True)))
+    rows = [json.loads(line) for line in open(log_path)] if os.path.exists(log_path) else []
+    summary = {"algo": spec.name, "version": final, "pretrained_version": state.get("pretrained_version", parent),
+               "iterations": config.iterations, "online_store": online.root, "wall_s": time.perf_counter() - t0,
+               "final": rows[-1] if rows else {}}
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+register_driver("craft", craft)

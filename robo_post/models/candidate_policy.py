@@ -1,0 +1,149 @@
+"""A vocabulary-scoring policy: observation features -> K logits over K candidate futures.
+
+The policy kind CRAFT fine-tunes (``robo_post.algos.craft``). A fixed vocabulary of K
+candidates, each a short sequence of discrete meta-actions, is scored at every
+decision state; the chosen candidate's *first* meta-action is executed and the
+policy decides again at the next state (receding horizon). The vocabulary is saved
+with the weights, so a published policy knows what each logit means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from robo_post.models.encoders import ObservationEncoder, mlp
+from robo_post.models.features import Feature, FeatureConfigJSON
+from robo_post.models.gaussian import obs_batch
+
+ARTIFACT_KIND = "candidate"
+
+
+class CandidateConfigError(ValueError):
+    """A candidate policy's vocabulary does not match its size, or a candidate is empty."""
+
+
+@dataclass
+class CandidatePolicyConfig(FeatureConfigJSON):
+    """Architecture and vocabulary of a candidate-scoring policy; saved as JSON beside its weights.
+
+    Attributes:
+        features: observation key -> ``Feature`` the model reads.
+        n_candidates: K, the number of logits.
+        candidates: the vocabulary, K sequences of integer meta-actions (logit k scores
+            ``candidates[k]``); sequences may differ in length but none is empty.
+        use_text: encode ``obs["instruction"]`` with the frozen MiniLM encoder.
+        embed_dim / hidden_dim: widths of the modality embeddings and the MLP.
+    """
+
+    features: dict[str, Feature]
+    n_candidates: int
+    candidates: list[list[int]]
+    use_text: bool = False
+    embed_dim: int = 64
+    hidden_dim: int = 256
+
+    def __post_init__(self):
+        self.candidates = [[int(a) for a in seq] for seq in self.candidates]  # JSON-clean ints
+        if self.n_candidates < 1 or len(self.candidates) != self.n_candidates:
+            raise CandidateConfigError(f"n_candidates={self.n_candidates} but the vocabulary has "
+                                       f"{len(self.candidates)} candidates")
+        empty = [k for k, seq in enumerate(self.candidates) if not seq]
+        if empty:
+            raise CandidateConfigError(f"candidates {empty} are empty sequences; each needs at least one meta-action")
+
+
+class CandidatePolicy(nn.Module):
+    """Observation encoder + MLP head to one logit per candidate."""
+
+    def __init__(self, config: CandidatePolicyConfig):
+        super().__init__()
+        self.config = c = config
+        self.encoder = ObservationEncoder(c.features, c.use_text, c.embed_dim, c.hidden_dim)
+        self.head = mlp([c.hidden_dim, c.hidden_dim, c.n_candidates])
+
+    @property
+    def device(self) -> torch.device:
+        return self.head[-1].weight.device
+
+    def set_state_stats(self, mean: np.ndarray, std: np.ndarray) -> None:
+        """Standardise the state vector with data statistics (saved with the weights)."""
+        self.encoder.set_state_stats(mean, std)
+
+    def logits(self, obs: dict[str, Any]) -> torch.Tensor:
+        """Candidate logits (B, K) at a batch of observations."""
+        return self.head(self.encoder(obs))
+
+    def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``(weights, config)`` for ``PolicyRegistry.publish`` (kind ``candidate``)."""
+        weights = {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}
+        return weights, {"kind": ARTIFACT_KIND, "model": self.config.to_json(), **provenance}
+
+    @classmethod
+    def from_artifact(cls, weights: dict[str, torch.Tensor], config: dict[str, Any], device: str | torch.device = "cpu"
+                      ) -> "CandidatePolicy":
+        """The policy a ``candidate`` artifact describes, in eval mode on ``device``."""
+        model = cls(CandidatePolicyConfig.from_json(config["model"]))
+        model.load_state_dict(weights)
+        return model.to(device).eval()
+
+
+class CandidatePolicyRunner:
+    """Fleet ``Policy`` over a candidate policy; executes the chosen candidate's first meta-action.
+
+    At each ``act`` the runner scores the K candidates, picks one (argmax when
+    ``deterministic``, else a sample from the softmax seeded per episode) and returns
+    ``candidates[k][0]`` as a 0-d int64 array. ``extras()`` gives the last decision's
+    ``logits`` (K,) float32 and ``chosen`` () int64, merged with what the env adds:
+
+    **Env hook.** With ``env_extras`` on, if ``env.unwrapped`` has a method
+    ``candidate_extras(candidates: list[list[int]]) -> dict[str, np.ndarray]``, ``extras()``
+    calls it and merges the returned entries (they may not reuse ``logits`` or ``chosen``).
+    The fleet client asks for extras after ``act`` and before stepping the env, so the env
+    is still in the decision state (e.g. to score each candidate counterfactually), and
+    only when its store records extras: evaluation never pays for the hook.
+
+    Args:
+        model: the policy.
+        deterministic: argmax (``True``) or sample.
+        device: where the model runs.
+        env_extras: call the env's ``candidate_extras`` hook when it has one.
+    """
+
+    def __init__(self, model: CandidatePolicy, deterministic: bool = True, device: str | torch.device = "cpu",
+                 env_extras: bool = True):
+        self.model = model.to(device).eval()
+        self.deterministic = deterministic
+        self.env_extras = env_extras
+        self.generator = torch.Generator(device=device)
+        self.last: dict[str, np.ndarray] = {}
+        self.env: Any = None
+
+    def reset(self, env: Any, seed: int) -> None:
+        self.generator.manual_seed(seed)
+        self.last = {}
+
+    @torch.no_grad()
+    def act(self, obs: dict[str, Any], env: Any) -> np.ndarray:
+        c = self.model.config
+        text = str(getattr(env.unwrapped, "instruction", "")) if c.use_text else None
+        logits = self.model.logits(obs_batch(obs, c.features, text))[0]
+        if self.deterministic:
+            k = int(logits.argmax())
+        else:
+            k = int(torch.multinomial(logits.softmax(-1), 1, generator=self.generator))
+        self.last, self.env = {"logits": logits.float().cpu().numpy(), "chosen": np.asarray(k, dtype=np.int64)}, env
+        return np.asarray(c.candidates[k][0], dtype=np.int64)
+
+    def extras(self) -> dict[str, np.ndarray]:
+        """The last decision's ``logits`` (K,) float32, ``chosen`` () int64 and the env hook's entries."""
+        hook = getattr(self.env.unwrapped, "candidate_extras", None) if self.env_extras and self.env else None
+        given = {k: np.asarray(v) for k, v in hook(self.model.config.candidates).items()} if hook else {}
+        clash = sorted({"logits", "chosen"} & set(given))
+        if clash:
+            raise CandidateConfigError(f"env candidate_extras returned reserved names {clash}")
+        return {**self.last, **given}

@@ -1,0 +1,399 @@
+"""Invariants of CRAFT's math, the candidate-scoring policy and the method object."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from robo_post.algos.craft import (Craft, CraftBatchError, CraftConfig, CraftConfigError, EMATeacher, bc_pretrain,
+                                   categorical_kl, dual_clip_surrogate, event_mask, event_returns, group_advantages,
+                                   policy_losses, residual, residual_for_batch)
+from robo_post.models.candidate_policy import (CandidateConfigError, CandidatePolicy, CandidatePolicyConfig,
+                                               CandidatePolicyRunner)
+from robo_post.models.features import state_features
+
+VOCAB = [[0, 1, 1], [1, 1, 1], [2, 1, 1], [3, 1, 1], [4, 4]]
+K = len(VOCAB)
+
+
+def small_policy(seed=0, dim=4):
+    torch.manual_seed(seed)
+    return CandidatePolicy(CandidatePolicyConfig(state_features(dim), K, VOCAB, embed_dim=16, hidden_dim=32))
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# --- 1. group advantages ------------------------------------------------------------------
+def test_group_advantages_sum_zero_unit_std_and_affine_invariant():
+    scores = torch.randn(32, 8, generator=gen(0), dtype=torch.float64) * 3 + 1
+    adv = group_advantages(scores)
+    assert torch.allclose(adv.sum(-1), torch.zeros(32, dtype=torch.float64), atol=1e-10)
+    assert torch.allclose(adv.std(-1, unbiased=False), torch.ones(32, dtype=torch.float64), atol=1e-4)
+    assert torch.allclose(group_advantages(2.5 * scores - 7.0), adv, atol=1e-5)
+    assert not torch.allclose(group_advantages(-scores), adv, atol=1e-3)  # a < 0 flips the ranking
+
+
+def test_group_advantages_constant_group_is_zero_and_masked_entries_are_left_out():
+    scores = torch.tensor([[0.3] * 6, [1.0, 2.0, 3.0, 100.0, -50.0, 4.0]])
+    mask = torch.tensor([[True] * 6, [True, True, True, False, False, False]])
+    adv = group_advantages(scores, mask=mask)
+    assert not torch.isnan(adv).any()
+    assert torch.equal(adv[0], torch.zeros(6))
+    expected = torch.tensor([-1.0, 0.0, 1.0]) * math.sqrt(1.5)  # population std of (1, 2, 3) is sqrt(2/3)
+    assert torch.allclose(adv[1, :3], expected, atol=1e-4)
+    assert torch.equal(adv[1, 3:], torch.zeros(3))
+    with pytest.raises(CraftBatchError, match="no valid candidate"):
+        group_advantages(scores, mask=torch.zeros_like(mask))
+
+
+# --- 3. dense proxy gradient --------------------------------------------------------------
+def test_dense_proxy_gradient_matches_the_hand_formula():
+    logits = torch.randn(6, K, generator=gen(1), dtype=torch.float64, requires_grad=True)
+    adv = group_advantages(torch.randn(6, K, generator=gen(2), dtype=torch.float64))
+    pi = logits.softmax(-1)
+    (pi * adv.detach()).sum().backward()
+    # d log pi_k / d logits = e_k - pi, so sum_k pi_k A_k (e_k - pi) = pi * A - pi (pi . A)
+    hand = pi * adv - pi * (pi * adv).sum(-1, keepdim=True)
+    assert torch.allclose(logits.grad, hand.detach(), atol=1e-12)
+
+
+# --- 4. decomposition ---------------------------------------------------------------------
+def bandit():
+    """One state, K=4 candidates with pi = (1/8, 1/8, 1/4, 1/2): a batch of 8 rows holding each k*
+    in proportion to pi makes a batch mean an exact expectation over k* ~ pi."""
+    pi = torch.tensor([1 / 8, 1 / 8, 1 / 4, 1 / 2], dtype=torch.float64)
+    q = torch.tensor([1.0, -2.0, 0.5, 0.25], dtype=torch.float64)  # true candidate values
+    a_true = q - (pi * q).sum()  # A^pi(s, k): zero mean under pi
+    chosen = torch.tensor([0, 1, 2, 2, 3, 3, 3, 3])
+    a_true = a_true / a_true[chosen].std(unbiased=False)  # unit std over the batch (a rescaled reward)
+    return pi, a_true, chosen
+
+
+def grad_of(loss_fn, theta_init):
+    theta = theta_init.clone().requires_grad_(True)
+    loss_fn(theta).backward()
+    return theta.grad
+
+
+def test_proxy_plus_residual_equals_the_full_advantage_gradient():
+    pi, a_true, chosen = bandit()
+    theta0 = pi.log()
+    proxy_adv = group_advantages(torch.tensor([[0.9, -1.0, 1.2, 0.1]], dtype=torch.float64)).expand(8, -1)
+    G = 2.0 * a_true[chosen] + 3.0  # an event return whose batch z-score is the true advantage
+    delta = residual_for_batch(G, proxy_adv, chosen, "cv").double()
+
+    def craft_objective(theta):
+        logits = theta.expand(8, -1)
+        proxy, res, _ = policy_losses(logits, theta.detach().expand(8, -1), proxy_adv, chosen, delta,
+                                      proxy_weight="policy")
+        return -(proxy + res)
+
+    full = grad_of(lambda theta: (theta.softmax(-1) * a_true).sum(), theta0)  # sum_k grad pi_k A_k
+    assert torch.allclose(grad_of(craft_objective, theta0), full, atol=1e-4)
+    assert full.abs().max() > 0.05
+    # the proxy alone is biased: it differs from the full gradient
+    proxy_only = grad_of(lambda th: -policy_losses(th.expand(8, -1), th.detach().expand(8, -1), proxy_adv, chosen,
+                                                   delta, proxy_weight="policy")[0], theta0)
+    assert not torch.allclose(proxy_only, full, atol=1e-2)
+
+
+def test_residual_is_zero_when_the_proxy_is_the_true_advantage():
+    pi, a_true, chosen = bandit()
+    G = 0.5 * a_true[chosen] - 1.0
+    delta = residual_for_batch(G, a_true.expand(8, -1), chosen, "cv")
+    assert torch.allclose(delta, torch.zeros(8, dtype=delta.dtype), atol=1e-4)
+
+
+def test_uniform_proxy_weight_pushes_each_logit_by_its_advantage():
+    # RIFT's mean over candidates: at rho = 1 the logit gradient is A~ / K, not the policy gradient
+    theta0 = torch.randn(1, K, generator=gen(3), dtype=torch.float64)
+    adv = group_advantages(torch.randn(1, K, generator=gen(4), dtype=torch.float64))
+    g = grad_of(lambda th: -policy_losses(th, th.detach(), adv, torch.tensor([0]), torch.zeros(1))[0], theta0)
+    assert torch.allclose(g, adv / K, atol=1e-10)
+
+
+# --- residual and events -----------------------------------------------------------------
+def test_event_returns_are_windowed_and_truncated_at_the_episode_end():
+    events = torch.tensor([0.0, 0.0, -0.3, 0.0, -1.0])
+    G = event_returns(events, gamma=0.5, window=3)
+    assert torch.allclose(G, torch.tensor([-0.075, -0.15, -0.3 - 0.25, -0.5, -1.0]))
+    assert torch.equal(event_mask(events, 2), torch.tensor([False, True, True, True, True]))
+    assert torch.equal(event_mask(torch.tensor([-1.0, 0.0, 0.0, 0.0]), 2), torch.tensor([True, False, False, False]))
+    with pytest.raises(CraftConfigError, match="window"):
+        event_returns(events, 0.9, 0)
+
+
+def test_residual_modes():
+    G = torch.tensor([0.0, -1.0, 0.0, -0.3])
+    z = (G - G.mean()) / (G.std(unbiased=False) + 1e-5)
+    a = torch.tensor([0.5, -0.2, 0.1, 0.0])
+    mask = torch.tensor([False, True, False, True])
+    assert torch.allclose(residual(G, a, "cv"), z - a, atol=1e-6)
+    assert torch.allclose(residual(G, a, "event", mask), torch.where(mask, z, torch.zeros(4)), atol=1e-6)
+    assert torch.equal(residual(torch.zeros(4), a, "event", mask), torch.zeros(4))  # no event anywhere: no signal
+    assert torch.equal(residual(torch.full((6,), -0.3), torch.zeros(6), "cv"), torch.zeros(6))  # a constant batch
+    with pytest.raises(CraftConfigError, match="event_mask"):
+        residual(G, a, "event")
+    with pytest.raises(CraftConfigError, match="residual_mode"):
+        residual(G, a, "bogus")
+
+
+# --- 5. dual clip --------------------------------------------------------------------------
+def test_dual_clip_is_ppo_clip_for_nonnegative_advantages_and_floored_for_negative():
+    ratio = torch.linspace(0.05, 6.0, 120, dtype=torch.float64)[:, None]
+    adv = torch.tensor([0.0, 0.3, 2.0, -0.1, -1.0, -4.0], dtype=torch.float64)[None]
+    s = dual_clip_surrogate(ratio, adv, 0.2, 3.0)
+    ppo = torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    pos = adv[0] >= 0
+    assert torch.equal(s[:, pos], ppo[:, pos])
+    assert (s[:, ~pos] >= 3.0 * adv[:, ~pos]).all()
+    assert (s[:, ~pos] == 3.0 * adv[:, ~pos]).any()  # the floor is reached at large ratios
+    assert dual_clip_surrogate(torch.tensor(10.0), torch.tensor(-1.0), 0.2, 3.0).item() == -3.0  # PPO alone: -10
+
+
+def test_at_ratio_one_the_losses_are_minus_the_mean_advantages():
+    logits = torch.randn(16, K, generator=gen(5))
+    adv = torch.randn(16, K, generator=gen(6))
+    delta = torch.randn(16, generator=gen(7))
+    chosen = torch.randint(0, K, (16,), generator=gen(8))
+    proxy, res, ratio = policy_losses(logits, logits.clone(), adv, chosen, delta)
+    assert torch.allclose(ratio, torch.ones_like(ratio))
+    assert torch.allclose(proxy, -adv.mean(), atol=1e-6) and torch.allclose(res, -delta.mean(), atol=1e-6)
+    pi = logits.softmax(-1)
+    proxy_pi, _, _ = policy_losses(logits, logits.clone(), adv, chosen, delta, proxy_weight="policy")
+    assert torch.allclose(proxy_pi, -(pi * adv).sum(-1).mean(), atol=1e-6)
+
+
+# --- 6. EMA teacher ------------------------------------------------------------------------
+def test_ema_teacher_starts_bitwise_equal_is_frozen_and_follows_the_ema_rule():
+    pre = small_policy(1)
+    teacher = EMATeacher(pre)
+    for (name, t), p in zip(teacher.policy.state_dict().items(), pre.state_dict().values()):
+        assert torch.equal(t, p), name
+    assert all(not p.requires_grad for p in teacher.parameters())
+    student = small_policy(2)  # different weights, same architecture
+    before = [p.clone() for p in teacher.parameters()]
+    for _ in range(3):
+        teacher.update(student, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(teacher.parameters(), before))
+    teacher.update(student, 0.9)
+    for t, b, s in zip(teacher.parameters(), before, student.parameters()):
+        assert torch.allclose(t, 0.9 * b + 0.1 * s, atol=1e-6)
+    assert not torch.allclose(teacher.policy.head[-1].weight, before[-2])
+    with pytest.raises(CraftConfigError, match="ema_m"):
+        teacher.update(student, 1.5)
+
+
+# --- 7. KL ---------------------------------------------------------------------------------
+def test_categorical_kl_nonnegative_zero_on_identical_and_asymmetric():
+    p, q = torch.randn(64, K, generator=gen(9)), torch.randn(64, K, generator=gen(10))
+    kl = categorical_kl(p, q)
+    assert (kl >= -1e-7).all() and kl.max() > 0.01
+    assert torch.allclose(categorical_kl(p, p), torch.zeros(64), atol=1e-7)
+    skew_p, skew_q = torch.tensor([[4.0, 0.0, 0.0]]), torch.tensor([[0.0, 0.0, 0.0]])
+    a, b = skew_p.softmax(-1)[0], skew_q.softmax(-1)[0]
+    assert torch.allclose(categorical_kl(skew_p, skew_q), (a * (a / b).log()).sum(), atol=1e-6)
+    assert torch.allclose(categorical_kl(skew_q, skew_p), (b * (b / a).log()).sum(), atol=1e-6)
+    assert abs(categorical_kl(skew_p, skew_q).item() - categorical_kl(skew_q, skew_p).item()) > 0.1
+
+
+def test_masked_kl_ignores_invalid_candidates_without_nan_gradients():
+    p = torch.tensor([[2.0, 0.0, 50.0]], requires_grad=True)
+    q = torch.tensor([[0.0, 1.0, -50.0]])
+    mask = torch.tensor([[True, True, False]])
+    kl = categorical_kl(p, q, mask)
+    assert torch.allclose(kl, categorical_kl(p[:, :2], q[:, :2]), atol=1e-6)
+    kl.sum().backward()
+    assert torch.isfinite(p.grad).all() and p.grad[0, 2] == 0
+
+
+def perturbed_craft(**config):
+    pre = small_policy(3)
+    craft = Craft(CraftConfig(**config), pre)
+    with torch.no_grad():
+        craft.policy.head[-1].bias.add_(torch.tensor([3.0, 0.0, -1.0, 0.0, 0.5]))  # skew the student
+    return craft
+
+
+def random_batch(n=64, seed=11, valid=False):
+    g = gen(seed)
+    batch = {"obs": {"state": torch.randn(n, 4, generator=g)},
+             "proxy_adv": group_advantages(torch.randn(n, K, generator=g)),
+             "chosen": torch.randint(0, K, (n,), generator=g),
+             "old_logits": torch.randn(n, K, generator=g) * 0.1,
+             "delta": torch.randn(n, generator=g)}
+    if valid:
+        batch["valid"] = torch.rand(n, K, generator=g) > 0.3
+        batch["valid"][:, 0] = True
+        batch["chosen"] = torch.zeros(n, dtype=torch.long)
+        batch["proxy_adv"] = group_advantages(torch.randn(n, K, generator=g), mask=batch["valid"])
+    return batch
+
+
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+def test_kl_direction_option_switches_the_kl(direction):
+    craft = perturbed_craft(kl_direction=direction, lr=0.0)
+    batch = random_batch()
+    with torch.no_grad():
+        s, t = craft.policy.logits(batch["obs"]), craft.teacher.logits(batch["obs"])
+    reverse, forward = categorical_kl(s, t).mean(), categorical_kl(t, s).mean()
+    assert abs(reverse - forward) > 1e-3
+    metrics = craft.update(batch)
+    assert torch.allclose(metrics["kl_teacher"], reverse if direction == "reverse" else forward, atol=1e-5)
+
+
+# --- the method ----------------------------------------------------------------------------
+def test_craft_update_moves_the_student_and_the_teacher_follows_by_ema():
+    pre = small_policy(4)
+    craft = Craft(CraftConfig(lr=1e-2, ema_m=0.99), pre)
+    teacher_before = [p.clone() for p in craft.teacher.parameters()]
+    student_before = [p.clone() for p in craft.policy.parameters()]
+    metrics = craft.update(random_batch(valid=True))
+    assert set(metrics) >= {"loss", "proxy_loss", "residual_loss", "sd_loss", "kl_teacher", "kl_old", "clip_fraction"}
+    assert all(v.dim() == 0 and torch.isfinite(v) and not v.requires_grad for v in metrics.values())
+    moved = max((a - b).abs().max().item() for a, b in zip(craft.policy.parameters(), student_before))
+    assert moved > 1e-3
+    for t, b, s in zip(craft.teacher.parameters(), teacher_before, craft.policy.parameters()):
+        assert torch.allclose(t, 0.99 * b + 0.01 * s, atol=1e-6)
+    # the reference policy the method was built from is untouched
+    assert all(torch.equal(a, b) for a, b in zip(pre.parameters(), teacher_before))
+    weights, config = craft.artifact(version=3)
+    assert config["kind"] == "candidate" and config["algorithm"] == "craft" and config["version"] == 3
+    fit = craft.fit(random_batch(n=40), gen(0))
+    assert torch.isfinite(fit["loss"])
+
+
+def test_ablation_switches_drop_their_term():
+    batch = random_batch()
+    batch["delta"] = torch.zeros(64)  # no residual signal: only the proxy (and the KL) can move the student
+    for use_proxy, moves in ((False, False), (True, True)):
+        craft = Craft(CraftConfig(use_proxy=use_proxy, beta_sd=0.0, lr=1e-2), small_policy(5))
+        before = [p.clone() for p in craft.policy.parameters()]
+        craft.update(batch)
+        changed = any(not torch.equal(a, b) for a, b in zip(craft.policy.parameters(), before))
+        assert changed == moves
+
+
+def test_nonpositive_adv_gate_applies_the_kl_only_where_the_executed_advantage_is_not_positive():
+    craft = perturbed_craft(kl_gate="nonpositive_adv", lr=0.0)
+    batch = random_batch()
+    with torch.no_grad():
+        kl = categorical_kl(craft.policy.logits(batch["obs"]), craft.teacher.logits(batch["obs"]))
+    executed = batch["proxy_adv"].gather(-1, batch["chosen"][:, None])[:, 0] + batch["delta"]
+    gate = executed <= 0
+    assert 0 < gate.sum() < 64
+    metrics = craft.update(batch)
+    assert torch.allclose(metrics["sd_loss"], (kl * gate).mean(), atol=1e-6)
+    assert not torch.allclose(metrics["sd_loss"], kl.mean(), atol=1e-4)
+
+
+def test_craft_config_names_a_bad_option():
+    for bad, name in (({"residual_mode": "x"}, "residual_mode"), ({"kl_direction": "sideways"}, "kl_direction"),
+                      ({"kl_gate": "maybe"}, "kl_gate"), ({"proxy_weight": "x"}, "proxy_weight"),
+                      ({"dual_c": 0.5}, "dual_c"), ({"ema_m": 1.2}, "ema_m"),
+                      ({"use_proxy": False, "use_residual": False}, "use_proxy")):
+        with pytest.raises(CraftConfigError, match=name):
+            CraftConfig(**bad)
+    with pytest.raises(CraftBatchError, match="delta"):
+        Craft(CraftConfig(), small_policy()).update({k: v for k, v in random_batch().items() if k != "delta"})
+
+
+def test_bc_pretraining_fits_a_separable_candidate_set():
+    g = gen(12)
+    x = torch.randn(512, 4, generator=g)
+    target = x[:, :2].sum(-1).gt(0).long() * 3 + x[:, 2].gt(0).long()  # candidates 0, 1, 3, 4 by sign pattern
+    policy = small_policy(6)
+    result = bc_pretrain(policy, {"state": x}, target, updates=300, lr=3e-3, minibatch=128, generator=gen(0))
+    assert result["accuracy"] > 0.95
+    with torch.no_grad():
+        assert (policy.logits({"state": x}).argmax(-1) == target).float().mean() > 0.95
+
+
+# --- the candidate policy ------------------------------------------------------------------
+def test_candidate_policy_artifact_round_trips_with_its_vocabulary():
+    policy = small_policy(7)
+    policy.set_state_stats(np.arange(4.0), np.full(4, 2.0))
+    weights, config = policy.artifact(algorithm="bc")
+    assert config["kind"] == "candidate" and json.loads(json.dumps(config)) == config
+    again = CandidatePolicy.from_artifact(weights, config)
+    obs = {"state": torch.randn(3, 4, generator=gen(13))}
+    assert torch.equal(again.logits(obs), policy.logits(obs))
+    assert again.config.candidates == VOCAB
+    with pytest.raises(CandidateConfigError, match="n_candidates"):
+        CandidatePolicyConfig(state_features(4), 3, VOCAB)
+    with pytest.raises(CandidateConfigError, match="empty"):
+        CandidatePolicyConfig(state_features(4), 2, [[1], []])
+
+
+class FakeEnv:
+    def __init__(self, valid=None):
+        self.unwrapped = self
+        self.valid = valid
+        self.calls = []
+
+    def candidate_extras(self, candidates):
+        self.calls.append(candidates)
+        out = {"cf_scores": np.arange(len(candidates), dtype=np.float32)}
+        if self.valid is not None:
+            out["valid"] = np.asarray(self.valid)
+        return out
+
+
+def test_runner_executes_the_first_meta_action_and_exposes_extras():
+    policy = small_policy(8)
+    obs = {"state": np.ones(4, dtype=np.float32)}
+    with torch.no_grad():
+        logits = policy.logits({"state": torch.ones(1, 4)})[0]
+    greedy = int(logits.argmax())
+    runner = CandidatePolicyRunner(policy)
+    env = FakeEnv()
+    runner.reset(env, 0)
+    action = runner.act(obs, env)
+    assert action.shape == () and action.dtype == np.int64 and int(action) == VOCAB[greedy][0]
+    assert env.calls == []  # the hook runs only when extras are asked for (recording), never in act
+    extras = runner.extras()
+    assert extras["chosen"].dtype == np.int64 and int(extras["chosen"]) == greedy
+    assert extras["logits"].dtype == np.float32 and np.allclose(extras["logits"], logits.numpy())
+    assert np.array_equal(extras["cf_scores"], np.arange(K)) and env.calls == [VOCAB]
+    # the hook is skipped when env extras are off
+    quiet, env = CandidatePolicyRunner(policy, env_extras=False), FakeEnv()
+    quiet.reset(env, 0)
+    quiet.act(obs, env)
+    assert env.calls == [] and set(quiet.extras()) == {"logits", "chosen"}
+
+
+def test_sampling_runner_is_seeded_per_episode():
+    policy = small_policy(9)
+    with torch.no_grad():
+        policy.head[-1].weight.zero_()  # a uniform policy: samples spread over all candidates
+    obs, env = {"state": np.zeros(4, dtype=np.float32)}, FakeEnv()
+    runner = CandidatePolicyRunner(policy, deterministic=False, env_extras=False)
+
+    def episode(seed):
+        runner.reset(env, seed)
+        out = []
+        for _ in range(30):
+            runner.act(obs, env)
+            out.append(int(runner.extras()["chosen"]))
+        return out
+
+    first, again, other = episode(1), episode(1), episode(2)
+    assert first == again and first != other and len(set(first)) >= 3
+
+
+@pytest.mark.parametrize("proxy_weight", ["uniform", "policy"])
+def test_updates_raise_the_probability_of_the_candidate_with_positive_advantage(proxy_weight):
+    craft = Craft(CraftConfig(lr=3e-3, proxy_weight=proxy_weight, minibatch=32, epochs=2), small_policy(10))
+    batch = random_batch(n=64, seed=14)
+    batch["proxy_adv"] = group_advantages(torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0]).expand(64, -1))
+    with torch.no_grad():
+        batch["old_logits"] = craft.policy.logits(batch["obs"])
+    before = batch["old_logits"].softmax(-1)[:, 2].mean()
+    craft.fit(batch, gen(1))
+    with torch.no_grad():
+        after = craft.policy.logits(batch["obs"]).softmax(-1)[:, 2].mean()
+    assert after > before + 0.05

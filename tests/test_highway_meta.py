@@ -1,0 +1,239 @@
+"""Tests for the discrete meta-action highway (robo_post.envs.highway_meta): spaces and
+info, the candidate vocabulary, events, counterfactual scoring (the live env stays
+untouched; reactive copies are exact, non-reactive ones are not), the heuristic
+driver, and collecting with the CLI."""
+
+from __future__ import annotations
+
+import warnings
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+from helpers import run_cli
+from highway_env.vehicle.behavior import IDMVehicle
+
+from robo_post.envs import env_spec
+from robo_post.envs.highway_meta import (
+    CANDIDATES,
+    EVENT_WEIGHTS,
+    FASTER,
+    IDLE,
+    LANE_LEFT,
+    LANE_RIGHT,
+    PROXY_WEIGHTS,
+    SLOWER,
+    TTC_THRESHOLD,
+    HeuristicDriver,
+    HighwayMetaEnv,
+    InvalidCandidatesError,
+    InvalidHighwayConfigError,
+    InvalidMetaActionError,
+    counterfactual_scores,
+    event_reward,
+    step_events,
+)
+from robo_post.store import Store
+
+INFO_KEYS = {"crashed", "speed", "rewards", "ttc_front", "events"}
+
+
+def make(seed: int = 0, **kwargs) -> gym.Env:
+    env = env_spec("highway_meta").make(**kwargs)
+    env.reset(seed=seed)
+    return env
+
+
+def stage(env: gym.Env, others: list[tuple[float, float]], ego_speed: float = 25.0) -> None:
+    """Replace the traffic by IDM cars in the ego's lane at (offset ahead [m, centre to
+    centre], speed [m/s]); the ego drives at ``ego_speed`` with that target speed."""
+    core = env.unwrapped.core
+    ego = core.vehicle
+    ego.speed = ego_speed
+    ego.speed_index = ego.speed_to_index(ego_speed)
+    ego.target_speed = ego.index_to_speed(ego.speed_index)
+    core.road.vehicles = [ego]
+    for offset, speed in others:
+        car = IDMVehicle(core.road, ego.position + np.array([offset, 0.0]), heading=ego.heading, speed=speed)
+        car.check_collisions = False  # as highway-fast: only the ego checks
+        core.road.vehicles.append(car)
+
+
+def snapshot(env: gym.Env) -> dict:
+    core = env.unwrapped.core
+    return {
+        "ego": (core.vehicle.position.copy(), core.vehicle.speed, core.vehicle.heading),
+        "vehicles": [(id(v), v.position.copy(), v.speed, v.heading, v.lane_index) for v in core.road.vehicles],
+        "clock": (core.time, core.steps),
+        "rng": core.np_random.bit_generator.state,
+        "road_rng": core.road.np_random.bit_generator.state,
+    }
+
+
+def assert_same(a, b) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(a, np.ndarray):
+        np.testing.assert_array_equal(a, b)
+    else:
+        assert a == b
+
+
+def test_spaces_info_and_config() -> None:
+    env = gym.make("robo_post/HighwayMeta-v0", vehicles_count=5)
+    assert env.action_space == gym.spaces.Discrete(5)
+    assert env.observation_space == gym.spaces.Dict({"state": gym.spaces.Box(-1.0, 1.0, (25,), np.float32)})
+    obs, info = env.reset(seed=1)
+    core = env.unwrapped.core
+    assert len(core.road.vehicles) == 6 and core.config["lanes_count"] == 3  # passed through; default kept
+    assert env.unwrapped.duration == 30
+    assert env.observation_space.contains(obs) and INFO_KEYS <= info.keys()
+    # The ego's row: present, in a lane, driving forward at 25 m/s (normalized by 80 m/s).
+    assert obs["state"][0] == 1.0 and obs["state"][3] == pytest.approx(25.0 / 80.0)
+    for action in (FASTER, IDLE, LANE_LEFT):
+        obs, reward, terminated, truncated, info = env.step(np.int64(action))
+        assert env.observation_space.contains(obs) and 0.0 <= reward <= 1.0
+        assert INFO_KEYS <= info.keys() and info["events"].dtype == np.float32 and info["events"].shape == (2,)
+        assert set(info["rewards"]) == {"collision_reward", "right_lane_reward", "high_speed_reward",
+                                        "on_road_reward"}
+        np.testing.assert_array_equal(info["events"], step_events(core))
+        assert info["ttc_front"] > 0.0 and info["speed"] == core.vehicle.speed
+    with pytest.raises(InvalidMetaActionError):
+        env.step(5)
+    with pytest.raises(InvalidMetaActionError):
+        env.step(1.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any checker warning fails the test
+        check_env(env.unwrapped)
+    with pytest.raises(InvalidHighwayConfigError, match="vehicle_count"):
+        HighwayMetaEnv(vehicle_count=5)
+    with pytest.raises(InvalidHighwayConfigError, match="observation"):
+        HighwayMetaEnv(observation={"type": "GrayscaleObservation"})
+
+
+def test_vocabulary() -> None:
+    assert np.asarray(CANDIDATES).shape == (8, 3)
+    assert all(a in range(5) for c in CANDIDATES for a in c)
+    assert CANDIDATES[:5] == [[a, IDLE, IDLE] for a in range(5)]
+    assert CANDIDATES[5:] == [[LANE_LEFT, FASTER, IDLE], [LANE_RIGHT, FASTER, IDLE], [SLOWER, SLOWER, IDLE]]
+    assert len({tuple(c) for c in CANDIDATES}) == 8
+
+
+def test_events_from_constructed_scenes() -> None:
+    env = make(vehicles_count=1)
+    core = env.unwrapped.core
+    stage(env, [(60.0, 25.0)])  # same speed far ahead: no breach
+    np.testing.assert_array_equal(step_events(core), [0.0, 0.0])
+    stage(env, [(15.0, 10.0)])  # gap 10 m closing at 15 m/s: TTC 0.67 s
+    np.testing.assert_array_equal(step_events(core), [0.0, 1.0])
+    stage(env, [(-10.0, 40.0)])  # fast car behind: only the car ahead counts
+    np.testing.assert_array_equal(step_events(core), [0.0, 0.0])
+    stage(env, [(6.0, 0.0)])  # parked car 1 m ahead: the next step hits it
+    _, _, terminated, _, info = env.step(IDLE)
+    assert terminated and info["crashed"] and info["events"][0] == 1.0
+    assert event_reward(info["events"]) == pytest.approx(-1.0 - 0.3 * info["events"][1])
+    assert event_reward([1.0, 1.0]) == pytest.approx(-1.3) and event_reward([0, 1], (-2.0, -0.5)) == -0.5
+    np.testing.assert_allclose(event_reward(np.array([[0, 0], [0, 1], [1, 0]])), [0.0, -0.3, -1.0])
+    with pytest.raises(InvalidCandidatesError):
+        event_reward([1.0, 0.0, 0.0])
+    assert EVENT_WEIGHTS == (-1.0, -0.3) and TTC_THRESHOLD == 1.5
+
+
+def test_counterfactual_scoring_leaves_the_live_env_untouched() -> None:
+    env, twin = make(seed=3, oracle=True), make(seed=3)
+    for action in (IDLE, FASTER):
+        env.step(action), twin.step(action)
+    before = snapshot(env)
+    proxy = counterfactual_scores(env, CANDIDATES)
+    oracle = counterfactual_scores(env, CANDIDATES, reactive=True)
+    extras = env.unwrapped.candidate_extras(CANDIDATES)
+    assert_same(snapshot(env), before)
+    # Same state, same candidates: same scores (the copies carry copies of the RNG).
+    np.testing.assert_array_equal(counterfactual_scores(env, CANDIDATES), proxy)
+    assert set(extras) == {"proxy_scores", "oracle_scores"}
+    assert extras["proxy_scores"].dtype == np.float32 and extras["proxy_scores"].shape == (8,)
+    np.testing.assert_array_equal(extras["proxy_scores"], proxy.astype(np.float32))
+    np.testing.assert_array_equal(extras["oracle_scores"], oracle.astype(np.float32))
+    # The scores tell the candidates apart, and are bounded by the weights over 3 steps.
+    assert proxy.std() > 0.0 and np.all(np.abs(proxy) <= 1.3 * 3)
+    # The next real step is the one an env that never scored anything takes.
+    for action in (SLOWER, LANE_LEFT, IDLE):
+        a, b = env.step(action), twin.step(action)
+        np.testing.assert_array_equal(a[0]["state"], b[0]["state"])
+        assert a[1:4] == b[1:4]
+        assert_same(a[4], b[4])
+    assert set(make(seed=3).unwrapped.candidate_extras()) == {"proxy_scores"}  # no oracle unless asked
+
+
+def test_an_exact_copy_scores_the_real_outcome() -> None:
+    env = make(seed=5)
+    for action in (IDLE, LANE_LEFT, FASTER):
+        oracle = counterfactual_scores(env, [[action]], reactive=True)[0]
+        _, _, _, _, info = env.step(action)
+        w, r = PROXY_WEIGHTS, info["rewards"]
+        real = (w["high_speed"] * r["high_speed_reward"] + w["right_lane"] * r["right_lane_reward"]
+                + w["collision"] * r["collision_reward"] + w["ttc"] * float(info["events"][1]))
+        assert oracle == pytest.approx(real, abs=1e-12)
+
+
+def test_non_reactive_copies_ignore_how_traffic_reacts() -> None:
+    env = make(vehicles_count=1)
+    stage(env, [(-25.0, 30.0)])  # a faster car 20 m behind; the ego brakes twice
+    brake = [CANDIDATES[-1]]
+    proxy = counterfactual_scores(env, brake)[0]
+    oracle = counterfactual_scores(env, brake, reactive=True)[0]
+    # Coasting at 30 m/s, the follower rear-ends the braking ego; the real (IDM) one brakes too.
+    assert proxy < -0.5 < 0.0 < oracle
+    gamma = 0.9
+    assert counterfactual_scores(env, brake, gamma=gamma)[0] != pytest.approx(proxy)
+    with pytest.raises(InvalidCandidatesError, match="integers"):
+        counterfactual_scores(env, [[IDLE, 7]])
+    with pytest.raises(InvalidCandidatesError, match="gamma"):
+        counterfactual_scores(env, brake, gamma=0.0)
+    with pytest.raises(InvalidCandidatesError, match="weights"):
+        counterfactual_scores(env, brake, weights={"speed": 1.0})
+
+
+def test_heuristic_driver() -> None:
+    env = make(vehicles_count=1)
+    driver = HeuristicDriver()
+    for offset, expected in ((15.0, SLOWER), (30.0, IDLE), (-10.0, IDLE)):  # gaps 10 m, 25 m, nobody ahead
+        stage(env, [(offset, 25.0)])
+        assert driver(env) == expected
+    # Over a whole episode in traffic it only idles or brakes, and keeps its lane.
+    env = env_spec("highway_meta").make()
+    obs, _ = env.reset(seed=7)
+    act = env_spec("highway_meta").make_expert(env, noise=0.0, seed=0)
+    lane, actions, done = env.unwrapped.core.vehicle.lane_index, [], False
+    while not done:
+        actions.append(int(act(obs)))
+        obs, _, terminated, truncated, _ = env.step(actions[-1])
+        done = terminated or truncated
+        assert env.unwrapped.core.vehicle.target_lane_index == lane
+    assert set(actions) <= {IDLE, SLOWER} and SLOWER in actions
+    # Noise: that share of uniformly random actions, reproducible by seed.
+    noisy = [HeuristicDriver(noise=1.0, seed=s) for s in (0, 0, 1)]
+    runs = [[int(d(env)) for _ in range(40)] for d in noisy]
+    assert runs[0] == runs[1] != runs[2] and set(runs[0]) == set(range(5))
+
+
+def test_collect_with_the_cli(tmp_path) -> None:
+    root = str(tmp_path / "store")
+    run_cli("collect", "env=highway_meta", "episodes=2", f"store={root}", "fleet.n_clients=1", "show=false",
+            timeout=180)
+    store = Store.open(root)
+    assert store.schema.attrs["env"] == "highway_meta" and list(store.schema.observations) == ["state"]
+    episodes = store.snapshot().episodes()
+    assert len(episodes) == 2
+    for e in episodes:
+        assert e.task_id == "robo_post/HighwayMeta-v0" and e.success is not None
+        assert set(e.attrs["metrics"]) == {"collision", "mean_speed"}
+        assert e.success == (not e.attrs["metrics"]["collision"])
+        assert 15.0 < e.attrs["metrics"]["mean_speed"] < 35.0
