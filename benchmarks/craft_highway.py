@@ -91,7 +91,7 @@ def interval(values: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--episodes", type=int, default=8, help="episodes per iteration")
     parser.add_argument("--eval-episodes", type=int, default=30)
     parser.add_argument("--demos", type=int, default=30)
@@ -113,6 +113,7 @@ def main() -> None:
                              f"algo.online_store={args.work}/s{seed}/pretrain-online"))
         reference = pre["pretrained_version"]
         results["pretrained"].append({**evaluate(store, reference, eval_seeds, {}), "wall_s": 0.0})
+        print(f"seed {seed} pretrained: {results['pretrained'][-1]}", flush=True)
         for arm, overrides in ARMS.items():
             oracle = arm == "craft" and seed == 0
             t0 = time.perf_counter()

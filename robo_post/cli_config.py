@@ -312,6 +312,9 @@ def _known(job: str, defaults: dict[str, Any], overrides: list[str]) -> dict[str
         train = _defaults("train", {})
         train["algo"] = {**_method_keys(train["algo"]["name"]), **train["algo"]}
         known["bc"] = OmegaConf.to_container(OmegaConf.merge(train, known["bc"]))
+        names = [v for o in overrides for p, k, v in [_parse(o)] if k == "bc.algo.name"]
+        bc_method = names[-1] if names else known["bc"]["algo"].get("name")  # a recipe may pick another method
+        known["bc"]["algo"] = {**_method_keys(bc_method), **known["bc"]["algo"]}
         local = OmegaConf.load(str(_configs() / "fleet" / "local.yaml"))
         known["fleet"]["overseer"] = {**OmegaConf.to_container(local.overseer), **known["fleet"]["overseer"]}
     return known

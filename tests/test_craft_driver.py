@@ -75,3 +75,15 @@ def test_on_policy_batch_windows_stop_at_episode_ends():
     assert torch.allclose(batch["proxy_adv"], group_advantages(torch.as_tensor(extras["proxy_scores"])))
     # event mode: only the steps whose window (inside their own episode) saw the crash carry a residual
     assert (batch["delta"][:3] != 0).all() and (batch["delta"][3:] == 0).all()
+
+
+def test_run_recipe_craft_on_highway(tmp_path):
+    out = tmp_path / "run"
+    summary = summary_of(run_cli("run", "env=highway_meta", "recipe=craft", f"run_dir={out}", "demos.episodes=2",
+                                 "bc.algo.iterations=1", "bc.algo.episodes_per_iteration=2", "bc.algo.bc_updates=50",
+                                 "bc.algo.n_clients=1", "eval.episodes_per_task=2", "fleet.n_clients=1",
+                                 "show=false", timeout=600).stdout)
+    # pretrained, the sampled version of the one iteration, the greedy final one: each evaluated
+    assert [r["version"] for r in summary["results"]] == [1, 2, 3]
+    assert (out / "report" / "index.html").exists() and (out / "bc" / "metrics.jsonl").exists()
+    assert json.loads((out / "bc" / "metrics.jsonl").read_text().splitlines()[-1])["update"] > 0

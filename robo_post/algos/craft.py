@@ -342,8 +342,8 @@ class CraftConfig:
     lr: float = 3e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    epochs: int = 4
-    minibatch: int = 256
+    epochs: int = 8
+    minibatch: int = 64
     reference_version: int | None = None
     bc_updates: int = 2000
     bc_lr: float = 1e-3

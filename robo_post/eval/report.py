@@ -365,7 +365,7 @@ def _rollout_section(
                 picked = _first_of_each_outcome(episodes, task)
                 if not picked:
                     continue
-                name = f"rollouts_{_slug(label)}_{task}.png"
+                name = f"rollouts_{_slug(label)}_{_slug(task)}.png"
                 rows = [(e, *_frames(snap, e, r["env"], replayer)) for e in picked]
                 _plot_strip(os.path.join(out_dir, name), f"{task} — {label}", rows)
                 doc.heading(3, f"{task} — {label}")

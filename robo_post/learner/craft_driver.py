@@ -209,7 +209,8 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         obs, _, extras, lengths = _load(snap, episodes)
         batch = on_policy_batch(config, obs, extras, lengths, event_weights)
         metrics = {k: float(v) for k, v in method.fit(batch, torch.Generator().manual_seed(cfg.seed + i)).items()}
-        row = {"iteration": i + 1, "version": version, "time": time.time(), "episodes": len(episodes),
+        state["updates"] = state.get("updates", 0) + config.epochs * -(-len(batch["chosen"]) // config.minibatch)
+        row = {"update": state["updates"], "iteration": i + 1, "version": version, "time": time.time(), "episodes": len(episodes),
                "steps": int(sum(lengths)), "episode_return": float(np.mean([e.ret for e in episodes])),
                "collision": float(np.mean([bool((e.attrs.get("metrics") or {}).get("collision")) for e in episodes])),
                "mean_speed": float(np.mean([(e.attrs.get("metrics") or {}).get("mean_speed", np.nan) for e in episodes])),

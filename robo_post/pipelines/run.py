@@ -33,8 +33,8 @@ from robo_post.pipelines import lwd
 from robo_post.store import PolicyRegistry, Store
 
 
-def _compose(name: str, values: dict[str, Any]) -> DictConfig:
-    return OmegaConf.merge(compose(name, []), values)
+def _compose(name: str, values: dict[str, Any], overrides: list[str] | None = None) -> DictConfig:
+    return OmegaConf.merge(compose(name, overrides or []), values)
 
 
 def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, policy: dict[str, Any],
@@ -78,10 +78,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     registry = PolicyRegistry(store_root)
     bc_dir = os.path.join(cfg.run_dir, "bc")
     if registry.latest() is None:
+        method = cfg.bc.algo.get("name")  # a recipe may train another method first (recipe=craft)
         train(_compose("train", {
             "store": store_root, "run_dir": bc_dir, "device": cfg.device, "seed": cfg.seed, "show": cfg.show,
             **OmegaConf.to_container(cfg.bc, resolve=True),
-        }))
+        }, [f"algo={method}"] if method else None))
 
     # The fleet's own policies run under the overseer (interventions), the scripted demos and play do not.
     overseer = OmegaConf.to_container(cfg.fleet.overseer, resolve=True)
@@ -124,7 +125,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     for version in versions:
         for split in splits:
             results.append(evaluate(
-                store_root, version, list(cfg.env.tasks), cfg.eval.episodes_per_task, split=split,
+                store_root, version, list(cfg.env.tasks or []), cfg.eval.episodes_per_task, split=split,
                 n_clients=cfg.fleet.n_clients, out_store=eval_store, seed=cfg.eval.seed, show=cfg.show,
             ))
     report = write_report(os.path.join(cfg.run_dir, "report"), results, run_dirs=run_dirs, eval_store=eval_store)
