@@ -63,7 +63,7 @@ def test_help_anywhere_composes_the_overrides_and_lists_the_group_choices():
     assert "critic_warmup: 200       # critic-only updates before the actor moves" in late.stdout
     assert "configs/algo/bc_flow.yaml" not in late.stdout and late.stdout.rstrip().endswith("store=x")
     collect = _cli("collect", "-h").stdout
-    assert "env      driving | gym | store | tabletop | any gymnasium id   (now: tabletop)" in collect
+    assert "env      driving | gym | highway_meta | point_mass | reacher | store | tabletop | any gymnasium id   (now: tabletop)" in collect
     assert "episodes: 24           # total new episodes across the fleet" in collect
 
 
