@@ -4,6 +4,7 @@ One short prepared check for a lent GPU machine (CI never runs it):
 
     .venv/bin/python benchmarks/learner_gpu.py            # cpu and, if present, cuda
     .venv/bin/python benchmarks/learner_gpu.py --quick    # fewer timed updates
+    .venv/bin/python benchmarks/learner_gpu.py --compile  # each cell also with torch.compile
 
 The path is the one `robo-post train algo=divl_qam` takes: a store snapshot ->
 ``WindowSampler`` -> (optionally) the background prefetcher -> the device ->
@@ -16,7 +17,8 @@ Grid: policy size (default, and a 10x policy with a wider ``hidden_dim``) x devi
 prefetch (0 / 2) x bf16 autocast (off / on). Each cell runs one warm-up log window and
 one timed window and prints updates/s and the data-wait fraction (the share of the
 window the learner waited for its batch) as ``train_loop`` logs them; then the prefetch
-ratio (upd/s with prefetch / without) and, with a GPU, the GPU/CPU ratio per cell.
+ratio (upd/s with prefetch / without), with ``--compile`` the compiled/eager ratio (the
+compile time is in the warm-up window), and, with a GPU, the GPU/CPU ratio per cell.
 """
 
 from __future__ import annotations
@@ -75,14 +77,14 @@ def build(store: Store, size: str, device: torch.device, sampler: WindowSampler)
 
 
 def run_cell(store: Store, size: str, device: torch.device, prefetch: int, amp: str | None, n: int,
-             run_dir: str) -> tuple[dict, int]:
+             run_dir: str, compile: bool = False) -> tuple[dict, int]:
     """One warm-up window and one timed window of ``n`` updates; returns the timed row."""
     sampler = WindowSampler.from_snapshot(store.snapshot(), horizon=HORIZON, gamma=GAMMA, seed=0,
                                           device="cpu" if prefetch else device)
     method, params = build(store, size, device, sampler)
     rows = train_loop(method, lambda: sampler.sample(BATCH), run_dir, 2 * n, {"sampler": sampler.rng},
                       log_every=n, checkpoint_every=10 ** 9, show=False, prefetch=prefetch, amp=amp,
-                      tracking={"tensorboard": False})
+                      tracking={"tensorboard": False}, compile=compile)
     return rows[-1], params
 
 
@@ -91,6 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="5 timed updates per cell instead of 30")
     parser.add_argument("--updates", type=int, default=None, help="timed updates per cell")
+    parser.add_argument("--compile", action="store_true", help="also run every cell with train_loop(compile=True)")
     args = parser.parse_args()
     n = args.updates or (5 if args.quick else 30)
     devices = [torch.device("cpu")]
@@ -103,17 +106,27 @@ def main() -> None:
         store = make_store(os.path.join(tmp, "store"))
         print(f"store: {len(store.snapshot().episodes())} episodes, batch {BATCH}, chunk {HORIZON}, "
               f"text on; {n} timed updates per cell after {n} warm-up")
-        print(f"{'device':<7}{'size':<9}{'policy params':>14}{'prefetch':>10}{'bf16':>6}{'upd/s':>9}{'data wait':>11}")
+        print(f"{'device':<7}{'size':<9}{'policy params':>14}{'prefetch':>10}{'bf16':>6}{'compile':>9}{'upd/s':>9}"
+              f"{'data wait':>11}")
         for device in devices:
             for size in SIZES:
                 for amp in (None, "bf16"):
                     for prefetch in (0, 2):
-                        cell = (device.type, size, amp, prefetch)
-                        row, params = run_cell(store, size, device, prefetch, amp, n,
-                                               os.path.join(tmp, "-".join(map(str, cell))))
-                        rates[cell] = row["updates_per_s"]
-                        print(f"{device.type:<7}{size:<9}{params:>14,}{prefetch:>10}{'on' if amp else 'off':>6}"
-                              f"{row['updates_per_s']:>9.2f}{row['data_wait']:>11.1%}", flush=True)
+                        for compiled in (False, True) if args.compile else (False,):
+                            cell = (device.type, size, amp, prefetch) + (("compiled",) if compiled else ())
+                            row, params = run_cell(store, size, device, prefetch, amp, n,
+                                                   os.path.join(tmp, "-".join(map(str, cell))), compiled)
+                            rates[cell] = row["updates_per_s"]
+                            print(f"{device.type:<7}{size:<9}{params:>14,}{prefetch:>10}{'on' if amp else 'off':>6}"
+                                  f"{'on' if compiled else 'off':>9}{row['updates_per_s']:>9.2f}{row['data_wait']:>11.1%}",
+                                  flush=True)
+    if args.compile:
+        print("\ncompile ratio (upd/s compiled / eager):")
+        for cell, rate in rates.items():
+            if len(cell) == 5:
+                dev, size, amp, prefetch = cell[:4]
+                print(f"  {dev:<5} {size:<8} prefetch {prefetch} bf16 {'on ' if amp else 'off'}  {rate / rates[cell[:4]]:.2f}x")
+    rates = {cell: rate for cell, rate in rates.items() if len(cell) == 4}
     print("\nprefetch ratio (upd/s with prefetch 2 / without):")
     for (dev, size, amp, prefetch), rate in rates.items():
         if prefetch:

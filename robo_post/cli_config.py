@@ -154,6 +154,7 @@ _FLEET = {
 _TRAIN = {
     "store": text(), "run_dir": text(), "device": device, "torch_threads": _COUNT, "updates": _COUNT,
     "batch_size": _COUNT, "gamma": number(0, 1, low_open=True), "prefetch": _COUNT0, "amp": choice("bf16", optional=True),
+    "compile": boolean,
     "log_every": _COUNT, "checkpoint_every": _COUNT, "eval.every": _COUNT0, "eval.episodes_per_task": _COUNT,
     "data.snapshot": text(optional=True), "data.tasks": items(text(), "task ids"),
     "data.success": choice(True, False, optional=True), "data.roles": items(choice(*ROLES), "roles"),

@@ -302,7 +302,7 @@ def test_critic_overrides_shape_the_critic_and_travel_with_the_artifact():
                                             embed_dim=8, hidden_dim=16, flow_steps=2))
     agent = ActorCritic("divl_qam", reference, critic={"use_images": False, "hidden_dim": 24}, best_of_n=4)
     assert len(agent.value.net.encoder.images) == 0 and "image" in agent.policy.encoder.images
-    assert agent.value.net.q_heads[0][0].in_features == 24 + 4 * 2
+    assert agent.value.net.q_heads[0].in_features == 24 + 4 * 2
     with torch.no_grad():
         for p in agent.value.target.q_heads.parameters():
             p.add_(0.3 * torch.randn_like(p))

@@ -1,5 +1,6 @@
 """DIVL properties listed in docs/methods.md, "DIVL: what the tests check"."""
 
+import copy
 import math
 
 import numpy as np
@@ -19,7 +20,8 @@ from robo_post.algos.divl import (
 )
 from robo_post.algos.iql import IQL, IQLConfig
 from robo_post.models.features import state_features
-from robo_post.models.critic import CriticConfig
+from robo_post.models.critic import CriticConfig, CriticNet
+from robo_post.models.encoders import mlp
 from robo_post.store import ArraySpec, Store, StoreSchema, WindowSampler
 
 torch.set_num_threads(1)
@@ -241,3 +243,87 @@ def test_value_learners_fit_a_two_action_bandit(kind):
     else:
         # 0.9-expectile of {0, 1} with equal weights is 0.9.
         assert v.tolist() == pytest.approx([0.9, 0.9], abs=0.05)
+
+
+# --- 7. the batched Q ensemble ----------------------------------------------------------
+def _critic_config(num_q=2):
+    return CriticConfig(features=state_features(5), action_dim=2, horizon=3, use_text=False, embed_dim=8,
+                        hidden_dim=16, num_q=num_q)
+
+
+def _per_head_layout(net):
+    """``net``'s state dict as written before the batched ensemble: one ``mlp`` per head (``q_heads.{j}.{k}.*``)."""
+    state = {}
+    for key, value in net.state_dict().items():
+        if key.startswith("q_heads."):
+            for j in range(value.shape[0]):
+                state[f"q_heads.{j}.{key[len('q_heads.'):]}"] = value[j].clone()
+        else:
+            state[key] = value.clone()
+    return state
+
+
+def _per_head_q(net, z, chunk):
+    """Q (num_q, B) by a Python loop over per-head ``mlp`` modules loaded from the old layout."""
+    state, heads = _per_head_layout(net), []
+    for j in range(net.config.num_q):
+        head = mlp([net.config.hidden_dim + chunk[0].numel(), net.config.hidden_dim, net.config.hidden_dim, 1],
+                   layer_norm=True)
+        head.load_state_dict({k[len(f"q_heads.{j}."):]: v for k, v in state.items() if k.startswith(f"q_heads.{j}.")})
+        heads.append(head)
+    inp = torch.cat([z, chunk.flatten(1)], -1)
+    return torch.stack([h(inp).squeeze(-1) for h in heads])
+
+
+@pytest.mark.parametrize("num_q", [2, 5])
+def test_batched_q_ensemble_equals_the_per_head_loop(num_q):
+    torch.manual_seed(0)
+    net = CriticNet(_critic_config(num_q), 0)
+    with torch.no_grad():  # LayerNorm affines away from their (1, 0) init, so they are checked too
+        for p in net.q_heads.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    z, chunk = torch.randn(7, 16), torch.randn(7, 3, 2, requires_grad=True)
+    q, want = net.q(z, chunk), _per_head_q(net, z, chunk)
+    assert q.shape == (num_q, 7) and q.std(0).min() > 0  # heads differ
+    torch.testing.assert_close(q, want, rtol=1e-5, atol=1e-6)
+    (grad,) = torch.autograd.grad(q.mean(0).sum(), chunk)
+    (want_grad,) = torch.autograd.grad(want.mean(0).sum(), chunk)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_per_head_state_dict_and_its_optimizer_state_resume_exactly():
+    """Checkpoints written before the batched ensemble: weights and Adam moments stack on load,
+    and the next update matches the one the saving learner takes."""
+    batch = {"obs": {"state": torch.randn(8, 5)}, "next_obs": {"state": torch.randn(8, 5)},
+             "actions": torch.rand(8, 3, 2) * 2 - 1, "rewards": torch.rand(8), "discounts": torch.full((8,), 0.9)}
+    torch.manual_seed(0)
+    saved = DIVL(_critic_config())
+    for _ in range(2):
+        saved.update(batch)
+    old_net, old_target = _per_head_layout(saved.net), _per_head_layout(saved.target)
+    assert "q_heads.1.0.weight" in old_net and "q_heads.0.weight" not in old_net
+    opt = saved.opt_q.state_dict()
+    heads = [id(p) for p in saved.net.q_heads.parameters()]
+    ids = [id(p) for p in saved.opt_q.param_groups[0]["params"]]
+    start, count = ids.index(heads[0]), len(heads)
+    old_state = {i: {k: v.clone() for k, v in opt["state"][i].items()} for i in range(start)}  # encoder: same indices
+    for j in range(2):  # head j's copy of every stacked parameter, numbered as a per-head ModuleList's were
+        for i in range(count):
+            old_state[start + j * count + i] = {k: v[j].clone() if v.dim() else v.clone()
+                                                for k, v in opt["state"][start + i].items()}
+    old_opt = {"state": old_state, "param_groups": [{**opt["param_groups"][0], "params": list(range(start + 2 * count))}]}
+
+    torch.manual_seed(1)
+    resumed = DIVL(_critic_config())
+    resumed.net.load_state_dict(old_net)
+    resumed.target.load_state_dict(old_target)
+    resumed.opt_q.load_state_dict(old_opt)
+    resumed.opt_v.load_state_dict(copy.deepcopy(saved.opt_v.state_dict()))  # loading shares tensors; the saver goes on
+    for a, b in zip(resumed.net.parameters(), saved.net.parameters()):
+        assert torch.equal(a, b)
+    saved.update(batch)
+    resumed.update(batch)
+    for a, b in zip(resumed.net.parameters(), saved.net.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="heads"):  # a head missing from an old-layout dict is named
+        DIVL(_critic_config()).net.load_state_dict({k: v for k, v in old_net.items() if not k.startswith("q_heads.1.")})

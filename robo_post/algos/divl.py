@@ -102,7 +102,7 @@ def asymmetric_loss(u: torch.Tensor, tau: float | torch.Tensor, power: int) -> t
 
 
 def twin_critic_fn(online: CriticNet, target: CriticNet, net: str) -> CriticFn:
-    """``critic_fn(obs, normalised_chunk) -> (2, B)`` from the ``online`` or ``target`` critic: what the
+    """``critic_fn(obs, normalised_chunk) -> (num_q, B)`` from the ``online`` or ``target`` critic: what the
     value learner hands to the actor (docs/methods.md, "QAM: lean adjoint")."""
     if net not in ("target", "online"):
         raise ValueError(f"net must be 'target' or 'online', got {net!r}")
@@ -170,6 +170,7 @@ class ValueLearner:
         self.opt_v = torch.optim.Adam(self.net.value_head.parameters(), lr=config.lr, fused=True)
         self.opt_q = torch.optim.Adam(self.net.encoder_parameters() + list(self.net.q_heads.parameters()), lr=config.lr,
                                       fused=True)
+        self.net.adopt_legacy_optimizer_state(self.opt_q)  # checkpoints from before the batched Q ensemble resume
         self.schedulers = [_cosine(opt, config.lr_decay_steps) for opt in (self.opt_v, self.opt_q)]
         self.steps = 0
         self.td_error: torch.Tensor | None = None  # |TD error| (B,) of the last update
@@ -238,11 +239,11 @@ class ValueLearner:
         return self.bootstrap(self.net.value(self.net.encode(obs)))[0]
 
     def q_values(self, obs: dict[str, Any], chunk: torch.Tensor, net: str = "target") -> torch.Tensor:
-        """Twin Q (2, B) at a normalised chunk (B, H, A); differentiable in ``chunk``."""
+        """Q of every head (num_q, B) at a normalised chunk (B, H, A); differentiable in ``chunk``."""
         return twin_critic_fn(self.net, self.target, net)(obs, chunk)
 
     def critic_fn(self, net: str = "target") -> CriticFn:
-        """``critic_fn(obs, normalised_chunk) -> (2, B)`` for QAM/FQL (docs/methods.md, "QAM: lean adjoint").
+        """``critic_fn(obs, normalised_chunk) -> (num_q, B)`` for QAM/FQL (docs/methods.md, "QAM: lean adjoint").
 
         ``net`` is ``QAMConfig.q_net``. Only d/d(chunk) is ever taken, so the actor
         update leaves critic parameters and their ``.grad`` untouched (a tested property).

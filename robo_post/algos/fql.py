@@ -174,6 +174,7 @@ class FQLCritic:
         self.net = CriticNet(critic, 0).to(self.device)
         self.target = copy.deepcopy(self.net).requires_grad_(False)
         self.opt = torch.optim.Adam(self.net.parameters(), lr=self.config.lr, fused=True)
+        self.net.adopt_legacy_optimizer_state(self.opt)  # checkpoints from before the stacked Q ensemble
         self.steps = 0
         self.td_error: torch.Tensor | None = None  # |TD error| (B,) of the last update
 

@@ -237,7 +237,7 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     logged = train_loop(method, lambda: add_imitation(sampler.sample(cfg.batch_size), imitation, cfg.batch_size),
                         run_dir, cfg.updates, rngs, log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every,
                         eval_every=cfg.eval.every, evaluate=evaluate, show=cfg.show, prefetch=cfg.prefetch,
-                        amp=cfg.amp, tracking=cfg.get("tracking"))
+                        amp=cfg.amp, compile=cfg.get("compile", False), tracking=cfg.get("tracking"))
     wall = time.perf_counter() - t0
     warn_value_edges(logged, data.value_range)
     if isinstance(getattr(method, "value", None), DIVL):

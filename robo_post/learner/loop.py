@@ -101,6 +101,7 @@ def train_loop(
     prefetch: int = 0,
     amp: str | None = None,
     tracking: Any = None,
+    compile: bool = False,
 ) -> list[dict[str, float]]:
     """Run ``updates`` updates of ``algo`` (resuming from ``run_dir`` if a checkpoint exists).
 
@@ -109,6 +110,8 @@ def train_loop(
     must then return CPU tensors and own ``rngs``; batches and resume are unchanged);
     ``amp="bf16"`` runs updates under bfloat16 autocast. ``tracking`` selects the experiment
     trackers each logged row also goes to (``robo_post.learner.tracking``; None = TensorBoard).
+    ``compile=True`` compiles the method's networks with ``torch.compile`` before the first
+    update (``compile_networks``; weights, checkpoints and artifacts are unchanged).
 
     Returns the logged metric windows (each the mean over ``log_every`` updates).
     """
@@ -119,6 +122,8 @@ def train_loop(
     device = next((p.device for m in algo.modules.values() for p in m.parameters()), torch.device("cpu"))
     write_run_metadata(run_dir, device, {"torch_initial_seed": torch.initial_seed()})
     start = 0
+    if compile:
+        compile_networks(algo.modules.values())
     if has_checkpoint(ckpt):
         start = load_checkpoint(ckpt, algo.modules, algo.optimizers, rngs)["update"]
         truncate_log(log_path, start)
@@ -162,6 +167,28 @@ def train_loop(
                 save_checkpoint(ckpt, algo.modules, algo.optimizers, checkpoint_rngs(), {"update": update})
             progress.update(task, completed=update)
     return logged
+
+
+def compile_networks(modules: Any) -> int:
+    """``torch.compile`` every outermost ``nn.Sequential`` inside ``modules``, in place; returns how many.
+
+    The sequential blocks are a method's pure-tensor hot spots (velocity and fusion MLPs, Q
+    ensembles, value heads, CNN trunks), while the modules around them branch on Python data
+    (instruction caches, observation dicts) and would only break the graph. ``Module.compile``
+    keeps parameter names, so checkpoints and artifacts do not change. Shapes are left
+    dynamic: the same network sees several batch sizes (e.g. B and N * B in QAM).
+    """
+    outer = {id(m): m for module in modules for m in module.modules() if isinstance(m, torch.nn.Sequential)}
+    inner = {id(c) for m in outer.values() for c in m.modules() if c is not m}
+    targets = [m for key, m in outer.items() if key not in inner]
+    # Every instance shares Sequential.forward's code object, whose compiled entries dynamo caps
+    # (8 by default): past the cap the rest would silently run eager. Allow each target a few.
+    limits = torch._dynamo.config
+    limits.recompile_limit = max(limits.recompile_limit, 4 * len(targets))
+    limits.accumulated_recompile_limit = max(limits.accumulated_recompile_limit, 4 * len(targets))
+    for m in targets:
+        m.compile(dynamic=True)
+    return len(targets)
 
 
 def window_means(window: dict[str, list[torch.Tensor | float]]) -> dict[str, float]:
