@@ -125,12 +125,13 @@ def ours(width: int) -> tuple[ActorCritic, dict]:
     return method, batch
 
 
-def time_ours(method: ActorCritic, batch: dict, kind: str, n: int) -> float:
+def time_ours(method: ActorCritic, batch: dict, kind: str, n: int, amp: bool = False) -> float:
     critic_fn = method.value.critic_fn(method.actor.config.q_net)
     step = (lambda: method.actor.update(batch, critic_fn)) if kind == "actor" else (lambda: method.update(batch))
     t0 = time.perf_counter()
     for _ in range(n):
-        metrics = step()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):  # as train_loop does with amp=bf16
+            metrics = step()
     torch.stack(list(metrics.values())).sum().item()  # wait for the queued work (a no-op on CPU)
     return time.perf_counter() - t0
 
@@ -144,6 +145,7 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=10, help="updates per timed repetition")
     parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions per cell")
     parser.add_argument("--quick", action="store_true", help="3 updates x 2 repetitions")
+    parser.add_argument("--amp", choices=["bf16"], help="run ours under bfloat16 autocast (train's amp=bf16)")
     args = parser.parse_args()
     n, reps = (3, 2) if args.quick else (args.updates, args.reps)
     torch.set_num_threads(1)
@@ -153,7 +155,7 @@ def main() -> None:
     elif not os.path.exists(os.path.join(args.reference_repo, "agents", "qam.py")):
         skip = f"reference skipped: no agents/qam.py in {args.reference_repo}"
     print(f"one CPU thread; obs {OBS}, chunk {HORIZON}x{ACTION}, batch {BATCH}, {FLOW_STEPS} flow steps, {NUM_Q} critics; "
-          f"{reps} interleaved repetitions of {n} updates per cell")
+          f"{reps} interleaved repetitions of {n} updates per cell; ours {'bf16 autocast' if args.amp else 'fp32'}")
     if skip:
         print(skip)
     print(f"{'width':>6} {'step':<6} {'ours upd/s':>11} {'ref upd/s':>10} {'ours/ref':>9}  per repetition")
@@ -169,10 +171,10 @@ def main() -> None:
                 skip = f"reference skipped: its worker failed to start: {e}"
                 print(skip)
         for kind in ("actor", "full"):
-            time_ours(method, batch, kind, 2)  # warm-up
+            time_ours(method, batch, kind, 2, args.amp == "bf16")  # warm-up
             mine, theirs = [], []
             for _ in range(reps):
-                mine.append(n / time_ours(method, batch, kind, n))
+                mine.append(n / time_ours(method, batch, kind, n, args.amp == "bf16"))
                 if reference is not None:
                     theirs.append(n / reference.time(kind, n))
             if reference is None:
