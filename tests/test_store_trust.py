@@ -19,6 +19,7 @@ from robo_post.store import (
     StoreIntegrityError,
     WindowSampler,
 )
+from robo_post.store.commit import CommitDamageWarning
 from robo_post.store.integrity import repair_store, validate_store
 from test_store import tree_hash
 from test_store_append import SCHEMA, clear_chunk, episode, small_chunks, write  # noqa: F401 (fixture)
@@ -131,7 +132,8 @@ def test_a_damaged_newest_commit_slot_is_reported_and_repaired(tmp_path, small_c
     with open(os.path.join(shard, "commit.bin"), "r+b") as f:
         f.seek(512 + 20)
         f.write(b"\xff")
-    assert len(store.snapshot()) == 2  # readers fall back to the previous record, as after a torn write
+    with pytest.warns(CommitDamageWarning, match="shard a: commit.bin slot 1 is damaged"):
+        assert len(store.snapshot()) == 2  # readers fall back to the previous record, and say so
     checked, problems = validate_store(store.root)
     assert len(problems) == 1 and "commit.bin slot 1 is damaged" in problems[0]
     assert "holds 1 complete records past it" in problems[0]

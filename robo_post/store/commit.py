@@ -24,15 +24,17 @@ A shard holding the pre-release ``commit.json`` instead is refused
 Damage (``inspect_commit``): a slot that is neither a valid record nor never
 written (all zero, beside the creation record) may have held the newest commit,
 and a missing ``commit.bin`` beside a non-empty ``episodes.jsonl`` hides every
-episode. Readers still use the newest valid slot (what a torn write leaves), but
-``validate`` reports the damage and a writer refuses the shard
-(``ShardDamagedError``) until ``robo-post store repair`` rewrites the record.
+episode. Readers still use the newest valid slot (what a torn write leaves) and warn
+(``CommitDamageWarning``), ``validate`` reports the damage and a writer refuses the
+shard (``ShardDamagedError``) until ``robo-post store repair`` rewrites the record.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import time
+import warnings
 from dataclasses import dataclass
 
 import crc32c
@@ -111,10 +113,26 @@ def inspect_commit(shard_dir: str) -> CommitStatus:
     return CommitStatus(counts, problem, seq)
 
 
+class CommitDamageWarning(UserWarning):
+    """A reader fell back to the older commit slot because the other one is damaged: the
+    shard may hold one more committed episode than it shows (``robo-post store repair``)."""
+
+
 def read_commit(shard_dir: str) -> dict[str, int]:
     """The committed counts of a shard (zeros for a shard never committed); raises
-    ``ShardDamagedError`` when there is no record to read."""
+    ``ShardDamagedError`` when there is no record to read.
+
+    A damaged slot beside a valid one is what a concurrent commit looks like for the few
+    microseconds of its write, so it is read again; still damaged, the reader uses the
+    valid slot and warns (``CommitDamageWarning``) rather than shrink the shard silently.
+    """
     status = inspect_commit(shard_dir)
+    if status.problem is not None and status.counts is not None:
+        time.sleep(0.01)
+        status = inspect_commit(shard_dir)
+        if status.problem is not None and status.counts is not None:
+            warnings.warn(f"shard {os.path.basename(shard_dir)}: {status.problem}; reading the valid one "
+                          "(`robo-post store validate` / `store repair`)", CommitDamageWarning, stacklevel=2)
     if status.counts is None:
         raise ShardDamagedError(os.path.basename(shard_dir), status.problem)
     return status.counts
