@@ -39,14 +39,19 @@ def base_bc_loss(base: FlowPolicy, batch: dict) -> torch.Tensor:
     return base.bc_loss(data["obs"], data["actions"], data.get("action_mask"))
 
 
-class BCFlow:
-    """Owns a ``FlowPolicy`` and its optimiser; ``update(batch)`` is one gradient step."""
+class SupervisedPolicy:
+    """One policy fitted by a supervised loss: its AdamW optimiser, checkpoint view and gradient step.
 
-    def __init__(self, config: BCFlowConfig, model_config: FlowPolicyConfig, device: str | torch.device = "cpu"):
-        self.config = config
-        self.policy = FlowPolicy(model_config).to(device)
+    Subclasses set ``algorithm`` and define ``update(batch)`` as ``self.step(loss)``.
+    """
+
+    algorithm = ""
+
+    def __init__(self, policy: torch.nn.Module, lr: float, weight_decay: float, grad_clip: float):
+        self.policy = policy
+        self.grad_clip = grad_clip
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.policy.parameters() if p.requires_grad], lr=config.lr, weight_decay=config.weight_decay,
+            [p for p in self.policy.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay,
             fused=True,  # one kernel, and no per-step host read of the step count
         )
 
@@ -59,14 +64,28 @@ class BCFlow:
         return {"policy": self.optimizer}
 
     def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return self.policy.artifact(**{"algorithm": "bc_flow", **provenance})
+        return self.policy.artifact(**{"algorithm": self.algorithm, **provenance})
+
+    def step(self, loss: torch.Tensor) -> torch.Tensor:
+        """One clipped gradient step on ``loss``; returns the gradient norm (0-d, on the device)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)
+        self.optimizer.step()
+        return grad_norm.detach()
+
+
+class BCFlow(SupervisedPolicy):
+    """Owns a ``FlowPolicy`` and its optimiser; ``update(batch)`` is one gradient step."""
+
+    algorithm = "bc_flow"
+
+    def __init__(self, config: BCFlowConfig, model_config: FlowPolicyConfig, device: str | torch.device = "cpu"):
+        super().__init__(FlowPolicy(model_config).to(device), config.lr, config.weight_decay, config.grad_clip)
+        self.config = config
 
     def update(self, batch: dict) -> dict[str, torch.Tensor]:
         """One step on a sampler batch (``obs``, ``actions`` (B, H, A), ``action_mask`` (B, H))."""
         self.policy.train()
         loss = self.policy.bc_loss(batch["obs"], batch["actions"], batch["action_mask"])
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.grad_clip)
-        self.optimizer.step()
-        return {"bc_loss": loss.detach(), "grad_norm": grad_norm.detach()}
+        return {"bc_loss": loss.detach(), "grad_norm": self.step(loss)}

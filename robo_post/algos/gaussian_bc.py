@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from robo_post.algos.bc_flow import SupervisedPolicy
 from robo_post.models.gaussian import GaussianPolicy, GaussianPolicyConfig
 
 
@@ -32,33 +33,17 @@ class GaussianBCConfig:
     model: dict[str, Any] = field(default_factory=dict)
 
 
-class GaussianBC:
+class GaussianBC(SupervisedPolicy):
     """Owns a ``GaussianPolicy`` and its optimiser; ``update(batch)`` is one gradient step."""
 
+    algorithm = "gaussian_bc"
+
     def __init__(self, config: GaussianBCConfig, model_config: GaussianPolicyConfig, device: str | torch.device = "cpu"):
+        super().__init__(GaussianPolicy(model_config).to(device), config.lr, config.weight_decay, config.grad_clip)
         self.config = config
-        self.policy = GaussianPolicy(model_config).to(device)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.policy.parameters() if p.requires_grad], lr=config.lr, weight_decay=config.weight_decay,
-            fused=True)
-
-    @property
-    def modules(self) -> dict[str, torch.nn.Module]:
-        return {"policy": self.policy}
-
-    @property
-    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        return {"policy": self.optimizer}
-
-    def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return self.policy.artifact(**{"algorithm": "gaussian_bc", **provenance})
 
     def update(self, batch: dict) -> dict[str, torch.Tensor]:
         """One step on a sampler batch (``obs``, ``actions`` (B, H, A): the first action is the target)."""
         self.policy.train()
         loss = self.policy.nll(batch["obs"], batch["actions"][:, 0])
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.grad_clip)
-        self.optimizer.step()
-        return {"nll": loss.detach(), "grad_norm": grad_norm.detach()}
+        return {"nll": loss.detach(), "grad_norm": self.step(loss)}
