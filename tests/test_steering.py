@@ -132,6 +132,10 @@ def test_bad_sources_are_typed_errors(actor_store, tmp_path):
                       f"store={tmp_path / 'x'}", ok=False)
     assert result.returncode == 2 and "prior.quality" in result.stderr
     assert not os.path.exists(tmp_path / "x")
+    wrong_env = run_cli("steer", "actor.kind=registry", f"actor.store={actor_store}", "env=reacher",
+                        f"store={tmp_path / 'y'}", "show=false", ok=False)
+    assert wrong_env.returncode == 1 and "actor reads observation key 'position'" in wrong_env.stderr
+    assert "Traceback" not in wrong_env.stderr and not os.path.exists(tmp_path / "y")
 
 
 def test_a_store_that_records_extras_refuses_a_policy_without_them():

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from robo_post.envs.registry import env_spec
+from robo_post.envs.registry import env_spec, spec_for_env
 from robo_post.fleet.client import make_env, store_schema
 from robo_post.fleet.collect import FleetError, client_configs, env_config, make_launcher
 from robo_post.steering.evaluate import GridConfig, evaluate_prior, format_table, run_episodes, write_report
@@ -45,7 +45,11 @@ def _sources(cfg: DictConfig, env: Any, prior_cfg: dict[str, Any] | None = None)
     obs, _ = env.reset(seed=0)
     batch = {k: np.asarray(v)[None] for k, v in obs.items()}
     for what, source in (("actor", actor), ("prior", prior)):
-        shape = tuple(source.distribution(batch).mean.shape[1:])
+        try:
+            shape = tuple(source.distribution(batch).mean.shape[1:])
+        except KeyError as e:  # built for another env's observations
+            raise SteeringSourceError(f"{what} reads observation key {e}; env {spec_for_env(env).key!r} observes "
+                                      f"{sorted(obs)}") from None
         if shape != env.action_space.shape:
             raise SteeringSourceError(f"{what} acts in shape {shape}; the env's actions are {env.action_space.shape}")
     return actor_art, prior_art, actor, prior
