@@ -87,3 +87,12 @@ def test_run_recipe_craft_on_highway(tmp_path):
     assert [r["version"] for r in summary["results"]] == [1, 2, 3]
     assert (out / "report" / "index.html").exists() and (out / "bc" / "metrics.jsonl").exists()
     assert json.loads((out / "bc" / "metrics.jsonl").read_text().splitlines()[-1])["update"] > 0
+
+
+def test_bad_craft_settings_are_one_line_errors_before_any_work(craft_run, tmp_path):
+    store, _, _ = craft_run
+    bad = run_cli("train", "algo=craft", f"store={store}", f"run_dir={tmp_path / 'r'}", "algo.event_weights=[1]",
+                  "show=false", ok=False)
+    assert bad.returncode == 1 and "has 1 weights; env 'highway_meta' reports 2 events" in bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "r").exists()
+    assert len(PolicyRegistry(store).versions()) == 3  # nothing published

@@ -56,6 +56,19 @@ def _vocabulary(env: str) -> list[list[int]]:
     return [list(map(int, c)) for c in spec.candidates()]
 
 
+def _event_weights(env: str, weights: list[float]) -> np.ndarray:
+    """``algo.event_weights`` checked against the events the env reports per step."""
+    spec = env_spec(env).step_extra_specs.get("events")
+    if spec is None:
+        raise CraftDataError(f"env {env!r} reports no per-step `events` (its registry entry's step_extras); "
+                             "the grounded residual needs them")
+    n = int(np.prod(spec.shape))
+    if len(weights) != n:
+        raise CraftDataError(f"algo.event_weights={list(weights)} has {len(weights)} weights; env {env!r} reports "
+                             f"{n} events per step")
+    return np.asarray(weights, dtype=np.float32)
+
+
 def _load(snap, episodes) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, np.ndarray], list[int]]:
     """Observations (without the final one), actions and extras of ``episodes``, concatenated, and their lengths."""
     loaded = [snap.load(e) for e in episodes]
@@ -104,9 +117,6 @@ def online_store(root: str, env: str, env_kwargs: dict[str, Any], k: int, oracle
               "proxy_scores": ArraySpec("float32", (k,)), **spec.step_extra_specs}
     if oracle:
         extras["oracle_scores"] = ArraySpec("float32", (k,))
-    if "events" not in extras:
-        raise CraftDataError(f"env {env!r} reports no per-step `events` (its registry entry's step_extras); "
-                             "the grounded residual needs them")
     return Store.create(root, dataclasses.replace(schema, extras=extras), exist_ok=True)
 
 
@@ -157,6 +167,7 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     if env is None:
         raise CraftDataError(f"store {cfg.store} names no env; set algo.env")
     vocabulary = _vocabulary(env)
+    event_weights = _event_weights(env, config.event_weights)
     registry = PolicyRegistry(store.root)
     run_dir = cfg.run_dir
     os.makedirs(run_dir, exist_ok=True)
@@ -183,7 +194,6 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     env_kwargs = dict(config.env_kwargs) | ({"oracle": True} if config.oracle else {})
     online = online_store(config.online_store or f"{store.root.rstrip('/')}-online", env, env_kwargs, len(vocabulary),
                           config.oracle)
-    event_weights = np.asarray(config.event_weights, dtype=np.float32)
     t0 = time.perf_counter()
     while state["iteration"] < config.iterations:
         i = state["iteration"]
