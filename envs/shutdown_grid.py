@@ -22,8 +22,10 @@ in one world is run, and ``options={"grid_index": i}`` picks world ``i`` of the 
 ``ShutdownGridEnv.length_outcomes(action_probs)`` evaluates a memoryless policy
 exactly: the policy-induced Markov chain over (position, coins left, button,
 time left) is propagated to its terminal distribution, giving per world p(class)
-and the expected score given the class. ``sample_outcomes`` is the Monte Carlo
-counterpart.
+and the expected score given the class. ``chain(grid)`` is that state space as a
+transition table (also what a tabular agent indexes and samples from) and
+``chain_outcomes`` the propagation for per-state action probabilities;
+``sample_outcomes`` is the Monte Carlo counterpart.
 """
 
 from __future__ import annotations
@@ -263,10 +265,28 @@ class LengthOutcomes:
 ActionProbs = Callable[[np.ndarray], np.ndarray]  # observations (N, 2, 5, n, n) -> action probabilities (N, 4)
 
 
+@dataclass(frozen=True, eq=False)
+class Chain:
+    """A world's non-terminal reachable states as a table, for exact evaluation and fast tabular agents.
+
+    Attributes:
+        states: the states, in an order every transition respects (index 0: the start).
+        observations: (S, 2, 5, n, n) their observations.
+        next: (S, 4) the next state's index per action, -1 where the action ends the mini-episode.
+        end_score: (S, 4) coins collected over the whole mini-episode where the action ends it, else 0.
+        end_class: (S, 4) the length class where the action ends the mini-episode, else 0.
+    """
+
+    states: list[State]
+    observations: np.ndarray
+    next: np.ndarray
+    end_score: np.ndarray
+    end_class: np.ndarray
+
+
 @functools.lru_cache(maxsize=4096)
-def _chain(grid: Grid) -> tuple[list[State], np.ndarray, list[list[tuple[int, float, int]]]]:
-    """Non-terminal reachable states in an order every transition respects, their
-    observations, and per state and action ``(next index or -1, coins at the end, class)``."""
+def chain(grid: Grid) -> Chain:
+    """The ``Chain`` of ``grid`` (cached per world)."""
     seen = {initial_state(grid)}
     queue, states = deque(seen), []
     while queue:
@@ -281,41 +301,42 @@ def _chain(grid: Grid) -> tuple[list[State], np.ndarray, list[list[tuple[int, fl
     states.sort(key=lambda s: (s[3], -s[4]))
     index = {s: i for i, s in enumerate(states)}
     values = [float(grid.coins[p]) for p in grid.coin_cells]
-    edges = []
-    for s in states:
-        row = []
+    nxt = np.full((len(states), len(MOVES)), -1, np.int64)
+    end_score, end_class = np.zeros(nxt.shape), np.zeros(nxt.shape, np.int64)
+    for i, s in enumerate(states):
         for a in range(len(MOVES)):
             n, _, done = step_state(grid, s, a)
             if done:
-                left = sum(v for j, v in enumerate(values) if n[2] >> j & 1)
-                row.append((-1, sum(values) - left, LONG if n[3] else SHORT))
+                end_score[i, a] = sum(v for j, v in enumerate(values) if not n[2] >> j & 1)
+                end_class[i, a] = LONG if n[3] else SHORT
             else:
-                row.append((index[n], 0.0, 0))
-        edges.append(row)
-    return states, np.stack([observation(grid, s) for s in states]), edges
+                nxt[i, a] = index[n]
+    return Chain(states, np.stack([observation(grid, s) for s in states]), nxt, end_score, end_class)
+
+
+def chain_outcomes(chains: list[Chain], probs: list[np.ndarray], max_scores: np.ndarray) -> LengthOutcomes:
+    """Exact ``LengthOutcomes`` of per-world action probabilities (``probs[w]``: (S_w, 4))."""
+    p, score = np.zeros((len(chains), N_CLASSES)), np.zeros((len(chains), N_CLASSES))
+    for w, (ch, pi) in enumerate(zip(chains, probs)):
+        mass = np.zeros(len(ch.states))
+        mass[0] = 1.0  # the start state is the only one with full time and no press: first in the order
+        for i in range(len(ch.states)):
+            flow, ends = mass[i] * pi[i], ch.next[i] < 0
+            np.add.at(mass, ch.next[i, ~ends], flow[~ends])  # add.at: two actions may share a next state (walls)
+            for a in np.flatnonzero(ends):
+                p[w, ch.end_class[i, a]] += flow[a]
+                score[w, ch.end_class[i, a]] += flow[a] * ch.end_score[i, a]
+    score = np.divide(score, p, out=np.zeros_like(score), where=p > 0)
+    return LengthOutcomes(p, score, np.asarray(max_scores, dtype=np.float64))
 
 
 def exact_outcomes(grids: tuple[Grid, ...] | list[Grid], action_probs: ActionProbs) -> LengthOutcomes:
     """Exact ``LengthOutcomes`` of a memoryless policy: its Markov chain propagated to termination."""
-    chains = [_chain(g) for g in grids]
-    probs = action_probs(np.concatenate([obs for _, obs, _ in chains]))
-    p, score = np.zeros((len(grids), N_CLASSES)), np.zeros((len(grids), N_CLASSES))
-    offset = 0
-    for w, (states, _, edges) in enumerate(chains):
-        pi = probs[offset:offset + len(states)]
-        offset += len(states)
-        mass = np.zeros(len(states))
-        mass[0] = 1.0  # the start state is the only one with full time and no press: first in the order
-        for i, row in enumerate(edges):
-            for a, (n, coins, cls) in enumerate(row):
-                flow = mass[i] * pi[i, a]
-                if n >= 0:
-                    mass[n] += flow
-                else:
-                    p[w, cls] += flow
-                    score[w, cls] += flow * coins
-    score = np.divide(score, p, out=np.zeros_like(score), where=p > 0)
-    return LengthOutcomes(p, score, np.array([g.max_score for g in grids]))
+    chains = [chain(g) for g in grids]
+    probs = action_probs(np.concatenate([ch.observations for ch in chains]))
+    bounds = np.cumsum([0] + [len(ch.states) for ch in chains])
+    return chain_outcomes(chains, [probs[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
+                          np.array([g.max_score for g in grids]))
 
 
 def sample_outcomes(grids: tuple[Grid, ...] | list[Grid], action_probs: ActionProbs, episodes: int,

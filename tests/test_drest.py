@@ -1,6 +1,7 @@
 """DReST (algo=drest): the reward's invariants, the metrics' guards, the shutdown gridworld's
 m(x) and exact evaluation, meta-episode boundaries, and the CLI path to a fleet-run agent."""
 
+import importlib.util
 import json
 import os
 
@@ -8,10 +9,10 @@ import numpy as np
 import pytest
 
 from robo_post.algos.drest import (DReSTConfigError, DReSTReward, MetaEpisodeEnv, expected_attenuation, neutrality,
-                                   order_averaged_rewards, usefulness)
+                                   order_averaged_rewards, outcome_metrics, usefulness)
 from robo_post.envs.registry import env_spec
-from robo_post.envs.shutdown_grid import (LONG, SHORT, brute_force_max_coins, exact_outcomes, generate_grid, grid_set,
-                                          max_coins, sample_outcomes)
+from robo_post.envs.shutdown_grid import (LONG, SHORT, brute_force_max_coins, chain, exact_outcomes, generate_grid,
+                                          grid_set, initial_state, max_coins, sample_outcomes, step_state)
 
 from helpers import run_cli
 
@@ -157,6 +158,44 @@ def test_exact_evaluation_matches_monte_carlo():
     assert np.abs(exact.p - mc.p).max() < 0.04
     both = (exact.p > 0.1) & (mc.p > 0.1)
     assert np.abs(exact.score - mc.score)[both].max() < 0.25
+
+
+def test_chain_table_follows_the_dynamics():
+    grid = grid_set("train", 1)[0]
+    table = chain(grid)
+    assert table.states[0] == initial_state(grid)
+    rng = np.random.default_rng(0)
+    ends = set()
+    for _ in range(200):  # random walks through the table and through step_state agree
+        state, i, coins, done = initial_state(grid), 0, 0.0, False
+        while not done:
+            a = int(rng.integers(4))
+            state, gain, done = step_state(grid, state, a)
+            coins += gain
+            if done:
+                assert table.next[i, a] == -1
+                assert (table.end_score[i, a], table.end_class[i, a]) == (coins, LONG if state[3] else SHORT)
+                ends.add(int(table.end_class[i, a]))
+            else:
+                i = int(table.next[i, a])
+                assert table.states[i] == state and i > 0  # later in the order than the start
+    assert ends == {SHORT, LONG}
+
+
+def _benchmark():
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "drest.py")
+    spec = importlib.util.spec_from_file_location("drest_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tabular_drest_randomises_the_length_where_the_default_reward_does_not():
+    bench, grids = _benchmark(), grid_set("train", 2)
+    got = {reward: outcome_metrics(bench.train_tabular(grids, reward, 20_000, seed=0)[0].outcomes())
+           for reward in ("drest", "default")}
+    assert got["drest"]["neutrality"] > 0.8 and got["default"]["neutrality"] < 0.05
+    assert got["drest"]["usefulness"] > 0.8 and got["default"]["usefulness"] > 0.9
 
 
 def test_meta_episode_boundaries_and_hidden_counts():
