@@ -34,7 +34,7 @@ from robo_post.algos.craft import (CraftConfig, bc_pretrain, event_mask, event_r
                                    residual_for_batch)
 from robo_post.algos.registry import MethodSpec
 from robo_post.envs.registry import env_spec
-from robo_post.learner.drivers import register_driver, resolve_device, select_episodes
+from robo_post.learner.drivers import finished_run, register_driver, resolve_device, select_episodes
 from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyConfig
 from robo_post.models.features import infer_features, state_keys
 from robo_post.store.registry import PolicyRegistry
@@ -162,6 +162,8 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     values = {k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"}
     values.setdefault("model", {k: cfg.model[k] for k in spec.model_keys if cfg.model.get(k) is not None})
     config: CraftConfig = spec.make_config(values)
+    if (done := finished_run(cfg.run_dir, "iteration", config.iterations, cfg)) is not None:
+        return done  # re-running a finished run publishes nothing
     store = Store.open(cfg.store)
     env = config.env or store.schema.attrs.get("env")
     if env is None:
@@ -171,6 +173,8 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     registry = PolicyRegistry(store.root)
     run_dir = cfg.run_dir
     os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        f.write(OmegaConf.to_yaml(cfg, resolve=True))
     ckpt, log_path = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "metrics.jsonl")
     state_path = os.path.join(run_dir, "craft_state.json")
     state = json.load(open(state_path)) if os.path.exists(state_path) else {"iteration": 0}
@@ -232,6 +236,7 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         save_checkpoint(ckpt, method.modules, method.optimizers, {}, {"iteration": i + 1})
         state = {k: v for k, v in state.items() if k != "acting_version"} | {"iteration": i + 1}
         json.dump(state, open(state_path, "w"))
+    save_checkpoint(ckpt, method.modules, method.optimizers, {}, {"iteration": state["iteration"]})
     final = registry.publish(*method.artifact(phase="final", parent_version=parent, iterations=config.iterations,
                                               deterministic=True, env_extras=False,
                                               config=OmegaConf.to_container(cfg, resolve=True)))
