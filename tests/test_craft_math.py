@@ -311,6 +311,13 @@ def test_bc_pretraining_fits_a_separable_candidate_set():
     assert result["accuracy"] > 0.95
     with torch.no_grad():
         assert (policy.logits({"state": x}).argmax(-1) == target).float().mean() > 0.95
+    smoothed = small_policy(6)
+    result = bc_pretrain(smoothed, {"state": x}, target, updates=300, lr=3e-3, minibatch=128, generator=gen(0),
+                         label_smoothing=0.2)
+    with torch.no_grad():
+        peak = smoothed.logits({"state": x}).softmax(-1).max(-1).values
+        sharp = policy.logits({"state": x}).softmax(-1).max(-1).values
+    assert result["accuracy"] > 0.95 and peak.mean() < 0.9 < sharp.mean()  # same choices, mass left elsewhere
 
 
 # --- the candidate policy ------------------------------------------------------------------

@@ -228,10 +228,14 @@ class EMATeacher(nn.Module):
 
 
 # --- behaviour-cloning pretraining -------------------------------------------------------------
-def bc_loss(policy: CandidatePolicy, obs: dict[str, Any], target_index: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of the candidate indices ``target_index`` (B,) under the policy."""
-    log_p = policy.logits(obs).log_softmax(-1)
-    return -log_p.gather(-1, target_index.to(log_p.device).long()[:, None]).mean()
+def bc_loss(policy: CandidatePolicy, obs: dict[str, Any], target_index: torch.Tensor,
+            label_smoothing: float = 0.0) -> torch.Tensor:
+    """Mean cross-entropy of the candidate indices ``target_index`` (B,) under the policy; with
+    ``label_smoothing`` the target keeps that much mass spread over all candidates (a less peaked
+    policy, whose low-probability candidates the clipped on-policy update can still raise)."""
+    logits = policy.logits(obs)
+    return torch.nn.functional.cross_entropy(logits, target_index.to(logits.device).long(),
+                                             label_smoothing=label_smoothing)
 
 
 def take_rows(tree: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
@@ -257,7 +261,7 @@ def minibatch_indices(n: int, size: int, epochs: int, generator: torch.Generator
 
 def bc_pretrain(policy: CandidatePolicy, obs: dict[str, Any], target_index: torch.Tensor, updates: int,
                 lr: float = 1e-3, minibatch: int = 256, grad_clip: float = 1.0,
-                generator: torch.Generator | None = None) -> dict[str, float]:
+                generator: torch.Generator | None = None, label_smoothing: float = 0.0) -> dict[str, float]:
     """Behaviour-clone candidate indices into ``policy`` in place (``updates`` AdamW steps).
 
     Returns the final ``loss`` and the ``accuracy`` of the argmax over the whole set.
@@ -270,7 +274,7 @@ def bc_pretrain(policy: CandidatePolicy, obs: dict[str, Any], target_index: torc
         for index in minibatch_indices(n, minibatch, 1, generator):
             if steps == updates:
                 break
-            loss = bc_loss(policy, take_rows(obs, index), target_index[index])
+            loss = bc_loss(policy, take_rows(obs, index), target_index[index], label_smoothing)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
@@ -315,6 +319,7 @@ class CraftConfig:
         reference_version: registry version of the pre-trained candidate policy to fine-tune;
             ``None``: the driver pre-trains a fresh one with ``bc_pretrain``.
         bc_updates / bc_lr / bc_minibatch: that behaviour-cloning pretraining.
+        bc_label_smoothing: target mass spread over all candidates in pretraining (0: one-hot).
         model: ``CandidatePolicyConfig`` settings for a fresh policy (``embed_dim``, ``hidden_dim``).
         env / env_kwargs: the env the fleet runs (``None``: the store's) and its constructor keywords.
         iterations / episodes_per_iteration / n_clients: the on-policy loop: versions trained,
@@ -348,6 +353,7 @@ class CraftConfig:
     bc_updates: int = 2000
     bc_lr: float = 1e-3
     bc_minibatch: int = 256
+    bc_label_smoothing: float = 0.0
     model: dict[str, Any] = field(default_factory=dict)
     env: str | None = None
     env_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -100,7 +100,7 @@ def pretrain(store: Store, cfg: DictConfig, config: CraftConfig, vocabulary: lis
         policy.set_state_stats(states.mean(0), states.std(0))
     batch = {k: torch.as_tensor(obs[k]) for k in features}
     stats = bc_pretrain(policy, batch, target, config.bc_updates, config.bc_lr, config.bc_minibatch,
-                        generator=torch.Generator().manual_seed(cfg.seed))
+                        generator=torch.Generator().manual_seed(cfg.seed), label_smoothing=config.bc_label_smoothing)
     print(f"craft pretraining: {len(target)} steps from {len(episodes)} episodes, "
           f"accuracy {stats['accuracy']:.3f}", flush=True)
     return policy.eval()
