@@ -109,12 +109,9 @@ class SB3Policy:
     """
 
     def __init__(self, path: str, algo: str, deterministic: bool = True, device: str = "cpu", **_: Any):
-        import stable_baselines3
+        from robo_post.algos.sb3_agent import agent_class
 
-        cls = getattr(stable_baselines3, algo, None)
-        if not (isinstance(cls, type) and hasattr(cls, "load")):
-            raise ValueError(f"unknown stable-baselines3 algorithm {algo!r} (e.g. PPO, SAC, A2C, DQN, TD3)")
-        self.model = cls.load(path, device=device)
+        self.model = agent_class(algo).load(path, device=device)
         self.deterministic = deterministic
         self._dict_obs = isinstance(self.model.observation_space, spaces.Dict)
 

@@ -50,10 +50,11 @@ class SB3AgentConfig:
 
 
 def agent_class(name: str) -> type:
+    """The Stable-Baselines3 algorithm class ``name`` (``PPO``, ``SAC``, ...); ``ValueError`` if there is none."""
     import stable_baselines3
 
     cls = getattr(stable_baselines3, name, None)
-    if cls is None:
+    if not (isinstance(cls, type) and hasattr(cls, "load")):
         raise ValueError(f"unknown SB3 agent {name!r}; e.g. PPO, A2C, SAC, TD3, DQN")
     return cls
 

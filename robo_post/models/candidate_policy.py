@@ -16,9 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from robo_post.models.encoders import ObservationEncoder, mlp
+from robo_post.models.encoders import ObservationEncoder, mlp, obs_batch
 from robo_post.models.features import Feature, FeatureConfigJSON
-from robo_post.models.gaussian import obs_batch
 
 ARTIFACT_KIND = "candidate"
 
@@ -130,8 +129,7 @@ class CandidatePolicyRunner:
     @torch.no_grad()
     def act(self, obs: dict[str, Any], env: Any) -> np.ndarray:
         c = self.model.config
-        text = str(getattr(env.unwrapped, "instruction", "")) if c.use_text else None
-        logits = self.model.logits(obs_batch(obs, c.features, text))[0]
+        logits = self.model.logits(obs_batch(obs, c.features, c.use_text, env))[0]
         if self.deterministic:
             k = int(logits.argmax())
         else:

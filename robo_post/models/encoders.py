@@ -148,3 +148,12 @@ class ObservationEncoder(nn.Module):
         if self.text is not None:
             parts.append(self.text(list(obs["instruction"])))
         return self.fuse(torch.cat(parts, dim=-1))
+
+
+def obs_batch(obs: dict[str, Any], features: Any, use_text: bool, env: Any) -> dict[str, Any]:
+    """One flat-dict observation as a model's batch of one: its feature keys, and the env's
+    instruction when the model reads language (empty when the env has none)."""
+    batch: dict[str, Any] = {k: torch.as_tensor(np.asarray(obs[k]))[None] for k in features}
+    if use_text:
+        batch["instruction"] = [str(getattr(env.unwrapped, "instruction", ""))]
+    return batch

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from robo_post.models.encoders import ObservationEncoder, mlp
+from robo_post.models.encoders import ObservationEncoder, mlp, obs_batch
 from robo_post.models.features import Feature, FeatureConfigJSON
 
 
@@ -206,10 +206,8 @@ class FlowPolicyRunner:
 
     def act(self, obs: dict[str, Any], env: Any) -> np.ndarray:
         if not self.queue:
-            batch: dict[str, Any] = {k: torch.as_tensor(np.asarray(obs[k]))[None] for k in self.model.config.features}
-            if self.model.config.use_text:
-                batch["instruction"] = [str(getattr(env.unwrapped, "instruction", ""))]
-            chunk = self.model.sample(batch, seed=self.seed)[0].cpu().numpy()
+            c = self.model.config
+            chunk = self.model.sample(obs_batch(obs, c.features, c.use_text, env), seed=self.seed)[0].cpu().numpy()
             self.seed += 1
             self.queue = list(chunk[: self.execute])
         return self.queue.pop(0)

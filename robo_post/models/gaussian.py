@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from robo_post.models.encoders import ObservationEncoder, mlp
+from robo_post.models.encoders import ObservationEncoder, mlp, obs_batch
 from robo_post.models.features import Feature, FeatureConfigJSON
 from robo_post.steering.poe import Gaussian
 
@@ -99,14 +99,6 @@ class GaussianPolicy(nn.Module):
         return model.to(device).eval()
 
 
-def obs_batch(obs: dict[str, Any], keys: Any, instruction: str | None = None) -> dict[str, Any]:
-    """One flat-dict observation as a batch of one for the model's feature ``keys``."""
-    batch: dict[str, Any] = {k: torch.as_tensor(np.asarray(obs[k]))[None] for k in keys}
-    if instruction is not None:
-        batch["instruction"] = [instruction]
-    return batch
-
-
 class GaussianPolicyRunner:
     """Fleet ``Policy`` over a Gaussian actor: its mean (``deterministic``) or a sample seeded per episode."""
 
@@ -121,8 +113,7 @@ class GaussianPolicyRunner:
     @torch.no_grad()
     def act(self, obs: dict[str, Any], env: Any) -> np.ndarray:
         c = self.model.config
-        text = str(getattr(env.unwrapped, "instruction", "")) if c.use_text else None
-        dist = self.model.distribution(obs_batch(obs, c.features, text))
+        dist = self.model.distribution(obs_batch(obs, c.features, c.use_text, env))
         action = dist.mean if self.deterministic else (
             dist.mean + dist.std * torch.randn(dist.mean.shape, generator=self.generator, device=dist.mean.device))
         return action[0].cpu().numpy()

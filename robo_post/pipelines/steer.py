@@ -55,8 +55,8 @@ def _sources(cfg: DictConfig, env: Any, prior_cfg: dict[str, Any] | None = None)
     return actor_art, prior_art, actor, prior
 
 
-def _visited_states(cfg: DictConfig, env_cfg: dict[str, Any], task: str | None, actor: Any, spec: Any
-                    ) -> dict[str, np.ndarray]:
+def _visited_states(cfg: DictConfig, env_cfg: dict[str, Any], task: str | None, actor: Any, spec: Any,
+                    bounds: tuple[np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
     """States the selector reads: the observations of ``selector.store``'s episodes, else those the
     frozen actor visits in ``selector.episodes`` calibration episodes (seeds apart from the fleet's)."""
     if cfg.selector.store:
@@ -66,17 +66,10 @@ def _visited_states(cfg: DictConfig, env_cfg: dict[str, Any], task: str | None, 
             raise SteeringSourceError(f"selector.store {cfg.selector.store} has no episodes to read states from")
         loaded = [snap.load(e)["obs"] for e in episodes]
         return {k: np.concatenate([o[k] for o in loaded]) for k in loaded[0]}
-    frozen = SteeredPolicy(actor, actor, SteeringConfig("frozen", 0.0), *_bounds(make_env(env_cfg, task)))
+    frozen = SteeredPolicy(actor, actor, SteeringConfig("frozen", 0.0), *bounds)
     seeds = [cfg.seed + 7_000_000 + i for i in range(cfg.selector.episodes)]
     return run_episodes(lambda: make_env(env_cfg, task), frozen.act, frozen.reset, seeds, spec.success,
                         keep_states=True).states
-
-
-def _bounds(env: Any) -> tuple[np.ndarray, np.ndarray]:
-    try:
-        return env.action_space.low, env.action_space.high
-    finally:
-        env.close()
 
 
 def steer(cfg: DictConfig) -> dict[str, Any]:
@@ -88,11 +81,12 @@ def steer(cfg: DictConfig) -> dict[str, Any]:
     env = make_env(env_cfg, task)
     try:
         actor_art, prior_art, actor, prior = _sources(cfg, env)
+        bounds = env.action_space.low, env.action_space.high
     finally:
         env.close()
     alpha, selection = float(cfg.alpha), None
     if cfg.selector.kl_budget is not None:
-        states = _visited_states(cfg, env_cfg, task, actor, spec)
+        states = _visited_states(cfg, env_cfg, task, actor, spec, bounds)
         with torch.no_grad():
             alpha, kls = select_alpha(actor.distribution(states), prior.distribution(states), cfg.selector.alpha_grid,
                                       cfg.selector.kl_budget, cfg.selector.alpha_max)

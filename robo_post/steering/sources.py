@@ -47,11 +47,6 @@ class Source(Protocol):
     def distribution(self, obs: Mapping[str, Any]) -> Gaussian: ...
 
 
-def _tensor_batch(obs: Mapping[str, Any], keys: Any, device: torch.device) -> dict[str, Any]:
-    return {k: (list(obs[k]) if k == "instruction" else torch.as_tensor(np.asarray(obs[k]), device=device))
-            for k in keys}
-
-
 class OwnActor:
     """A ``GaussianPolicy`` (ours) as a source."""
 
@@ -63,9 +58,7 @@ class OwnActor:
 
     @torch.no_grad()
     def distribution(self, obs: Mapping[str, Any]) -> Gaussian:
-        c = self.model.config
-        keys = list(c.features) + (["instruction"] if c.use_text else [])
-        return self.model.distribution(_tensor_batch(obs, keys, self.model.device))
+        return self.model.distribution(obs)  # its encoder reads its own keys and converts the arrays
 
 
 # Probabilists' Gauss-Hermite rule: E[f(x)], x ~ N(0, 1) = sum_i w_i f(x_i) / sqrt(2 pi).
@@ -143,11 +136,12 @@ def load_sb3_zip(path: str, algo: str, sha256: str | None = None, device: str = 
     """
     import os
 
-    import stable_baselines3
+    from robo_post.algos.sb3_agent import agent_class
 
-    cls = getattr(stable_baselines3, algo, None)
-    if not (isinstance(cls, type) and hasattr(cls, "load")):
-        raise SteeringSourceError(f"unknown stable-baselines3 algorithm {algo!r} (SAC, PPO, A2C)")
+    try:
+        cls = agent_class(algo)
+    except ValueError as e:
+        raise SteeringSourceError(str(e)) from None
     if not os.path.isfile(path):
         raise SteeringSourceError(f"SB3 zip not found: {path}")
     if sha256 is not None and (found := sha256_file(path)) != sha256:
