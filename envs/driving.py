@@ -154,6 +154,14 @@ def _coast(vehicle: Vehicle, action: dict | str | None = None) -> None:
     Vehicle.act(vehicle, {"steering": steering, "acceleration": 0.0})
 
 
+def make_non_reactive(core: AbstractEnv) -> None:
+    """Every vehicle of the scene but the controlled ones ignores the others from now on:
+    it keeps its lane and speed (a cheap world model for counterfactual scoring)."""
+    for vehicle in core.road.vehicles:
+        if vehicle not in core.controlled_vehicles:
+            vehicle.act = types.MethodType(_coast, vehicle)
+
+
 class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
     """A highway-env driving scenario with a continuous action and event info.
 
@@ -312,9 +320,7 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
         """
         twin = copy.deepcopy(self)
         if not reactive:
-            for vehicle in twin.core.road.vehicles:
-                if vehicle not in twin.core.controlled_vehicles:
-                    vehicle.act = types.MethodType(_coast, vehicle)
+            make_non_reactive(twin.core)
         return twin
 
     def _observation(self, raw: np.ndarray) -> dict[str, np.ndarray]:

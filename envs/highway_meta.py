@@ -39,7 +39,7 @@ from gymnasium import spaces
 from highway_env.envs.common.abstract import AbstractEnv
 from highway_env.envs.highway_env import HighwayEnvFast
 
-from robo_post.envs.driving import _coast, _gap_and_closing_speed, _time_to_collision
+from robo_post.envs.driving import _gap_and_closing_speed, _time_to_collision, make_non_reactive
 
 __all__ = [
     "FASTER",
@@ -245,9 +245,7 @@ def _clone(core: AbstractEnv, reactive: bool) -> AbstractEnv:
     twin = copy.deepcopy(core)
     twin.observation_type = _NoObservation()
     if not reactive:
-        for vehicle in twin.road.vehicles:
-            if vehicle not in twin.controlled_vehicles:
-                vehicle.act = types.MethodType(_coast, vehicle)
+        make_non_reactive(twin)
     return twin
 
 
