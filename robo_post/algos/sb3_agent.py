@@ -55,7 +55,7 @@ def agent_class(name: str) -> type:
 
     cls = getattr(stable_baselines3, name, None)
     if not (isinstance(cls, type) and hasattr(cls, "load")):
-        raise ValueError(f"unknown SB3 agent {name!r}; e.g. PPO, A2C, SAC, TD3, DQN")
+        raise ValueError(f"unknown stable-baselines3 agent {name!r}; e.g. PPO, A2C, SAC, TD3, DQN")
     return cls
 
 
