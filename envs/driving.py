@@ -107,6 +107,9 @@ SCENARIOS: tuple[str, ...] = tuple(_SCENARIO_SPECS)
 _FEATURES = ("presence", "x", "y", "vx", "vy", "cos_h", "sin_h", "lat_off", "ang_off")
 # Lane offsets (lat_off [m], ang_off [rad]) make lane keeping learnable with a
 # continuous steering action, also on curved roads.
+_INTENTIONS = ("cos_d", "sin_d")
+# highway-env's intentions: the unit vector from each vehicle to the end of its route, the
+# part of a turn signal a driver reads (which exit a roundabout vehicle takes).
 _LANE_WIDTH = 4.0  # highway-env's default lane width [m]
 
 MAX_ACCELERATION = 5.0
@@ -168,9 +171,9 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
     Observation: ``{"state": Box(-1, 1, (observed_vehicles * 9,), float32)}``, the
     row-major flattening of a Kinematics table with one row per vehicle (ego first,
     then the nearest vehicles, zero rows when absent) and columns
-    ``presence, x, y, vx, vy, cos_h, sin_h, lat_off, ang_off``. The ego row holds
-    absolute x/y/vx/vy, other rows are relative to the ego; everything is normalized
-    and clipped to ``[-1, 1]``.
+    ``presence, x, y, vx, vy, cos_h, sin_h, lat_off, ang_off`` (with ``intentions``,
+    11 columns: ``cos_d, sin_d`` follow). The ego row holds absolute x/y/vx/vy, other
+    rows are relative to the ego; everything is normalized and clipped to ``[-1, 1]``.
 
     Action: ``Box(-1, 1, (2,), float32)`` = (acceleration, steering), mapped by
     highway-env's ``ContinuousAction`` to +-:data:`MAX_ACCELERATION` m/s^2 and
@@ -192,6 +195,11 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
         policy_frequency: decisions per simulated second. Continuous steering needs
             more than highway-env's default 1 Hz to keep a lane.
         observed_vehicles: rows of the Kinematics table (ego included).
+        intentions: add highway-env's intention columns (direction to the end of each
+            vehicle's route), the information of turn signals. The scripted expert
+            predicts other vehicles along their routes; without these columns a policy
+            cannot tell a roundabout vehicle that exits before the ego's entry from one
+            that passes it.
         config: extra highway-env config entries (e.g. ``{"vehicles_count": 10}``).
         render_mode: ``None`` or ``"rgb_array"``.
     """
@@ -204,6 +212,7 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
         duration: int | None = None,
         policy_frequency: int = 5,
         observed_vehicles: int = 5,
+        intentions: bool = False,
         config: dict[str, Any] | None = None,
         render_mode: str | None = None,
     ) -> None:
@@ -230,14 +239,17 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
         # step about twice as fast.)
         x_range, y_range = self._spec.xy_range
         speed = Vehicle.MAX_SPEED
+        features = _FEATURES + (_INTENTIONS if intentions else ())
         self._feature_scale = np.array(
-            [1.0, x_range, y_range, speed, speed, 1.0, 1.0, _LANE_WIDTH, np.pi], dtype=np.float32
+            [1.0, x_range, y_range, speed, speed, 1.0, 1.0, _LANE_WIDTH, np.pi] + [1.0] * intentions * len(_INTENTIONS),
+            dtype=np.float32,
         )
         core_config = {
             "observation": {
                 "type": "Kinematics",
                 "vehicles_count": observed_vehicles,
-                "features": list(_FEATURES),
+                "features": list(features),
+                "observe_intentions": intentions,
                 "absolute": False,
                 "normalize": False,
                 "order": "sorted",
@@ -261,7 +273,7 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
         self._core = self._spec.env_cls(config=core_config, render_mode=render_mode)
 
         self.observation_space = spaces.Dict(
-            {"state": spaces.Box(-1.0, 1.0, (observed_vehicles * len(_FEATURES),), np.float32)}
+            {"state": spaces.Box(-1.0, 1.0, (observed_vehicles * len(features),), np.float32)}
         )
         self.action_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
         self._steps = 0

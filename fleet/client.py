@@ -46,7 +46,7 @@ class ClientConfig:
         tasks: the env's tasks cycled episode by episode; empty: its default tasks.
         policy: artifact config used until the registry has a version (version 0).
         follow_registry: load the newest registry version at every episode boundary.
-        overseer: ``{"enabled", "stall_steps", "stall_tol", "takeover_steps", "deadline"}``
+        overseer: ``{"enabled", "stall_steps", "stall_tol", "takeover_steps", "deadline", "divergence"}``
             (``Overseer``).
         seed: base seed; episode seeds derive from (seed, seed_key or client_id, episode index).
         seed_key: clients sharing a seed_key see the same layouts (common random numbers
@@ -133,19 +133,25 @@ class Overseer:
     ``stall_steps`` steps) the env's expert takes over for ``takeover_steps`` steps. With
     ``deadline`` set, an episode still running after that fraction of its step limit
     is rescued (the limit is ``spec.step_limit``): the expert takes over until it ends (a supervisor who stops waiting
-    for a slow attempt). Taken-over steps are recorded with ``intervention=True``.
+    for a slow attempt). With ``divergence`` set (instead of the stall gate), the expert is
+    asked at every step and takes over whenever the policy's action leaves its by more than that fraction of the action
+    range in any dimension (a discrete action: any other action), as a supervisor who
+    grabs the wheel when the policy is about to do what the expert would not (the
+    HG-DAgger gate). Taken-over steps are recorded with ``intervention=True``.
     """
 
     def __init__(self, spec: EnvSpec, stall_steps: int = 10, stall_tol: float = 1e-3, takeover_steps: int = 10,
-                 deadline: float | None = None, **_: Any):
+                 deadline: float | None = None, divergence: float | None = None, **_: Any):
         if deadline is not None and not 0.0 < deadline <= 1.0:
             raise ValueError(f"overseer.deadline must be a fraction of the step limit in (0, 1], got {deadline}")
+        if divergence is not None and not 0.0 < divergence <= 1.0:
+            raise ValueError(f"overseer.divergence must be a fraction of the action range in (0, 1], got {divergence}")
         if not spec.supports_overseer:
             raise OverseerUnsupportedError(
                 f"env {spec.key!r} has no overseer (it needs a scripted expert and an observation to watch)")
         self.spec = spec
         self.stall_steps, self.stall_tol, self.takeover_steps = stall_steps, stall_tol, takeover_steps
-        self.deadline = deadline
+        self.deadline, self.divergence = deadline, divergence
         self.expert = ExpertPolicy()
         self.history: list[np.ndarray] = []
         self.remaining = 0
@@ -166,6 +172,14 @@ class Overseer:
         self.steps += 1
         if self.deadline_step is not None and self.steps > self.deadline_step:
             return self.expert.act(obs, env), True
+        if self.divergence is not None:
+            expert = self.expert.act(obs, env)
+            if self.remaining == 0 and _diverges(action, expert, env.action_space, self.divergence):
+                self.remaining = self.takeover_steps
+            if self.remaining > 0:
+                self.remaining -= 1
+                return expert, True
+            return action, False
         state = np.asarray(obs[self.spec.overseer_key], dtype=np.float64)
         self.history = (self.history + [state])[-(self.stall_steps + 1) :]
         if self.remaining == 0 and len(self.history) > self.stall_steps:
@@ -177,6 +191,14 @@ class Overseer:
                 self.history = []  # give the policy a fresh window after handing back
             return self.expert.act(obs, env), True
         return action, False
+
+
+def _diverges(action: np.ndarray, expert: np.ndarray, space: Any, tol: float) -> bool:
+    """Whether ``action`` differs from ``expert`` by more than ``tol`` of ``space``'s range in any dimension."""
+    if not isinstance(space, spaces.Box):
+        return not np.array_equal(action, expert)
+    span = np.where(np.isfinite(space.high - space.low), space.high - space.low, 1.0)
+    return bool((np.abs(np.asarray(action, np.float64) - expert) > tol * span).any())
 
 
 class OverseerUnsupportedError(EnvRegistryError):

@@ -73,6 +73,26 @@ def test_spaces_and_info() -> None:
         assert set(info["reward_terms"]) >= {"collision_reward", "high_speed_reward"}
 
 
+def test_intentions_add_each_vehicles_route_direction() -> None:
+    plain = DrivingEnv("roundabout", duration=10, observed_vehicles=5)
+    env = DrivingEnv("roundabout", duration=10, observed_vehicles=5, intentions=True)
+    assert env.observation_space["state"].shape == (5 * 11,)
+    obs, _ = env.reset(seed=4)
+    table = obs["state"].reshape(5, 11)
+    np.testing.assert_array_equal(table[:, :9], plain.reset(seed=4)[0]["state"].reshape(5, 9))  # same columns first
+    ego = env.core.vehicle
+    seen = 0
+    for row in table[1:][table[1:, 0] == 1]:
+        # the vehicle at this row's relative position (x, y are normalized by the scenario's ranges)
+        offset = row[1:3] * env._feature_scale[1:3]
+        other = min(env.core.road.vehicles, key=lambda v: np.linalg.norm(v.position - ego.position - offset))
+        np.testing.assert_allclose(row[9:], other.destination_direction, atol=1e-5)
+        seen += bool(np.abs(row[9:]).sum() > 0)
+    assert seen >= 2  # other vehicles' routes are visible
+    plain.close()
+    env.close()
+
+
 def test_unknown_scenario_and_config_overrides_are_rejected() -> None:
     with pytest.raises(ValueError, match="unknown driving scenario"):
         DrivingEnv("moon-rover")

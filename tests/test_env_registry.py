@@ -193,6 +193,26 @@ def test_driving_eval_reports_metrics_per_scenario(tmp_path):
         assert s["metrics"]["mean_speed"]["ci95"] == pytest.approx(mean_interval(speeds))
 
 
+def test_eval_refuses_an_env_that_observes_other_shapes_than_the_policy_was_trained_on(tmp_path):
+    from robo_post.eval.rollout import EnvMismatchError
+    from robo_post.models.features import state_features
+    from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
+    from robo_post.store import PolicyRegistry
+
+    collected = {"name": "driving", "duration": 4, "observed_vehicles": 3}  # the training data's env kwargs
+    store = Store.create(str(tmp_path / "store"), store_schema(collected, "highway-fast"))
+    model = FlowPolicy(FlowPolicyConfig(features=state_features(27, "state"), action_dim=2, horizon=2, use_text=False,
+                                        embed_dim=8, hidden_dim=16, flow_steps=2))
+    version = PolicyRegistry(store.root).publish(*model.artifact(algorithm="untrained"))
+    out = str(tmp_path / "eval")
+    with pytest.raises(EnvMismatchError, match=r"\(45,\).*\(27,\)"):  # default 5 vehicles x 9 columns vs 3 x 9
+        evaluate(store.root, version, ["highway-fast"], 1, n_clients=1, env_kwargs={"duration": 4}, out_store=out)
+    assert not os.path.exists(out)  # refused before any client or store was made
+    r = evaluate(store.root, version, ["highway-fast"], 1, n_clients=1, out_store=out,
+                 env_kwargs={"duration": 4, "observed_vehicles": 3})
+    assert r["tasks"]["highway-fast"]["episodes"] == 1
+
+
 def test_fleet_records_a_cartpole_sb3_agent_with_integer_actions(tmp_path):
     from stable_baselines3 import PPO
 

@@ -245,6 +245,57 @@ def test_overseer_deadline_rescues_the_rest_of_a_slow_episode(tmp_path, monkeypa
     env.close()
 
 
+class SlipPolicy(ExpertPolicy):
+    """The expert, except that on a seeded 30% of steps its first action dimension flips sign."""
+
+    def reset(self, env: Any, seed: int) -> None:
+        super().reset(env, seed)
+        self.rng = np.random.default_rng(seed)
+
+    def act(self, obs: dict[str, Any], env: Any) -> np.ndarray:
+        action = super().act(obs, env).copy()
+        if self.rng.random() < 0.3:
+            action[0] = -action[0]
+        return action
+
+
+def test_overseer_divergence_gate_takes_over_where_the_policy_leaves_the_expert(tmp_path, monkeypatch):
+    monkeypatch.setattr(policies, "POLICY_KINDS", dict(policies.POLICY_KINDS))
+    register_policy_kind("slip", lambda weights, config, device: SlipPolicy())
+    store = make_store(str(tmp_path / "store"))
+    tol, takeover = 0.05, 2
+    overseer = {"enabled": True, "divergence": tol, "takeover_steps": takeover}
+    run_client(ClientConfig(store=store.root, client_id="c", episodes=4, env=ENV, tasks=["push"], policy={"kind": "slip"},
+                            follow_registry=False, overseer=overseer))
+    snap = store.snapshot()
+    env = make_env(ENV, "push")
+    span = env.action_space.high - env.action_space.low
+    taken = kept = 0
+    for ep in snap.episodes():
+        data = snap.load(ep)
+        obs, _ = env.reset(seed=ep.seed)
+        policy, expert = SlipPolicy(), ExpertPolicy()
+        policy.reset(env, ep.seed)  # the client's policy seed (= the layout seed without groups)
+        expert.reset(env, ep.seed)
+        remaining = 0
+        for action, intervened in zip(data["action"], data["intervention"]):
+            proposed, wanted = policy.act(obs, env), expert.act(obs, env)
+            if remaining == 0 and (np.abs(proposed - wanted) > tol * span).any():
+                remaining = takeover  # the gate: a takeover starts only where the policy left the expert
+            assert intervened == (remaining > 0)
+            np.testing.assert_allclose(action, wanted if intervened else proposed, atol=1e-6)
+            remaining = max(remaining - 1, 0)
+            taken, kept = taken + intervened, kept + (not intervened)
+            obs, *_ = env.step(action)
+        assert ep.attrs["interventions"] == data["intervention"].sum()
+    assert taken > 0 and kept > 0
+    with pytest.raises(ValueError, match="overseer.divergence"):
+        run_client(ClientConfig(store=store.root, client_id="bad", episodes=1, env=ENV, tasks=["push"],
+                                policy={"kind": "slip"}, follow_registry=False, overseer={**overseer, "divergence": 0.0}))
+    assert len(store.snapshot().episodes()) == 4
+    env.close()
+
+
 def test_collect_cli_end_to_end(tmp_path):
     root = str(tmp_path / "store")
     cli = os.path.join(os.path.dirname(sys.executable), "robo-post")

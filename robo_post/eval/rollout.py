@@ -186,7 +186,10 @@ def evaluate(
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:10]
     label = policy_label(version, baseline.get("kind", "expert"))
     tag = f"{label}-{split}-{digest}"
-    store = Store.create(out_store, store_schema(env_cfg, tasks[0]), exist_ok=True)
+    schema = store_schema(env_cfg, tasks[0])
+    if version:
+        _check_observations(Store.open(policy_store).schema, schema, env_cfg, policy_config)
+    store = Store.create(out_store, schema, exist_ok=True)
 
     # Client i runs k_i episodes of every task (tasks cycle episode by episode), so
     # each task gets exactly episodes_per_task episodes and the work is balanced.
@@ -361,6 +364,25 @@ def _env_of_tasks(tasks: list[str]) -> EnvSpec:
         if set(tasks) <= set(spec.default_tasks()):
             return spec
     raise ValueError(f"no registered env has the tasks {tasks}; pass env=")
+
+
+class EnvMismatchError(ValueError):
+    """The eval env's observations differ from those of the data the policy was trained on."""
+
+
+def _check_observations(trained: Any, evaluated: Any, env_cfg: dict[str, Any], policy_config: dict[str, Any]) -> None:
+    """Fail before any client starts when the env built for the eval observes the keys the
+    policy reads (its feature spec; else every key both have) with other shapes than the
+    policy store recorded: an env kwarg of the training data that was not repeated."""
+    features = (policy_config.get("model") or {}).get("features")
+    keys = list(features) if isinstance(features, dict) else [k for k in trained.observations if k in evaluated.observations]
+    want = {k: (s.dtype, tuple(s.shape)) for k, s in trained.observations.items() if k in keys}
+    got = {k: (s.dtype, tuple(s.shape)) for k, s in evaluated.observations.items() if k in keys}
+    if want != got:
+        kwargs = {k: v for k, v in env_cfg.items() if k != "name"}
+        raise EnvMismatchError(
+            f"env {env_cfg['name']!r} with kwargs {kwargs} observes {got}, but the policy was trained on {want}: "
+            "pass the env kwargs its data was collected with (env_kwargs={...})")
 
 
 def _env_kwargs(spec: EnvSpec, policy_config: dict[str, Any], env_kwargs: dict[str, Any] | None,
