@@ -83,6 +83,11 @@ class Grid:
         return tuple((int(r), int(c)) for r, c in zip(*np.nonzero(self.coins)))
 
     @functools.cached_property
+    def initial_planes(self) -> np.ndarray:
+        """The (5, n, n) channels of the start state (half of every observation)."""
+        return state_planes(self, initial_state(self))
+
+    @functools.cached_property
     def max_score(self) -> tuple[float, float]:
         """``(m(short), m(long))``, see ``max_coins``."""
         return max_coins(self)
@@ -137,7 +142,7 @@ def state_planes(grid: Grid, state: State) -> np.ndarray:
 
 def observation(grid: Grid, state: State) -> np.ndarray:
     """The (2, 5, n, n) observation: initial and current state."""
-    return np.stack([state_planes(grid, initial_state(grid)), state_planes(grid, state)])
+    return np.stack([grid.initial_planes, state_planes(grid, state)])
 
 
 # --- the best score per length class --------------------------------------------------

@@ -8,8 +8,9 @@ import os
 import numpy as np
 import pytest
 
-from robo_post.algos.drest import (DReSTConfigError, DReSTReward, MetaEpisodeEnv, expected_attenuation, neutrality,
-                                   order_averaged_rewards, outcome_metrics, usefulness)
+from robo_post.algos.drest import (PRIVILEGED_KEY, DReSTAgent, DReSTConfig, DReSTConfigError, DReSTReward,
+                                   MetaEpisodeEnv, expected_attenuation, neutrality, order_averaged_rewards,
+                                   outcome_metrics, usefulness)
 from robo_post.envs.registry import env_spec
 from robo_post.envs.shutdown_grid import (LONG, SHORT, brute_force_max_coins, chain, exact_outcomes, generate_grid,
                                           grid_set, initial_state, max_coins, sample_outcomes, step_state)
@@ -263,3 +264,61 @@ def test_cli_trains_publishes_and_the_fleet_records_meta_episodes(tmp_path):
     assert len({m["meta_episode"] for m in metrics[:4]}) == 1 and metrics[0]["meta_episode"] != metrics[4]["meta_episode"]
     assert len({m["grid"] for m in metrics[:4]}) == 1
     assert all(isinstance(m["long"], bool) and 0 <= m["usefulness"] <= 1 for m in metrics)
+
+
+# --- the privileged critic -------------------------------------------------------------------
+def test_privileged_observation_holds_the_counts_and_position():
+    inner = env_spec(ENV).make(split="train", n_grids=2)
+    env = MetaEpisodeEnv(inner, E=4, privileged=True)
+    assert set(env.observation_space.spaces) == {"observation", PRIVILEGED_KEY}
+    obs, _ = env.reset(seed=0)
+    assert obs[PRIVILEGED_KEY].tolist() == [0.0, 0.0, 0.0]
+    counts, rng = np.zeros(2), np.random.default_rng(0)
+    while True:
+        obs, _, term, _, info = env.step(int(rng.integers(4)))
+        if info["mini_episodes"] > counts.sum():
+            counts[info["length_class"]] += 1
+        assert obs[PRIVILEGED_KEY] == pytest.approx([*(counts / 4), counts.sum() / 4])
+        assert obs["observation"] in inner.observation_space["observation"]
+        if term:
+            break
+    assert counts.sum() == 4
+    with pytest.raises(DReSTConfigError, match="Dict observation"):
+        MetaEpisodeEnv(env_spec(ENV).make(split="train", n_grids=2).unwrapped, E=4, privileged=True)
+
+
+def test_privileged_critic_reads_the_counts_and_the_actor_does_not():
+    import torch
+
+    from robo_post.algos.sb3_agent import SB3Agent
+
+    config = DReSTConfig(agent="PPO", env=ENV, env_kwargs={"split": "train", "n_grids": 2}, n_envs=2, E=4, seed=0,
+                         privileged_critic=True,
+                         hyperparameters={"n_steps": 32, "batch_size": 32, "policy_kwargs": {"net_arch": [16, 16]}})
+    agent = DReSTAgent(config)
+    agent.model.learn(64)  # trained weights: the privileged inputs' columns are no longer at init
+    policy = agent.model.policy
+    obs = {k: torch.as_tensor(v) for k, v in agent.venv.reset().items()}
+    changed = {**obs, PRIVILEGED_KEY: torch.rand_like(obs[PRIVILEGED_KEY])}
+    with torch.no_grad():
+        probs = policy.get_distribution(obs).distribution.probs
+        assert torch.equal(probs, policy.get_distribution(changed).distribution.probs)
+        assert not torch.allclose(policy.predict_values(obs), policy.predict_values(changed))
+        # Published as a plain policy of the mini-episode env, acting the same.
+        weights, artifact = agent.artifact()
+        deployed = SB3Agent.from_artifact(weights, artifact)
+        plain = deployed.model.policy.get_distribution({"observation": obs["observation"]}).distribution.probs
+    assert torch.allclose(plain, probs, atol=1e-6)
+    assert artifact["privileged_critic"] is True and artifact["policy"] == "MultiInputPolicy"
+
+
+def test_linear_schedule_anneals_learning_rate_and_entropy_to_zero():
+    config = DReSTConfig(agent="PPO", env=ENV, env_kwargs={"split": "train", "n_grids": 2}, n_envs=2, E=4, seed=0,
+                         schedule="linear", hyperparameters={"n_steps": 32, "batch_size": 32, "learning_rate": 1e-3,
+                                                             "ent_coef": 0.05, "policy_kwargs": {"net_arch": [8]}})
+    agent = DReSTAgent(config)
+    assert agent.model.lr_schedule(1.0) == pytest.approx(1e-3) and agent.model.lr_schedule(0.25) == pytest.approx(2.5e-4)
+    agent.model.learn(128)  # two updates, at progress 1/2 and 0
+    assert agent.model.ent_coef == pytest.approx(0.0) and agent.model.policy.optimizer.param_groups[0]["lr"] == 0.0
+    with pytest.raises(DReSTConfigError, match="schedule"):
+        DReSTAgent(DReSTConfig(agent="PPO", env=ENV, env_kwargs={"n_grids": 2}, schedule="cosine"))

@@ -13,11 +13,14 @@ This module holds the method-level parts, none of them tied to an env:
   total offset) and ``expected_attenuation`` (the order-averaged form);
 - ``neutrality`` and ``usefulness``: the metrics of a policy's length distribution;
 - ``MetaEpisodeEnv``: a gymnasium wrapper running ``E`` mini-episodes of an env per
-  meta-episode. Its observation is the inner env's, untouched: the counts must never
-  be observable, otherwise alternating lengths beats randomising;
+  meta-episode. Its observation is the inner env's: the policy must never see the
+  counts, otherwise alternating lengths beats randomising. Optionally it adds them
+  under ``PRIVILEGED_KEY`` for a critic only (``PrivilegedCriticPolicy``: the actor's
+  features hold zeros there, so its action distribution cannot depend on them);
 - ``DReSTConfig`` / ``DReSTAgent``: an SB3 agent (PPO, A2C) trained on the wrapper
-  with the ``sb3`` driver, logging exact NEUTRALITY and USEFULNESS as it trains and
-  published as a plain ``sb3_agent`` (it acts in the mini-episode env).
+  with the ``sb3`` driver, optionally with the privileged critic and a linearly
+  annealed learning rate and entropy bonus, logging exact NEUTRALITY and USEFULNESS
+  as it trains and published as a plain ``sb3_agent`` (it acts in the mini-episode env).
 
 A mini-episode env works with the wrapper when it (1) restarts its current world on
 ``reset(options={"keep_world": True})``, (2) reports ``info["length_class"]``,
@@ -29,6 +32,8 @@ arrays of shape (worlds, classes).
 
 from __future__ import annotations
 
+import copy
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +47,8 @@ from robo_post.algos.sb3_agent import SB3Agent, SB3AgentConfig, agent_class, mak
 FORMS = ("llm", "gridworld")
 EXPONENT_FORMS = ("running_mean", "total")
 REWARDS = ("drest", "default")
+SCHEDULES = ("constant", "linear")
+PRIVILEGED_KEY = "meta_episode"  # the critic-only observation of MetaEpisodeEnv(privileged=True)
 
 
 class DReSTConfigError(ValueError):
@@ -151,28 +158,48 @@ class MetaEpisodeEnv(gym.Wrapper):
         lam / form / exponent_form: see ``DReSTReward``.
         order_averaged: give every mini-episode its order-averaged reward, all paid at
             the meta-episode's last step (the group's counts are known only then).
+        privileged: add ``PRIVILEGED_KEY`` to the (Dict) observation: the per-class counts
+            of the finished mini-episodes and their number, each divided by ``E``. Only a
+            critic may read it (``PrivilegedCriticPolicy``); an actor that did would learn
+            to alternate lengths instead of randomising.
 
-    Observations are the inner env's; ``info`` gains ``mini_episodes`` (finished so far).
+    Observations are the inner env's (plus ``PRIVILEGED_KEY`` if ``privileged``); ``info``
+    gains ``mini_episodes`` (finished so far).
     """
 
     def __init__(self, env: gym.Env, E: int = 32, reward: str = "drest", lam: float = 0.9, form: str = "llm",
-                 exponent_form: str = "running_mean", order_averaged: bool = False):
+                 exponent_form: str = "running_mean", order_averaged: bool = False, privileged: bool = False):
         super().__init__(env)
         if reward not in REWARDS:
             raise DReSTConfigError(f"drest reward {reward!r}; choose one of {REWARDS}")
         if E < 1:
             raise DReSTConfigError(f"drest E (mini-episodes per meta-episode) must be >= 1, got {E}")
-        self.E, self.reward_kind, self.order_averaged = E, reward, order_averaged
+        self.E, self.reward_kind, self.order_averaged, self.privileged = E, reward, order_averaged, privileged
         self.k = int(env.unwrapped.n_length_classes)
         self.drest = DReSTReward(lam, self.k, form, exponent_form, E)
         self.done_minis = 0
         self.group: list[tuple[int, float, float]] = []
+        self.counts = np.zeros(self.k)  # per class, whatever the reward (the critic's view)
+        if privileged:
+            if not isinstance(env.observation_space, gym.spaces.Dict) or PRIVILEGED_KEY in env.observation_space.spaces:
+                raise DReSTConfigError(f"a privileged critic needs a Dict observation without {PRIVILEGED_KEY!r}, "
+                                       f"got {env.observation_space}")
+            self.observation_space = gym.spaces.Dict({
+                **env.observation_space.spaces,
+                PRIVILEGED_KEY: gym.spaces.Box(0.0, 1.0, (self.k + 1,), np.float32)})
+
+    def _observe(self, obs):
+        if not self.privileged:
+            return obs
+        meta = np.append(self.counts, self.done_minis).astype(np.float32) / self.E
+        return {**obs, PRIVILEGED_KEY: meta}
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         self.drest.reset()
         self.done_minis, self.group = 0, []
+        self.counts[:] = 0
         obs, info = self.env.reset(seed=seed, options=options)  # a new world only here
-        return obs, {**info, "mini_episodes": 0}
+        return self._observe(obs), {**info, "mini_episodes": 0}
 
     def step(self, action):
         obs, _, terminated, truncated, info = self.env.step(action)
@@ -181,6 +208,7 @@ class MetaEpisodeEnv(gym.Wrapper):
             x = int(info["length_class"])
             score, m = float(info["score"]), float(info["max_score"][x])
             self.done_minis += 1
+            self.counts[x] += 1
             if self.reward_kind == "default":
                 reward = score
             elif self.order_averaged:
@@ -194,7 +222,70 @@ class MetaEpisodeEnv(gym.Wrapper):
             if self.done_minis < self.E:
                 obs, _ = self.env.reset(options={"keep_world": True})
         info = {**info, "mini_episodes": self.done_minis}
-        return obs, reward, self.done_minis == self.E, False, info
+        return self._observe(obs), reward, self.done_minis == self.E, False, info
+
+
+# --- the privileged critic -----------------------------------------------------------------
+def _privileged_policy_class():
+    """``PrivilegedCriticPolicy``, built on first use so that importing this module needs no SB3."""
+    from stable_baselines3.common.policies import MultiInputActorCriticPolicy
+    from stable_baselines3.common.preprocessing import get_flattened_obs_dim
+    from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
+
+    class PrivilegedFeatures(BaseFeaturesExtractor):
+        """Every key flattened and concatenated, ``PRIVILEGED_KEY`` last; the actor's copy
+        puts zeros in its place without reading it (so it acts without the key)."""
+
+        def __init__(self, observation_space: gym.spaces.Dict, critic: bool):
+            self.keys = [k for k in observation_space.spaces if k != PRIVILEGED_KEY]
+            self.n_privileged = get_flattened_obs_dim(observation_space[PRIVILEGED_KEY])
+            super().__init__(observation_space, sum(get_flattened_obs_dim(observation_space[k]) for k in self.keys)
+                             + self.n_privileged)
+            self.critic = critic
+
+        def forward(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+            parts = [obs[k].flatten(1).float() for k in self.keys]
+            parts.append(obs[PRIVILEGED_KEY].flatten(1).float() if self.critic
+                         else parts[0].new_zeros(len(parts[0]), self.n_privileged))
+            return torch.cat(parts, 1)
+
+    class PrivilegedCriticPolicy(MultiInputActorCriticPolicy):
+        """SB3's actor-critic over a Dict observation whose ``PRIVILEGED_KEY`` only the value
+        net sees: it makes the DReST return, which depends on the meta-episode's counts and
+        position, predictable for the critic while the actor stays blind to them.
+
+        Its state dict has the keys of a plain ``MultiInputPolicy`` (the extractors have no
+        parameters); ``deployable_state_dict`` drops the privileged inputs' weights.
+        """
+
+        def __init__(self, observation_space, action_space, lr_schedule, **kwargs):
+            if PRIVILEGED_KEY not in observation_space.spaces:
+                raise DReSTConfigError(f"a privileged critic needs the {PRIVILEGED_KEY!r} observation "
+                                       "(MetaEpisodeEnv(privileged=True))")
+            super().__init__(observation_space, action_space, lr_schedule,
+                             **{**kwargs, "share_features_extractor": False})
+
+        def _build(self, lr_schedule) -> None:
+            # Called by ActorCriticPolicy.__init__ before any layer that reads the features exists.
+            self.features_extractor = self.pi_features_extractor = PrivilegedFeatures(self.observation_space, False)
+            self.vf_features_extractor = PrivilegedFeatures(self.observation_space, True)
+            self.features_dim = self.features_extractor.features_dim
+            super()._build(lr_schedule)
+
+        def deployable_state_dict(self) -> dict[str, torch.Tensor]:
+            """The weights of a plain ``MultiInputPolicy`` over the observation without the
+            privileged key: the first layer of each head loses the privileged inputs' columns.
+            Acting is unchanged (the actor's privileged inputs are always 0)."""
+            n = self.features_extractor.n_privileged
+            state = {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}
+            for net, head in (("policy_net", "action_net"), ("value_net", "value_net")):
+                first = next((name for name, module in getattr(self.mlp_extractor, net).named_children()
+                              if isinstance(module, torch.nn.Linear)), None)
+                key = f"{head}.weight" if first is None else f"mlp_extractor.{net}.{first}.weight"
+                state[key] = state[key][:, :-n].clone()
+            return state
+
+    return PrivilegedCriticPolicy
 
 
 # --- the SB3 agent ---------------------------------------------------------------------------
@@ -212,6 +303,12 @@ class DReSTConfig(SB3AgentConfig):
         heldout_kwargs: env keywords of the held-out worlds (``{}``: no held-out evaluation).
         agent_hyperparameters: SB3 keywords per agent class, under ``hyperparameters``
             (so ``agent=PPO`` and ``agent=A2C`` each get settings they accept).
+        privileged_critic: train with ``PrivilegedCriticPolicy``: the value net also sees
+            the meta-episode's counts and position, the actor does not. The published agent
+            is a plain policy of the mini-episode env either way.
+        schedule: ``constant``, or ``linear``: the agent's ``learning_rate`` and ``ent_coef``
+            decay linearly to 0 over each ``learn`` call (explore the long paths early, then
+            let the routes settle; the length choice keeps only the randomness DReST pays for).
     """
 
     reward: str = "drest"
@@ -223,6 +320,8 @@ class DReSTConfig(SB3AgentConfig):
     eval_every: int = 0
     heldout_kwargs: dict[str, Any] | None = None
     agent_hyperparameters: dict[str, dict[str, Any]] | None = None
+    privileged_critic: bool = False
+    schedule: str = "constant"
     deterministic: bool = False  # a neutral agent must keep its randomness when deployed
 
 
@@ -239,6 +338,37 @@ def action_probs(model: Any):
     return probs
 
 
+@dataclass(frozen=True)
+class LinearSchedule:
+    """SB3 learning-rate schedule: ``start`` decaying linearly to 0 over training."""
+
+    start: float
+
+    def __call__(self, progress_remaining: float) -> float:
+        return self.start * progress_remaining
+
+
+def _annealed_entropy(cls: type, start: float) -> type:
+    """``cls`` (an SB3 on-policy algorithm) whose ``ent_coef`` decays linearly from ``start``
+    to 0 over each ``learn`` call (SB3 schedules only the learning rate)."""
+
+    class Annealed(cls):
+        def train(self) -> None:
+            self.ent_coef = start * self._current_progress_remaining
+            super().train()
+
+    Annealed.__name__ = Annealed.__qualname__ = f"{cls.__name__}AnnealedEntropy"
+    return Annealed
+
+
+class _FreshInfos(list):
+    """``DummyVecEnv``'s info buffer without its defensive deep copy per step (a third of the
+    rollout's time here): every env step builds new info dicts, so a shallow copy is enough."""
+
+    def __deepcopy__(self, memo: dict) -> list:
+        return list(self)
+
+
 class DReSTAgent(SB3Agent):
     """An SB3 agent whose training env is ``MetaEpisodeEnv`` over the configured env."""
 
@@ -251,14 +381,24 @@ class DReSTAgent(SB3Agent):
         self.config = config
         seed = config.seed or 0
         wrap = dict(E=config.E, reward=config.reward, lam=config.lam, form=config.form,
-                    exponent_form=config.exponent_form, order_averaged=config.order_averaged)
+                    exponent_form=config.exponent_form, order_averaged=config.order_averaged,
+                    privileged=config.privileged_critic)
         self.venv = DummyVecEnv([lambda: Monitor(MetaEpisodeEnv(make_env(config), **wrap))
                                  for _ in range(config.n_envs)])
+        self.venv.buf_infos = _FreshInfos(self.venv.buf_infos)
         self.venv.seed(seed)
         config.hyperparameters = {**(config.agent_hyperparameters or {}).get(config.agent, {}),
                                   **config.hyperparameters}
-        self.model = agent_class(config.agent)(config.policy, self.venv, seed=seed, device=str(device), verbose=0,
-                                               **config.hyperparameters)
+        if config.schedule not in SCHEDULES:
+            raise DReSTConfigError(f"drest schedule {config.schedule!r}; choose one of {SCHEDULES}")
+        # A copy: SB3's A2C writes its optimiser class into policy_kwargs, which must stay JSON for the artifact.
+        hyper, cls = copy.deepcopy(config.hyperparameters), agent_class(config.agent)
+        if config.schedule == "linear":
+            defaults = inspect.signature(cls).parameters
+            hyper["learning_rate"] = LinearSchedule(float(hyper.get("learning_rate", defaults["learning_rate"].default)))
+            cls = _annealed_entropy(cls, float(hyper.get("ent_coef", defaults["ent_coef"].default)))
+        policy = _privileged_policy_class() if config.privileged_critic else config.policy
+        self.model = cls(policy, self.venv, seed=seed, device=str(device), verbose=0, **hyper)
         self.eval_envs = {"train": make_env(config)}
         if config.heldout_kwargs:
             heldout = SB3AgentConfig(env=config.env, task=config.task,
@@ -282,6 +422,10 @@ class DReSTAgent(SB3Agent):
 
     def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         c = self.config
-        return super().artifact(**provenance, **{
+        weights, config = super().artifact(**provenance, **{
             "algorithm": "drest", "reward": c.reward, "lam": c.lam, "E": c.E, "form": c.form,
-            "exponent_form": c.exponent_form, "order_averaged": c.order_averaged})
+            "exponent_form": c.exponent_form, "order_averaged": c.order_averaged,
+            "privileged_critic": c.privileged_critic})
+        if c.privileged_critic:  # deployed as a plain policy of the mini-episode env
+            weights = self.model.policy.deployable_state_dict()
+        return weights, config
