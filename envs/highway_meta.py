@@ -49,6 +49,7 @@ __all__ = [
     "SLOWER",
     "ACTIONS",
     "CANDIDATES",
+    "CONTINUATION",
     "EVENTS",
     "EVENT_WEIGHTS",
     "PROXY_WEIGHTS",
@@ -75,6 +76,9 @@ CANDIDATES: list[list[int]] = [
 ]
 """The candidate vocabulary: K = 8 macro-futures of H = 3 meta-actions (each action
 then idling, overtaking left or right, braking twice)."""
+
+CONTINUATION = 0
+"""Default IDLE steps scored after each candidate in :meth:`HighwayMetaEnv.candidate_extras`."""
 
 TTC_THRESHOLD = 1.5
 """Time-to-collision [s] with the car ahead below which a step counts as a near miss."""
@@ -142,6 +146,8 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
         oracle: :meth:`candidate_extras` also scores candidates in exact clones
             (``oracle_scores``); an exact clone steps about 3.5x slower than a
             non-reactive one (its traffic runs IDM and lane-change decisions).
+        continuation: IDLE steps scored after each candidate's own actions in
+            :meth:`candidate_extras` (see :func:`counterfactual_scores`).
         render_mode: ``None`` or ``"rgb_array"``.
         **config: highway-env config entries (``vehicles_count``, ``lanes_count``,
             ``duration`` [s], ...); the observation and action types are fixed.
@@ -152,7 +158,8 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": 1}
 
-    def __init__(self, oracle: bool = False, render_mode: str | None = None, **config: Any) -> None:
+    def __init__(self, oracle: bool = False, continuation: int = CONTINUATION, render_mode: str | None = None,
+                 **config: Any) -> None:
         if render_mode not in (None, *self.metadata["render_modes"]):
             raise InvalidHighwayConfigError(f"unsupported render_mode {render_mode!r}")
         known = HighwayEnvFast.default_config()
@@ -162,8 +169,11 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
         unknown = sorted(config.keys() - known.keys())
         if unknown:
             raise InvalidHighwayConfigError(f"unknown highway-env config keys {unknown}; known: {sorted(known)}")
+        if continuation < 0:
+            raise InvalidCandidatesError(f"continuation must be >= 0 steps, got {continuation}")
         self._core = HighwayEnvFast(config=config, render_mode=render_mode)
         self.oracle = oracle
+        self.continuation = int(continuation)
         self.render_mode = render_mode
         policy_frequency = self._core.config["policy_frequency"]
         self.metadata = {**self.metadata, "render_fps": policy_frequency}
@@ -203,9 +213,11 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
         env made with ``oracle=True``, also ``"oracle_scores"`` from exact clones. The
         env itself is left untouched (see :func:`counterfactual_scores`).
         """
-        out = {"proxy_scores": counterfactual_scores(self, candidates, reactive=False).astype(np.float32)}
+        out = {"proxy_scores": counterfactual_scores(self, candidates, reactive=False,
+                                                     continuation=self.continuation).astype(np.float32)}
         if self.oracle:
-            out["oracle_scores"] = counterfactual_scores(self, candidates, reactive=True).astype(np.float32)
+            out["oracle_scores"] = counterfactual_scores(self, candidates, reactive=True,
+                                                         continuation=self.continuation).astype(np.float32)
         return out
 
     def _observation(self, raw: np.ndarray) -> dict[str, np.ndarray]:
@@ -255,6 +267,7 @@ def counterfactual_scores(
     reactive: bool = False,
     gamma: float = 0.98,
     weights: Mapping[str, float] = PROXY_WEIGHTS,
+    continuation: int = 0,
 ) -> np.ndarray:
     """Discounted score of each candidate future, rolled out in a copy of the scene.
 
@@ -278,14 +291,19 @@ def counterfactual_scores(
         reactive: exact copies (oracle) instead of non-reactive ones (proxy).
         gamma: per-decision discount in (0, 1].
         weights: the four weights by name (:data:`PROXY_WEIGHTS`).
+        continuation: IDLE steps the copy keeps driving after the candidate's own
+            actions, scored like them (same discount, same terms). A candidate that
+            ends closing in on a slower car at speed then shows the collision that
+            follows, which the candidate's own few steps hide; only the scores change,
+            never the executed actions.
 
     Returns:
         float64 (K,) scores.
 
     Raises:
         InvalidCandidatesError: empty candidates, an action outside ``[0, 5)``, a
-            discount outside (0, 1], or weights whose names differ from
-            :data:`PROXY_WEIGHTS`'.
+            discount outside (0, 1], weights whose names differ from
+            :data:`PROXY_WEIGHTS`', or a negative continuation.
     """
     core = _scene(env)
     n_actions = core.action_space.n
@@ -298,11 +316,13 @@ def counterfactual_scores(
         raise InvalidCandidatesError(f"gamma must lie in (0, 1], got {gamma}")
     if set(weights) != set(PROXY_WEIGHTS):
         raise InvalidCandidatesError(f"weights must name exactly {sorted(PROXY_WEIGHTS)}, got {sorted(weights)}")
+    if continuation < 0:
+        raise InvalidCandidatesError(f"continuation must be >= 0 steps, got {continuation}")
 
     scores = np.zeros(len(candidates))
     for k, candidate in enumerate(candidates):
         twin = _clone(core, reactive)
-        for h, action in enumerate(candidate):
+        for h, action in enumerate([*candidate, *[IDLE] * continuation]):
             _, _, terminated, truncated, info = twin.step(int(action))
             step = sum(weights[name] * info["rewards"][term] for name, term in _REWARD_TERMS.items())
             step += weights["ttc"] * float(_time_to_collision(twin.road, twin.vehicle) < TTC_THRESHOLD)

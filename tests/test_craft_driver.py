@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from robo_post.algos.craft import CraftConfig, group_advantages
-from robo_post.learner.craft_driver import on_policy_batch
+from robo_post.learner.craft_driver import on_policy_batch, proxy_oracle_correlation
 from robo_post.models.candidate_policy import CandidatePolicy
 from robo_post.store.registry import PolicyRegistry
 from robo_post.store.store import Store
@@ -75,6 +75,19 @@ def test_on_policy_batch_windows_stop_at_episode_ends():
     assert torch.allclose(batch["proxy_adv"], group_advantages(torch.as_tensor(extras["proxy_scores"])))
     # event mode: only the steps whose window (inside their own episode) saw the crash carry a residual
     assert (batch["delta"][:3] != 0).all() and (batch["delta"][3:] == 0).all()
+
+
+def test_proxy_oracle_correlation_of_group_advantages():
+    proxy = np.array([[0.0, 1.0, 3.0], [2.0, 2.0, 2.0], [1.0, 0.0, 0.0]], np.float32)
+    # an affine map per state keeps the direction (1); a reversed ranking flips it (-1); the
+    # constant second state has no direction and is left out of the mean
+    same = {"proxy_scores": proxy, "oracle_scores": 2.0 * proxy + 5.0}
+    assert proxy_oracle_correlation(same) == pytest.approx(1.0, abs=1e-4)
+    assert proxy_oracle_correlation({"proxy_scores": proxy, "oracle_scores": -proxy}) == pytest.approx(-1.0, abs=1e-4)
+    half = {"proxy_scores": proxy, "oracle_scores": np.stack([proxy[0], proxy[1], -proxy[2]])}
+    assert proxy_oracle_correlation(half) == pytest.approx(0.0, abs=1e-4)
+    assert proxy_oracle_correlation({"proxy_scores": proxy}) is None
+    assert proxy_oracle_correlation({"proxy_scores": proxy[1:2], "oracle_scores": proxy[1:2]}) is None
 
 
 def test_run_recipe_craft_on_highway(tmp_path):

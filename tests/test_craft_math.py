@@ -155,6 +155,17 @@ def test_dual_clip_is_ppo_clip_for_nonnegative_advantages_and_floored_for_negati
     assert dual_clip_surrogate(torch.tensor(10.0), torch.tensor(-1.0), 0.2, 3.0).item() == -3.0  # PPO alone: -10
 
 
+def test_an_extreme_ratio_gives_finite_gradients():
+    # a student that moved e^200 away from the acting policy: clipped everywhere, so zero gradient, not NaN
+    logits = torch.tensor([[100.0, 0.0, 0.0]], requires_grad=True)
+    proxy_loss, residual_loss, _ = policy_losses(logits, torch.tensor([[-100.0, 0.0, 0.0]]),
+                                                 torch.tensor([[-1.0, 0.5, 0.5]]), torch.tensor([0]),
+                                                 torch.tensor([-1.0]))
+    (proxy_loss + residual_loss).backward()
+    assert torch.isfinite(logits.grad).all()
+    assert residual_loss.item() == pytest.approx(3.0)  # the dual-clip floor c |A|
+
+
 def test_at_ratio_one_the_losses_are_minus_the_mean_advantages():
     logits = torch.randn(16, K, generator=gen(5))
     adv = torch.randn(16, K, generator=gen(6))

@@ -201,6 +201,24 @@ def test_non_reactive_copies_ignore_how_traffic_reacts() -> None:
         counterfactual_scores(env, brake, weights={"speed": 1.0})
 
 
+def test_an_idle_continuation_shows_the_collision_after_the_candidate() -> None:
+    env = make(vehicles_count=1, continuation=3)
+    stage(env, [(50.0, 20.0)], ego_speed=30.0)  # a slower car 45 m ahead: 4.5 s to reach it at 30 m/s
+    cruise, brake = [IDLE, IDLE, IDLE], CANDIDATES[-1]
+    short = counterfactual_scores(env, [cruise, brake])
+    longer = counterfactual_scores(env, [cruise, brake], continuation=3)
+    # Within its own 3 steps cruising is faster and still safe; 3 more idle steps reach the car.
+    assert short[0] > short[1]
+    assert longer[0] < longer[1] and longer[0] < short[0] - 0.5
+    np.testing.assert_array_equal(counterfactual_scores(env, [cruise, brake], continuation=0), short)
+    np.testing.assert_array_equal(env.unwrapped.candidate_extras([cruise, brake])["proxy_scores"],
+                                  longer.astype(np.float32))
+    with pytest.raises(InvalidCandidatesError, match="continuation"):
+        counterfactual_scores(env, [brake], continuation=-1)
+    with pytest.raises(InvalidCandidatesError, match="continuation"):
+        make(continuation=-2)
+
+
 def test_heuristic_driver() -> None:
     env = make(vehicles_count=1)
     driver = HeuristicDriver()

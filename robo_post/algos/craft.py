@@ -48,6 +48,10 @@ KL_DIRECTIONS = ("reverse", "forward")
 KL_GATES = ("none", "nonpositive_adv")
 
 
+MAX_LOG_RATIO = 20.0
+"""Log-ratios ``log pi - log pi_old`` are capped here before ``exp`` (far inside every clip)."""
+
+
 class CraftConfigError(ValueError):
     """A CRAFT setting outside its allowed values."""
 
@@ -125,7 +129,8 @@ def policy_losses(logits: torch.Tensor, old_logits: torch.Tensor, proxy_adv: tor
     if proxy_weight not in PROXY_WEIGHTS:
         raise CraftConfigError(f"craft proxy_weight {proxy_weight!r}; choose one of {PROXY_WEIGHTS}")
     old_log_p = masked_log_softmax(old_logits, valid)
-    ratio = (masked_log_softmax(logits, valid) - old_log_p).exp()
+    # beyond e^20 every surrogate is clipped (gradient 0) anyway; an inf ratio would turn that 0 into NaN
+    ratio = (masked_log_softmax(logits, valid) - old_log_p).clamp(max=MAX_LOG_RATIO).exp()
     surrogate = dual_clip_surrogate(ratio, proxy_adv, eps_clip, dual_c)
     w = torch.ones_like(ratio) if valid is None else valid.to(ratio.dtype)
     if proxy_weight == "policy":
@@ -298,7 +303,8 @@ class CraftConfig:
         eps_clip / dual_c: PPO clip range ``[1-eps, 1+eps]`` and the dual-clip floor ``c A`` (c > 1).
         ema_m: teacher momentum in [0, 1] (1 freezes the teacher at the pre-trained policy).
         beta_sd: weight of the student-teacher KL.
-        lambda_res: weight of the residual loss.
+        lambda_res: weight of the residual loss (4 measured against 1, at which the proxy's
+            pull towards speed, and the crashes that follow it, stayed uncorrected; docs/results.md).
         residual_mode: ``cv`` (control variate ``z(G) - A~_{k*}``) or ``event`` (``m z(G)``).
         kl_direction: ``reverse`` = KL(student || teacher) (mode-seeking: penalises mass the
             teacher lacks) or ``forward`` = KL(teacher || student).
@@ -319,7 +325,8 @@ class CraftConfig:
         reference_version: registry version of the pre-trained candidate policy to fine-tune;
             ``None``: the driver pre-trains a fresh one with ``bc_pretrain``.
         bc_updates / bc_lr / bc_minibatch: that behaviour-cloning pretraining.
-        bc_label_smoothing: target mass spread over all candidates in pretraining (0: one-hot).
+        bc_label_smoothing: target mass spread over all candidates in pretraining (0: one-hot;
+            0.2 leaves every candidate enough probability for the clipped updates to raise it).
         model: ``CandidatePolicyConfig`` settings for a fresh policy (``embed_dim``, ``hidden_dim``).
         env / env_kwargs: the env the fleet runs (``None``: the store's) and its constructor keywords.
         iterations / episodes_per_iteration / n_clients: the on-policy loop: versions trained,
@@ -334,7 +341,7 @@ class CraftConfig:
     dual_c: float = 3.0
     ema_m: float = 0.99
     beta_sd: float = 0.05
-    lambda_res: float = 1.0
+    lambda_res: float = 4.0
     residual_mode: str = "cv"
     kl_direction: str = "reverse"
     kl_gate: str = "none"
@@ -353,7 +360,7 @@ class CraftConfig:
     bc_updates: int = 2000
     bc_lr: float = 1e-3
     bc_minibatch: int = 256
-    bc_label_smoothing: float = 0.0
+    bc_label_smoothing: float = 0.2
     model: dict[str, Any] = field(default_factory=dict)
     env: str | None = None
     env_kwargs: dict[str, Any] = field(default_factory=dict)

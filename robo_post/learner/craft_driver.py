@@ -137,12 +137,16 @@ def on_policy_batch(config: CraftConfig, obs: dict[str, np.ndarray], extras: dic
             "old_logits": torch.as_tensor(extras["logits"], dtype=torch.float32), "delta": delta}
 
 
-def _correlation(extras: dict[str, np.ndarray], eps: float) -> float | None:
-    """Mean per-state correlation of the proxy's and the oracle's group advantages (when recorded)."""
+def proxy_oracle_correlation(extras: dict[str, np.ndarray], eps: float = 1e-5) -> float | None:
+    """Mean per-state correlation of the proxy's and the oracle's group advantages.
+
+    ``extras`` holds ``proxy_scores`` and ``oracle_scores`` (T, K); ``None`` when the
+    oracle's scores were not recorded or every state has a constant group.
+    """
     if "oracle_scores" not in extras:
         return None
-    a = group_advantages(torch.as_tensor(extras["proxy_scores"]), eps)
-    b = group_advantages(torch.as_tensor(extras["oracle_scores"]), eps)
+    a = group_advantages(torch.as_tensor(np.asarray(extras["proxy_scores"])), eps)
+    b = group_advantages(torch.as_tensor(np.asarray(extras["oracle_scores"])), eps)
     keep = (a.abs().sum(-1) > 0) & (b.abs().sum(-1) > 0)  # constant groups have no direction
     if not bool(keep.any()):
         return None
@@ -228,7 +232,7 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
                "steps": int(sum(lengths)), "episode_return": float(np.mean([e.ret for e in episodes])),
                "collision": float(np.mean([bool((e.attrs.get("metrics") or {}).get("collision")) for e in episodes])),
                "mean_speed": float(np.mean([(e.attrs.get("metrics") or {}).get("mean_speed", np.nan) for e in episodes])),
-               "proxy_oracle_corr": _correlation(extras, config.adv_eps), **metrics}
+               "proxy_oracle_corr": proxy_oracle_correlation(extras, config.adv_eps), **metrics}
         with open(log_path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if cfg.show:
