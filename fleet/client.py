@@ -215,6 +215,7 @@ def run_client(cfg: ClientConfig) -> dict[str, Any]:
     spec = env_spec(cfg.env["name"])
     tasks = cfg.tasks or list(spec.default_tasks())
     overseer = Overseer(spec, **cfg.overseer) if cfg.overseer.get("enabled") else None
+    env_kwargs = {k: v for k, v in cfg.env.items() if k != "name"}  # recorded per episode: eval rebuilds this env
     envs: dict[str, Any] = {}
     version, policy = 0, build_policy({}, cfg.policy, cfg.device)
     if cfg.policy_version is not None:
@@ -265,7 +266,7 @@ def run_client(cfg: ClientConfig) -> dict[str, Any]:
                     break
             steps = writer.pending_steps
             success = spec.success(info)
-            attrs = {"interventions": n_interventions, "policy": policy_name(cfg, version)}
+            attrs = {"interventions": n_interventions, "policy": policy_name(cfg, version), "env_kwargs": env_kwargs}
             metrics = spec.episode_metrics(infos)
             if metrics:
                 attrs["metrics"] = metrics

@@ -212,6 +212,13 @@ def test_eval_refuses_an_env_that_observes_other_shapes_than_the_policy_was_trai
                  env_kwargs={"duration": 4, "observed_vehicles": 3})
     assert r["tasks"]["highway-fast"]["episodes"] == 1
 
+    # Once the store holds episodes, each records its env kwargs and eval rebuilds that env by default.
+    run_client(ClientConfig(store=store.root, client_id="demo", episodes=1, env=collected, tasks=["highway-fast"],
+                            follow_registry=False))
+    assert store.snapshot().episodes()[0].attrs["env_kwargs"] == {"duration": 4, "observed_vehicles": 3}
+    r = evaluate(store.root, version, ["highway-fast"], 2, n_clients=1, out_store=out)
+    assert r["env"] == collected and r["tasks"]["highway-fast"]["episodes"] == 2
+
 
 def test_fleet_records_a_cartpole_sb3_agent_with_integer_actions(tmp_path):
     from stable_baselines3 import PPO

@@ -137,9 +137,10 @@ def evaluate(
         split: instruction phrasings: ``train`` or ``heldout`` (unseen wording), for
             envs with instruction splits; others only have ``train``.
         n_clients: parallel client processes.
-        env_kwargs: env constructor kwargs. ``None``: what the env's registry entry
-            infers from the policy (tabletop: camera images at the policy's
-            ``image_size`` if it reads images, else state-only), else none.
+        env_kwargs: env constructor kwargs. ``None``: those every episode of the policy
+            store was collected with (recorded per episode), with what the env's registry
+            entry infers from the policy on top (tabletop: camera images at the policy's
+            ``image_size`` if it reads images, else state-only).
         out_store: eval store (created if missing); default ``<policy_store>-eval``.
         seed: base seed of eval episodes; keep it apart from training seeds.
         show: live per-client progress table.
@@ -179,7 +180,8 @@ def evaluate(
         raise NoExpertError(f"env {spec.key!r} has no scripted expert: evaluate a registry version, or pass "
                             "a policy for version 0 (e.g. {'kind': 'random'})")
     policy_config, weights_digest = _policy_identity(policy_store, version, baseline)
-    env_cfg = {"name": spec.key, **_env_kwargs(spec, policy_config, env_kwargs, split)}
+    recorded = _recorded_env_kwargs(policy_store, spec) if env_kwargs is None else None
+    env_cfg = {"name": spec.key, **_env_kwargs(spec, policy_config, env_kwargs, split, recorded)}
 
     identity = {"policy_store": policy_store, "version": version, "weights": weights_digest, "tasks": tasks,
                 "episodes_per_task": episodes_per_task, "n_clients": n_clients, "env": env_cfg, "seed": seed}
@@ -366,6 +368,19 @@ def _env_of_tasks(tasks: list[str]) -> EnvSpec:
     raise ValueError(f"no registered env has the tasks {tasks}; pass env=")
 
 
+def _recorded_env_kwargs(policy_store: str, spec: EnvSpec) -> dict[str, Any] | None:
+    """The env kwargs every episode of the store was collected with, when the store records
+    ``spec``'s env and all its episodes agree (``None`` otherwise: older stores, mixed
+    settings; the env's defaults apply). The instruction split stays the eval's own choice."""
+    store = Store.open(policy_store)
+    if store.schema.attrs.get("env") != spec.key:
+        return None
+    recorded = {json.dumps(e.attrs.get("env_kwargs"), sort_keys=True) for e in store.snapshot().episodes()}
+    if len(recorded) != 1 or (kwargs := json.loads(recorded.pop())) is None:
+        return None
+    return {k: v for k, v in kwargs.items() if k != spec.split_kwarg}
+
+
 class EnvMismatchError(ValueError):
     """The eval env's observations differ from those of the data the policy was trained on."""
 
@@ -386,11 +401,12 @@ def _check_observations(trained: Any, evaluated: Any, env_cfg: dict[str, Any], p
 
 
 def _env_kwargs(spec: EnvSpec, policy_config: dict[str, Any], env_kwargs: dict[str, Any] | None,
-                split: str) -> dict[str, Any]:
-    """Env kwargs of an eval: given, else inferred from the policy by the env's entry; checked
-    against what the policy needs; the split passed on where the env has instruction splits."""
+                split: str, recorded: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Env kwargs of an eval: given, else the ``recorded`` collection kwargs with what the env's
+    entry infers from the policy on top; checked against what the policy needs; the split
+    passed on where the env has instruction splits."""
     needed = spec.policy_env_kwargs(policy_config) if spec.policy_env_kwargs else {}
-    kwargs = dict(needed if env_kwargs is None else env_kwargs)
+    kwargs = dict({**(recorded or {}), **needed} if env_kwargs is None else env_kwargs)
     missing = {k: v for k, v in needed.items() if v and kwargs.get(k) != v}
     if missing:  # fail here, not as crash-looping clients
         raise ValueError(f"the policy needs env kwargs {missing}; env_kwargs {env_kwargs} lack them")
