@@ -134,10 +134,10 @@ class Overseer:
     ``deadline`` set, an episode still running after that fraction of its step limit
     is rescued (the limit is ``spec.step_limit``): the expert takes over until it ends (a supervisor who stops waiting
     for a slow attempt). With ``divergence`` set (instead of the stall gate), the expert is
-    asked at every step and takes over whenever the policy's action leaves its by more than that fraction of the action
-    range in any dimension (a discrete action: any other action), as a supervisor who
-    grabs the wheel when the policy is about to do what the expert would not (the
-    HG-DAgger gate). Taken-over steps are recorded with ``intervention=True``.
+    asked at every step and takes over whenever the policy's action leaves the expert's by
+    more than that fraction of the action range in any dimension (a discrete action: any
+    other action), as a supervisor who grabs the wheel when the policy is about to do what
+    the expert would not (the HG-DAgger gate). Taken-over steps are recorded with ``intervention=True``.
     """
 
     def __init__(self, spec: EnvSpec, stall_steps: int = 10, stall_tol: float = 1e-3, takeover_steps: int = 10,
@@ -172,25 +172,26 @@ class Overseer:
         self.steps += 1
         if self.deadline_step is not None and self.steps > self.deadline_step:
             return self.expert.act(obs, env), True
-        if self.divergence is not None:
-            expert = self.expert.act(obs, env)
-            if self.remaining == 0 and _diverges(action, expert, env.action_space, self.divergence):
-                self.remaining = self.takeover_steps
-            if self.remaining > 0:
-                self.remaining -= 1
-                return expert, True
-            return action, False
-        state = np.asarray(obs[self.spec.overseer_key], dtype=np.float64)
-        self.history = (self.history + [state])[-(self.stall_steps + 1) :]
-        if self.remaining == 0 and len(self.history) > self.stall_steps:
-            if np.abs(self.history[-1] - self.history[0]).max() < self.stall_tol:
-                self.remaining = self.takeover_steps
+        # The divergence gate needs the expert's action every step; the stall gate only when it takes over.
+        expert = self.expert.act(obs, env) if self.divergence is not None else None
+        if self.divergence is None:
+            state = np.asarray(obs[self.spec.overseer_key], dtype=np.float64)
+            self.history = (self.history + [state])[-(self.stall_steps + 1) :]
+        if self.remaining == 0 and self._gate(action, expert, env.action_space):
+            self.remaining = self.takeover_steps
         if self.remaining > 0:
             self.remaining -= 1
             if self.remaining == 0:
                 self.history = []  # give the policy a fresh window after handing back
-            return self.expert.act(obs, env), True
+            return (self.expert.act(obs, env) if expert is None else expert), True
         return action, False
+
+    def _gate(self, action: np.ndarray, expert: np.ndarray | None, space: Any) -> bool:
+        """Whether a takeover starts now: the policy left the expert's action, or it stalled."""
+        if self.divergence is not None:
+            return _diverges(action, expert, space, self.divergence)
+        stalled = len(self.history) > self.stall_steps
+        return stalled and np.abs(self.history[-1] - self.history[0]).max() < self.stall_tol
 
 
 def _diverges(action: np.ndarray, expert: np.ndarray, space: Any, tol: float) -> bool:
