@@ -83,11 +83,14 @@ CONTINUATION = 0
 TTC_THRESHOLD = 1.5
 """Time-to-collision [s] with the car ahead below which a step counts as a near miss."""
 
-EVENTS: tuple[str, ...] = ("crash", "ttc_breach")
-"""Entries of the per-step ``info["events"]`` vector (1.0 if it happened, else 0.0)."""
+EVENTS: tuple[str, ...] = ("crash", "ttc_breach", "progress")
+"""Entries of the per-step ``info["events"]`` vector: ``crash`` and ``ttc_breach`` are 1.0 if
+they happened, else 0.0; ``progress`` is highway-env's ``high_speed_reward`` term of the step
+(0 at or below 20 m/s, 1 at 30 m/s), the optional progress signal of the grounded residual."""
 
-EVENT_WEIGHTS: tuple[float, ...] = (-1.0, -0.3)
-"""Default reward of each event in :data:`EVENTS` (see :func:`event_reward`)."""
+EVENT_WEIGHTS: tuple[float, ...] = (-1.0, -0.3, 0.0)
+"""Default reward of each entry of :data:`EVENTS` (see :func:`event_reward`): progress is
+off by default, so the residual sees interaction-critical events only."""
 
 PROXY_WEIGHTS: Mapping[str, float] = types.MappingProxyType(
     {"high_speed": 0.4, "right_lane": 0.1, "collision": -1.0, "ttc": -0.3}
@@ -111,16 +114,17 @@ class InvalidCandidatesError(ValueError):
     """A candidate set, score weight or discount that counterfactual scoring cannot use."""
 
 
-def step_events(core: AbstractEnv) -> np.ndarray:
-    """The :data:`EVENTS` vector of a highway-env scene's current state, float32 (2,)."""
+def step_events(core: AbstractEnv, rewards: Mapping[str, float]) -> np.ndarray:
+    """The :data:`EVENTS` vector of a highway-env scene's current state, float32 (3,);
+    ``rewards`` are the step's reward terms (``info["rewards"]``)."""
     ego = core.vehicle
     ttc = _time_to_collision(core.road, ego)
-    return np.array([float(ego.crashed), float(ttc < TTC_THRESHOLD)], dtype=np.float32)
+    return np.array([float(ego.crashed), float(ttc < TTC_THRESHOLD), rewards["high_speed_reward"]], dtype=np.float32)
 
 
 def event_reward(events: np.ndarray | Sequence[float], weights: Sequence[float] = EVENT_WEIGHTS
                  ) -> float | np.ndarray:
-    """Event reward: ``events @ weights`` for one (2,) vector (a float) or a (T, 2) batch (T,).
+    """Event reward: ``events @ weights`` for one (3,) vector (a float) or a (T, 3) batch (T,).
 
     Raises:
         InvalidCandidatesError: the last axis of ``events`` does not match ``weights``.
@@ -140,7 +144,7 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
     ``terminated`` on a crash, ``truncated`` when the episode time (``duration`` s)
     is up. Info keys on every step: ``crashed``, ``speed`` [m/s], ``rewards``
     (highway-env's reward terms), ``ttc_front`` [s] (``inf``: nobody ahead in the
-    lane, or not closing in), ``events`` (float32 (2,), :data:`EVENTS`).
+    lane, or not closing in), ``events`` (float32 (3,), :data:`EVENTS`).
 
     Args:
         oracle: :meth:`candidate_extras` also scores candidates in exact clones
@@ -225,12 +229,13 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
 
     def _info(self, core_info: Mapping[str, Any]) -> dict[str, Any]:
         ego = self._core.vehicle
+        rewards = {name: float(value) for name, value in core_info["rewards"].items()}
         return {
             "crashed": bool(ego.crashed),
             "speed": float(ego.speed),
-            "rewards": {name: float(value) for name, value in core_info["rewards"].items()},
+            "rewards": rewards,
             "ttc_front": _time_to_collision(self._core.road, ego),
-            "events": step_events(self._core),
+            "events": step_events(self._core, rewards),
         }
 
 

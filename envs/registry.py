@@ -530,7 +530,7 @@ register_env(EnvSpec(
     metrics=_highway_meta_metrics,
     candidates=lambda: importlib.import_module("robo_post.envs.highway_meta").CANDIDATES,
     step_extras=lambda info: {"events": np.asarray(info["events"], dtype=np.float32)},
-    step_extra_specs={"events": ArraySpec("float32", (2,))},  # crash, TTC breach (highway_meta.EVENTS)
+    step_extra_specs={"events": ArraySpec("float32", (3,))},  # crash, TTC breach, progress (highway_meta.EVENTS)
     # One decision per second; a candidate future spans 3 decisions, of which only the first runs.
     horizon=3,
     execute_steps=1,

@@ -51,7 +51,7 @@ def test_the_fleet_records_what_the_update_needs_and_acts_on_policy(craft_run):
     with torch.no_grad():
         logits = policy.logits({k: torch.as_tensor(v[:-1]) for k, v in data["obs"].items()})
     assert np.allclose(logits.numpy(), ex["logits"], atol=1e-5)
-    assert ex["events"].shape == (len(data["action"]), 2) and set(np.unique(ex["events"])) <= {0.0, 1.0}
+    assert ex["events"].shape == (len(data["action"]), 3) and set(np.unique(ex["events"][:, :2])) <= {0.0, 1.0}
     assert np.isfinite(ex["proxy_scores"]).all() and np.isfinite(ex["oracle_scores"]).all()
     final = registry.load(summary["version"])[1]
     assert final["phase"] == "final" and final["deterministic"] is True and final["env_extras"] is False
@@ -70,11 +70,22 @@ def test_on_policy_batch_windows_stop_at_episode_ends():
     k = 4
     extras = {"proxy_scores": np.tile(np.arange(k, dtype=np.float32), (5, 1)), "chosen": np.zeros(5, np.int64),
               "logits": np.zeros((5, k), np.float32),
-              "events": np.array([[0, 0], [0, 0], [1, 0], [0, 0], [0, 0]], np.float32)}  # a crash ends episode 1
-    batch = on_policy_batch(config, {"state": np.zeros((5, 3), np.float32)}, extras, [3, 2], np.array([-1.0, -0.3]))
+              # a crash ends episode 1; progress is paid on every step
+              "events": np.array([[0, 0, 1], [0, 0, 1], [1, 0, 0], [0, 0, 1], [0, 0, 0.5]], np.float32)}
+    obs = {"state": np.zeros((5, 3), np.float32)}
+    batch = on_policy_batch(config, obs, extras, [3, 2], np.array([-1.0, -0.3, 0.0]))
     assert torch.allclose(batch["proxy_adv"], group_advantages(torch.as_tensor(extras["proxy_scores"])))
     # event mode: only the steps whose window (inside their own episode) saw the crash carry a residual
     assert (batch["delta"][:3] != 0).all() and (batch["delta"][3:] == 0).all()
+    # a weighted progress entry changes the returns but marks no window: still only the crash's
+    paid = on_policy_batch(config, obs, extras, [3, 2], np.array([-1.0, -0.3, 0.4]))
+    assert (paid["delta"][:3] != 0).all() and (paid["delta"][3:] == 0).all()
+    assert not torch.allclose(paid["delta"][:3], batch["delta"][:3])
+    # cv mode: z(G) over the batch, with G = sum_{j<3} 0.5^j r_{t+j} inside each episode
+    cv = on_policy_batch(CraftConfig(window=3, gamma_event=0.5), obs, extras, [3, 2], np.array([-1.0, -0.3, 0.4]))
+    G = torch.tensor([0.4 + 0.2 - 0.25, 0.4 - 0.5, -1.0, 0.4 + 0.1, 0.2])
+    z = (G - G.mean()) / G.std(unbiased=False)
+    assert torch.allclose(cv["delta"], z - batch["proxy_adv"][:, 0], atol=1e-4)
 
 
 def test_proxy_oracle_correlation_of_group_advantages():
@@ -106,6 +117,6 @@ def test_bad_craft_settings_are_one_line_errors_before_any_work(craft_run, tmp_p
     store, _, _ = craft_run
     bad = run_cli("train", "algo=craft", f"store={store}", f"run_dir={tmp_path / 'r'}", "algo.event_weights=[1]",
                   "show=false", ok=False)
-    assert bad.returncode == 1 and "has 1 weights; env 'highway_meta' reports 2 events" in bad.stderr
+    assert bad.returncode == 1 and "has 1 weights; env 'highway_meta' reports 3 events" in bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "r").exists()
     assert len(PolicyRegistry(store).versions()) == 3  # nothing published

@@ -100,10 +100,12 @@ def test_spaces_info_and_config() -> None:
     for action in (FASTER, IDLE, LANE_LEFT):
         obs, reward, terminated, truncated, info = env.step(np.int64(action))
         assert env.observation_space.contains(obs) and 0.0 <= reward <= 1.0
-        assert INFO_KEYS <= info.keys() and info["events"].dtype == np.float32 and info["events"].shape == (2,)
+        assert INFO_KEYS <= info.keys() and info["events"].dtype == np.float32 and info["events"].shape == (3,)
         assert set(info["rewards"]) == {"collision_reward", "right_lane_reward", "high_speed_reward",
                                         "on_road_reward"}
-        np.testing.assert_array_equal(info["events"], step_events(core))
+        np.testing.assert_array_equal(info["events"], step_events(core, info["rewards"]))
+        # progress is the step's high-speed term: highway-env maps [20, 30] m/s to [0, 1]
+        assert info["events"][2] == pytest.approx(np.clip((info["speed"] - 20.0) / 10.0, 0.0, 1.0), abs=0.05)
         assert info["ttc_front"] > 0.0 and info["speed"] == core.vehicle.speed
     with pytest.raises(InvalidMetaActionError):
         env.step(5)
@@ -129,21 +131,24 @@ def test_vocabulary() -> None:
 def test_events_from_constructed_scenes() -> None:
     env = make(vehicles_count=1)
     core = env.unwrapped.core
+    progress = {"high_speed_reward": 0.5}
     stage(env, [(60.0, 25.0)])  # same speed far ahead: no breach
-    np.testing.assert_array_equal(step_events(core), [0.0, 0.0])
+    np.testing.assert_array_equal(step_events(core, progress), [0.0, 0.0, 0.5])
     stage(env, [(15.0, 10.0)])  # gap 10 m closing at 15 m/s: TTC 0.67 s
-    np.testing.assert_array_equal(step_events(core), [0.0, 1.0])
+    np.testing.assert_array_equal(step_events(core, progress), [0.0, 1.0, 0.5])
     stage(env, [(-10.0, 40.0)])  # fast car behind: only the car ahead counts
-    np.testing.assert_array_equal(step_events(core), [0.0, 0.0])
+    np.testing.assert_array_equal(step_events(core, progress), [0.0, 0.0, 0.5])
     stage(env, [(6.0, 0.0)])  # parked car 1 m ahead: the next step hits it
     _, _, terminated, _, info = env.step(IDLE)
     assert terminated and info["crashed"] and info["events"][0] == 1.0
-    assert event_reward(info["events"]) == pytest.approx(-1.0 - 0.3 * info["events"][1])
-    assert event_reward([1.0, 1.0]) == pytest.approx(-1.3) and event_reward([0, 1], (-2.0, -0.5)) == -0.5
-    np.testing.assert_allclose(event_reward(np.array([[0, 0], [0, 1], [1, 0]])), [0.0, -0.3, -1.0])
+    assert info["events"][2] == pytest.approx(info["rewards"]["high_speed_reward"])
+    assert event_reward(info["events"]) == pytest.approx(-1.0 - 0.3 * info["events"][1])  # progress weighs 0
+    assert event_reward([1.0, 1.0, 1.0]) == pytest.approx(-1.3)
+    assert event_reward([0, 1, 0.5], (-2.0, -0.5, 0.4)) == pytest.approx(-0.3)
+    np.testing.assert_allclose(event_reward(np.array([[0, 0, 1], [0, 1, 0], [1, 0, 0]])), [0.0, -0.3, -1.0])
     with pytest.raises(InvalidCandidatesError):
-        event_reward([1.0, 0.0, 0.0])
-    assert EVENT_WEIGHTS == (-1.0, -0.3) and TTC_THRESHOLD == 1.5
+        event_reward([1.0, 0.0])
+    assert EVENT_WEIGHTS == (-1.0, -0.3, 0.0) and TTC_THRESHOLD == 1.5
 
 
 def test_counterfactual_scoring_leaves_the_live_env_untouched() -> None:

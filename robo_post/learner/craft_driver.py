@@ -127,10 +127,13 @@ def on_policy_batch(config: CraftConfig, obs: dict[str, np.ndarray], extras: dic
     proxy_adv = group_advantages(scores, config.adv_eps)
     chosen = torch.as_tensor(extras["chosen"], dtype=torch.long)
     rewards = torch.as_tensor(extras["events"] @ event_weights, dtype=torch.float32)
+    # negatively weighted entries are the interaction-critical events of mode `event`'s mask; a
+    # positively weighted one (progress) is paid every step and would mark every window
+    penalties = torch.as_tensor(extras["events"] @ np.minimum(event_weights, 0.0), dtype=torch.float32)
     G, mask, start = [], [], 0
     for n in lengths:  # windows never cross an episode boundary
         G.append(event_returns(rewards[start:start + n], config.gamma_event, config.window))
-        mask.append(event_mask(rewards[start:start + n], config.window))
+        mask.append(event_mask(penalties[start:start + n], config.window))
         start += n
     delta = residual_for_batch(torch.cat(G), proxy_adv, chosen, config.residual_mode, torch.cat(mask), config.adv_eps)
     return {"obs": {k: torch.as_tensor(v) for k, v in obs.items()}, "proxy_adv": proxy_adv, "chosen": chosen,
