@@ -1,12 +1,15 @@
 """`robo-post train algo=craft` end to end: heuristic demos -> pretraining -> on-policy iteration through the fleet."""
 
 import json
+import math
+import shutil
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from robo_post.algos.craft import CraftConfig, group_advantages
+from robo_post.algos.craft import CraftConfig, CraftConfigError, group_advantages
 from robo_post.learner.craft_driver import on_policy_batch, proxy_oracle_correlation
 from robo_post.models.candidate_policy import CandidatePolicy
 from robo_post.store.registry import PolicyRegistry
@@ -73,19 +76,59 @@ def test_on_policy_batch_windows_stop_at_episode_ends():
               # a crash ends episode 1; progress is paid on every step
               "events": np.array([[0, 0, 1], [0, 0, 1], [1, 0, 0], [0, 0, 1], [0, 0, 0.5]], np.float32)}
     obs = {"state": np.zeros((5, 3), np.float32)}
-    batch = on_policy_batch(config, obs, extras, [3, 2], np.array([-1.0, -0.3, 0.0]))
+    batch, stats = on_policy_batch(config, obs, extras, [3, 2], np.array([-1.0, -0.3, 0.0]))
+    assert stats == {} and "event_return" not in batch  # the default batch-mean baseline: no critic
     assert torch.allclose(batch["proxy_adv"], group_advantages(torch.as_tensor(extras["proxy_scores"])))
     # event mode: only the steps whose window (inside their own episode) saw the crash carry a residual
     assert (batch["delta"][:3] != 0).all() and (batch["delta"][3:] == 0).all()
     # a weighted progress entry changes the returns but marks no window: still only the crash's
-    paid = on_policy_batch(config, obs, extras, [3, 2], np.array([-1.0, -0.3, 0.4]))
+    paid, _ = on_policy_batch(config, obs, extras, [3, 2], np.array([-1.0, -0.3, 0.4]))
     assert (paid["delta"][:3] != 0).all() and (paid["delta"][3:] == 0).all()
     assert not torch.allclose(paid["delta"][:3], batch["delta"][:3])
     # cv mode: z(G) over the batch, with G = sum_{j<3} 0.5^j r_{t+j} inside each episode
-    cv = on_policy_batch(CraftConfig(window=3, gamma_event=0.5), obs, extras, [3, 2], np.array([-1.0, -0.3, 0.4]))
+    cv, _ = on_policy_batch(CraftConfig(window=3, gamma_event=0.5), obs, extras, [3, 2], np.array([-1.0, -0.3, 0.4]))
     G = torch.tensor([0.4 + 0.2 - 0.25, 0.4 - 0.5, -1.0, 0.4 + 0.1, 0.2])
     z = (G - G.mean()) / G.std(unbiased=False)
     assert torch.allclose(cv["delta"], z - batch["proxy_adv"][:, 0], atol=1e-4)
+
+
+def test_evpo_on_policy_batch_gates_on_the_critic_values_at_the_batch_states():
+    k, weights = 4, np.array([-1.0, -0.3, 0.4])
+    extras = {"proxy_scores": np.random.default_rng(0).normal(size=(5, k)).astype(np.float32),
+              "chosen": np.array([0, 1, 2, 3, 0]), "logits": np.zeros((5, k), np.float32),
+              "events": np.array([[0, 0, 1], [0, 0, 1], [1, 0, 0], [0, 0, 1], [0, 0, 0.5]], np.float32)}
+    obs = {"state": np.arange(15, dtype=np.float32).reshape(5, 3)}
+    G = torch.tensor([0.4 + 0.2 - 0.25, 0.4 - 0.5, -1.0, 0.4 + 0.1, 0.2])  # window 3, gamma 0.5 (see above)
+    noise = torch.tensor([0.1, -0.1, 0.1, -0.1, 0.0])
+    seen = []
+
+    def critic(values):
+        def value_fn(batch_obs):
+            seen.append(batch_obs["state"])
+            return values
+        return value_fn
+
+    evpo = CraftConfig(window=3, gamma_event=0.5, baseline="evpo")
+    default, _ = on_policy_batch(CraftConfig(window=3, gamma_event=0.5), obs, extras, [3, 2], weights)
+    executed = default["proxy_adv"].gather(-1, default["chosen"][:, None])[:, 0]
+    # a good critic (EV = 1 - Var(noise) / Var(G)): G - V, scaled by its std, replaces z(G)
+    good, stats = on_policy_batch(evpo, obs, extras, [3, 2], weights, critic(G + noise))
+    ev = 1 - float(noise.var(unbiased=False) / G.var(unbiased=False))
+    assert stats["evpo_gate"] == 1 and stats["evpo_ev"] == pytest.approx(ev, abs=1e-5) and ev > 0.9
+    assert torch.equal(seen[0], torch.as_tensor(obs["state"]))  # the critic saw the batch's states
+    assert torch.allclose(good["event_return"], G, atol=1e-6)
+    assert torch.allclose(good["delta"], -noise / (noise.std(unbiased=False) + 1e-5) - executed, atol=1e-4)
+    # a critic worse than the batch mean (EV = 1 - Var(2G) / Var(G) = -3): the default residual, bit for bit
+    bad, stats = on_policy_batch(evpo, obs, extras, [3, 2], weights, critic(-G))
+    assert stats["evpo_gate"] == 0 and stats["evpo_ev"] == pytest.approx(-3.0, abs=1e-4)
+    assert torch.equal(bad["delta"], default["delta"])
+    # all event returns equal: EV undefined (null in the metrics), the batch mean, zero residuals in event mode
+    quiet = dict(extras, events=np.zeros((5, 3), np.float32))
+    flat, stats = on_policy_batch(CraftConfig(baseline="evpo", residual_mode="event"), obs, quiet, [3, 2], weights,
+                                  critic(torch.randn(5)))
+    assert stats == {"evpo_ev": None, "evpo_gate": 0} and torch.equal(flat["delta"], torch.zeros(5))
+    with pytest.raises(CraftConfigError, match="critic"):
+        on_policy_batch(evpo, obs, extras, [3, 2], weights)
 
 
 def test_proxy_oracle_correlation_of_group_advantages():
@@ -119,4 +162,27 @@ def test_bad_craft_settings_are_one_line_errors_before_any_work(craft_run, tmp_p
                   "show=false", ok=False)
     assert bad.returncode == 1 and "has 1 weights; env 'highway_meta' reports 3 events" in bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "r").exists()
+    bad = run_cli("train", "algo=craft", f"store={store}", f"run_dir={tmp_path / 'r'}", "algo.baseline=foo",
+                  "show=false", ok=False)
+    assert bad.returncode == 1 and "baseline='foo'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in bad.stderr and not (tmp_path / "r").exists()
     assert len(PolicyRegistry(store).versions()) == 3  # nothing published
+
+
+def test_evpo_run_logs_the_gate_and_checkpoints_the_critic(craft_run, tmp_path):
+    store, summary, _ = craft_run
+    own = str(tmp_path / "demos")
+    shutil.copytree(store, own)  # the fixture's store keeps its three versions
+    out = summary_of(run_cli("train", "algo=craft", f"store={own}", f"run_dir={tmp_path / 'run'}",
+                             f"algo.reference_version={summary['pretrained_version']}", "algo.baseline=evpo",
+                             "algo.iterations=1", "algo.episodes_per_iteration=2", "algo.n_clients=1",
+                             f"algo.online_store={tmp_path / 'online'}", "+algo.env_kwargs.vehicles_count=8",
+                             "+algo.env_kwargs.duration=12", "show=false").stdout)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and out["final"] == rows[0]
+    row = rows[0]
+    assert row["evpo_gate"] in (0, 1) and isinstance(row["evpo_gate"], int)
+    assert row["evpo_ev"] is None or (isinstance(row["evpo_ev"], float) and row["evpo_ev"] <= 1.0)
+    assert math.isfinite(row["value_loss"]) and row["value_loss"] >= 0
+    tensors = load_file(str(tmp_path / "run" / "checkpoint" / "tensors.safetensors"))
+    assert any(k.startswith("module.critic.") for k in tensors) and any(k.startswith("optim.critic.") for k in tensors)

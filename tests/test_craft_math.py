@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from robo_post.algos.craft import (Craft, CraftBatchError, CraftConfig, CraftConfigError, EMATeacher, bc_pretrain,
-                                   categorical_kl, dual_clip_surrogate, event_mask, event_returns, group_advantages,
-                                   policy_losses, residual, residual_for_batch)
+from robo_post.algos.craft import (Craft, CraftBatchError, CraftConfig, CraftConfigError, EMATeacher, WindowValue,
+                                   bc_pretrain, categorical_kl, dual_clip_surrogate, event_mask, event_returns,
+                                   evpo_advantages, explained_variance, grounded_advantage, group_advantages,
+                                   policy_losses, residual, residual_for_batch, scale_advantages)
+from robo_post.learner.checkpoint import load_checkpoint, save_checkpoint
 from robo_post.models.candidate_policy import (CandidateConfigError, CandidatePolicy, CandidatePolicyConfig,
                                                CandidatePolicyRunner)
 from robo_post.models.features import state_features
@@ -84,7 +86,7 @@ def test_proxy_plus_residual_equals_the_full_advantage_gradient():
     theta0 = pi.log()
     proxy_adv = group_advantages(torch.tensor([[0.9, -1.0, 1.2, 0.1]], dtype=torch.float64)).expand(8, -1)
     G = 2.0 * a_true[chosen] + 3.0  # an event return whose batch z-score is the true advantage
-    delta = residual_for_batch(G, proxy_adv, chosen, "cv").double()
+    delta = residual_for_batch(grounded_advantage(G)[0], proxy_adv, chosen, "cv").double()
 
     def craft_objective(theta):
         logits = theta.expand(8, -1)
@@ -104,7 +106,7 @@ def test_proxy_plus_residual_equals_the_full_advantage_gradient():
 def test_residual_is_zero_when_the_proxy_is_the_true_advantage():
     pi, a_true, chosen = bandit()
     G = 0.5 * a_true[chosen] - 1.0
-    delta = residual_for_batch(G, a_true.expand(8, -1), chosen, "cv")
+    delta = residual_for_batch(grounded_advantage(G)[0], a_true.expand(8, -1), chosen, "cv")
     assert torch.allclose(delta, torch.zeros(8, dtype=delta.dtype), atol=1e-4)
 
 
@@ -130,16 +132,106 @@ def test_event_returns_are_windowed_and_truncated_at_the_episode_end():
 def test_residual_modes():
     G = torch.tensor([0.0, -1.0, 0.0, -0.3])
     z = (G - G.mean()) / (G.std(unbiased=False) + 1e-5)
+    adv, ev, use_critic = grounded_advantage(G)  # no critic: the batch z-score
+    assert torch.allclose(adv, z, atol=1e-6) and math.isnan(ev) and use_critic is False
     a = torch.tensor([0.5, -0.2, 0.1, 0.0])
     mask = torch.tensor([False, True, False, True])
-    assert torch.allclose(residual(G, a, "cv"), z - a, atol=1e-6)
-    assert torch.allclose(residual(G, a, "event", mask), torch.where(mask, z, torch.zeros(4)), atol=1e-6)
-    assert torch.equal(residual(torch.zeros(4), a, "event", mask), torch.zeros(4))  # no event anywhere: no signal
-    assert torch.equal(residual(torch.full((6,), -0.3), torch.zeros(6), "cv"), torch.zeros(6))  # a constant batch
+    assert torch.equal(residual(adv, a, "cv"), adv - a)
+    assert torch.equal(residual(adv, a, "event", mask), torch.where(mask, adv, torch.zeros(4)))
+    assert torch.equal(residual(grounded_advantage(torch.zeros(4))[0], a, "event", mask), torch.zeros(4))  # no event
+    constant = grounded_advantage(torch.full((6,), -0.3))[0]
+    assert torch.equal(residual(constant, torch.zeros(6), "cv"), torch.zeros(6))  # a constant batch
     with pytest.raises(CraftConfigError, match="event_mask"):
-        residual(G, a, "event")
+        residual(adv, a, "event")
     with pytest.raises(CraftConfigError, match="residual_mode"):
-        residual(G, a, "bogus")
+        residual(adv, a, "bogus")
+
+
+def old_zscore(G, eps=1e-5):
+    """The residual's grounded advantage before the baseline option, written out."""
+    shifted = G - G.reshape(-1)[0]
+    centred = shifted - shifted.mean()
+    return centred / (centred.pow(2).mean().sqrt() + eps)
+
+
+def test_batch_baseline_residuals_are_bit_identical_to_the_value_free_z_score():
+    g = gen(20)
+    G = torch.randn(97, generator=g) * 0.4 - 0.2
+    proxy_adv = group_advantages(torch.randn(97, K, generator=g))
+    chosen = torch.randint(0, K, (97,), generator=g)
+    executed = proxy_adv.gather(-1, chosen[:, None])[:, 0]
+    mask = torch.rand(97, generator=g) > 0.5
+    adv = grounded_advantage(G)[0]
+    assert torch.equal(residual_for_batch(adv, proxy_adv, chosen, "cv"), old_zscore(G) - executed)
+    assert torch.equal(residual_for_batch(adv, proxy_adv, chosen, "event", mask), mask.float() * old_zscore(G))
+    # evpo's batch-mean branch (a critic that loses the gate) is the same z-score, bit for bit
+    loser = grounded_advantage(G, -G)
+    assert torch.equal(loser[0], old_zscore(G)) and loser[2] is False and loser[1] < 0
+
+
+# --- EVPO ----------------------------------------------------------------------------------
+def test_explained_variance_gate_picks_the_lower_variance_baseline():
+    # G = V* + eps, V = V* + eta with random noise scales: EV > 0 exactly when Var(G - V) < Var(G - mean G)
+    g = torch.Generator().manual_seed(21)
+    mismatches, critic_wins = 0, 0
+    for _ in range(1000):
+        sigma_s, sigma_eta, sigma_eps = (10 ** (torch.rand(3, generator=g, dtype=torch.float64) * 3 - 1.5)).tolist()
+        v_star = sigma_s * torch.randn(32, generator=g, dtype=torch.float64)
+        G = v_star + sigma_eps * torch.randn(32, generator=g, dtype=torch.float64)
+        V = v_star + sigma_eta * torch.randn(32, generator=g, dtype=torch.float64)
+        ev = explained_variance(G, V)
+        critic_lower = bool((G - V).var(unbiased=False) < (G - G.mean()).var(unbiased=False))
+        _, _, use_critic = evpo_advantages(G, V)
+        mismatches += ((ev > 0) != critic_lower) + (use_critic != critic_lower)
+        critic_wins += critic_lower
+        assert ev == pytest.approx(1 - float((G - V).var(unbiased=False) / G.var(unbiased=False)), abs=1e-9)
+    assert mismatches == 0
+    assert 100 < critic_wins < 900  # both branches were exercised
+
+
+def test_evpo_edge_cases():
+    G = torch.tensor([0.0, -1.0, 0.0, -0.3, -0.3, 0.2])
+    adv, ev, use_critic = evpo_advantages(G, G.clone())  # a perfect critic
+    assert ev == 1.0 and use_critic is True and torch.equal(adv, torch.zeros(6))
+    adv, ev, use_critic = evpo_advantages(G, torch.full((6,), 0.7))  # a constant critic: a tie, the batch mean
+    assert ev == 0.0 and use_critic is False
+    assert torch.allclose(adv, G - G.mean(), atol=1e-7)
+    flat = torch.full((6,), -0.3)  # Var(G) = 0: EV undefined, batch mean, all-zero advantages
+    adv, ev, use_critic = evpo_advantages(flat, torch.randn(6, generator=gen(22)))
+    assert math.isnan(ev) and use_critic is False and torch.equal(adv, torch.zeros(6))
+    scaled, ev, use_critic = grounded_advantage(flat, torch.randn(6, generator=gen(22)))
+    delta = residual(scaled, torch.zeros(6), "cv")
+    assert torch.equal(scaled, torch.zeros(6)) and torch.isfinite(delta).all() and use_critic is False
+    # the threshold: a critic with EV 0.75 passes 0.5 but not 0.8
+    V = G + torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0]) * 0.5 * G.std(unbiased=False)  # Var(G - V) = Var(G) / 4
+    ev = explained_variance(G, V)
+    assert ev == pytest.approx(0.75, abs=1e-6)
+    assert evpo_advantages(G, V, 0.5)[2] is True and evpo_advantages(G, V, 0.8)[2] is False
+
+
+def test_evpo_branches_are_the_two_extremes_of_the_gain():
+    g = gen(23)
+    G = torch.randn(50, generator=g) - 0.5
+    V = G + 0.1 * torch.randn(50, generator=g) + 0.3  # a good but biased critic
+    adv, ev, use_critic = evpo_advantages(G, V)  # K = 1: the critic baseline
+    assert use_critic and ev > 0.5 and torch.equal(adv, G - V)
+    adv, ev, use_critic = evpo_advantages(G, V, threshold=2.0)  # forced K = 0: the batch mean
+    assert not use_critic and torch.allclose(adv, G - G.mean(), atol=1e-6)
+    # the critic branch is scaled to unit std but keeps its mean: the critic's baseline is not replaced
+    scaled, _, _ = grounded_advantage(G, V)
+    assert torch.allclose(scaled, (G - V) / ((G - V).std(unbiased=False) + 1e-5), atol=1e-6)
+    assert scaled.mean() < -1.0 and scaled.std(unbiased=False) == pytest.approx(1.0, abs=1e-3)
+    assert torch.equal(scale_advantages(G - V, centred=False), scaled)
+
+
+def test_critic_reads_the_policy_features_with_its_own_weights_and_the_policy_state_stats():
+    policy = small_policy(15)
+    policy.set_state_stats(np.arange(4.0), np.full(4, 3.0))
+    critic = WindowValue.for_policy(policy)
+    assert torch.equal(critic.encoder.state_mean, policy.encoder.state_mean)
+    assert torch.equal(critic.encoder.state_std, policy.encoder.state_std)
+    assert not torch.equal(critic.encoder.state[0].weight, policy.encoder.state[0].weight)
+    assert critic({"state": torch.randn(7, 4, generator=gen(24))}).shape == (7,)
 
 
 # --- 5. dual clip --------------------------------------------------------------------------
@@ -306,11 +398,77 @@ def test_craft_config_names_a_bad_option():
     for bad, name in (({"residual_mode": "x"}, "residual_mode"), ({"kl_direction": "sideways"}, "kl_direction"),
                       ({"kl_gate": "maybe"}, "kl_gate"), ({"proxy_weight": "x"}, "proxy_weight"),
                       ({"dual_c": 0.5}, "dual_c"), ({"ema_m": 1.2}, "ema_m"),
-                      ({"use_proxy": False, "use_residual": False}, "use_proxy")):
+                      ({"use_proxy": False, "use_residual": False}, "use_proxy"),
+                      ({"baseline": "foo"}, "baseline"), ({"evpo_threshold": math.nan}, "evpo_threshold")):
         with pytest.raises(CraftConfigError, match=name):
             CraftConfig(**bad)
     with pytest.raises(CraftBatchError, match="delta"):
         Craft(CraftConfig(), small_policy()).update({k: v for k, v in random_batch().items() if k != "delta"})
+    with pytest.raises(CraftBatchError, match="event_return"):
+        Craft(CraftConfig(baseline="evpo"), small_policy()).update(random_batch())
+    with pytest.raises(CraftConfigError, match="no critic"):
+        Craft(CraftConfig(), small_policy()).values(random_batch()["obs"])
+
+
+# --- EVPO's critic in the method ----------------------------------------------------------
+def evpo_batch(craft, threshold, seed=16):
+    """``random_batch`` with event returns and the residual of the gate forced by ``threshold``."""
+    batch = random_batch(seed=seed)
+    G = batch["obs"]["state"][:, 0] * 0.5 + 0.1 * torch.randn(64, generator=gen(seed + 1))
+    adv, _, use_critic = grounded_advantage(G, craft.values(batch["obs"]), threshold)
+    batch["delta"] = residual_for_batch(adv, batch["proxy_adv"], batch["chosen"])
+    return batch | {"event_return": G}, use_critic
+
+
+def test_the_critic_trains_the_same_in_both_branches_of_the_gate():
+    crafts = []
+    for _ in range(2):
+        torch.manual_seed(0)  # the same critic initialisation in both
+        crafts.append(Craft(CraftConfig(baseline="evpo", lr=1e-2), small_policy(17)))
+    assert set(crafts[0].modules) == {"policy", "teacher", "critic"} and set(crafts[0].optimizers) == {"policy",
+                                                                                                         "critic"}
+    assert set(Craft(CraftConfig(), small_policy(17)).modules) == {"policy", "teacher"}  # batch: no critic
+    critic_batch, use_critic = evpo_batch(crafts[0], -math.inf)
+    mean_batch, use_mean = evpo_batch(crafts[1], math.inf)
+    assert use_critic and not use_mean and not torch.allclose(critic_batch["delta"], mean_batch["delta"], atol=1e-3)
+    before = [p.clone() for p in crafts[0].critic.parameters()]
+    metrics = [crafts[0].update(critic_batch), crafts[1].update(mean_batch)]
+    assert metrics[0]["value_loss"] > 0 and torch.equal(metrics[0]["value_loss"], metrics[1]["value_loss"])
+    for a, b, p0 in zip(crafts[0].critic.parameters(), crafts[1].critic.parameters(), before):
+        assert torch.equal(a.grad, b.grad) and torch.equal(a, b)
+    assert max((a - p0).abs().max().item() for a, p0 in zip(crafts[0].critic.parameters(), before)) > 1e-3
+    # the gate did change the policy's update (so the equality above is not vacuous)
+    assert not all(torch.equal(a, b) for a, b in zip(crafts[0].policy.parameters(), crafts[1].policy.parameters()))
+
+
+def test_the_critic_learns_the_event_return():
+    torch.manual_seed(1)
+    craft = Craft(CraftConfig(baseline="evpo", lr=3e-3, epochs=30, minibatch=32), small_policy(18))
+    batch, _ = evpo_batch(craft, 0.0)
+    ev_before = explained_variance(batch["event_return"], craft.values(batch["obs"]))
+    craft.fit(batch, gen(2))
+    ev_after = explained_variance(batch["event_return"], craft.values(batch["obs"]))
+    assert ev_before < 0.5 < ev_after
+
+
+def test_checkpoint_round_trip_restores_the_critic_and_its_optimiser(tmp_path):
+    torch.manual_seed(2)
+    craft = Craft(CraftConfig(baseline="evpo", lr=1e-2), small_policy(19))
+    first, _ = evpo_batch(craft, 0.0, seed=30)
+    craft.update(first)
+    save_checkpoint(str(tmp_path / "ckpt"), craft.modules, craft.optimizers, {}, {"iteration": 1})
+    second, _ = evpo_batch(craft, 0.0, seed=40)
+    uninterrupted = craft.update(second)
+    torch.manual_seed(3)  # a different critic initialisation, overwritten by the checkpoint
+    resumed = Craft(CraftConfig(baseline="evpo", lr=1e-2), small_policy(19))
+    assert not torch.equal(resumed.critic.head[-1].weight, craft.critic.head[-1].weight)
+    load_checkpoint(str(tmp_path / "ckpt"), resumed.modules, resumed.optimizers, {})
+    assert resumed.critic_optimizer.state_dict()["state"][0]["step"] == 1
+    again = resumed.update(second)
+    assert all(torch.equal(again[k], uninterrupted[k]) for k in uninterrupted)
+    for name, module in craft.modules.items():
+        for (key, a), b in zip(module.state_dict().items(), resumed.modules[name].state_dict().values()):
+            assert torch.equal(a, b), (name, key)
 
 
 def test_bc_pretraining_fits_a_separable_candidate_set():

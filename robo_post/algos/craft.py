@@ -21,6 +21,9 @@ The equations, numbered as the code below refers to them (``pi`` the student,
     leaves little for this noisy one-sample term to carry;
 (3) residual         ``G_t = sum_{j<W} gamma^j e_{t+j}`` and ``delta^_t = z(G_t) - A~_{t,k*}``
     (``cv``) or ``m_t z(G_t)`` (``event``), ``z`` the batch z-score, ``m_t`` "an event in the window";
+    with ``baseline=evpo`` the grounded advantage in place of ``z(G)`` is ``G - V`` (a learned
+    critic ``V``) when the critic's batch explained variance is above a threshold, else ``G - mean G``,
+    scaled by its population std (EVPO: the lower-variance baseline of the two, per update);
 (4) loss             ``L = L_proxy + lambda_res L_res + beta_sd L_SD`` with dual-clipped PPO
     surrogates on the ratios ``pi / pi_old`` (all candidates with ``A~``; ``k*`` with ``delta^``)
     and ``L_SD`` the student-teacher KL;
@@ -34,18 +37,21 @@ events) and the on-policy loop belong to the driver.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from robo_post.models.candidate_policy import CandidatePolicy
+from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyConfig
+from robo_post.models.encoders import ObservationEncoder, mlp
 
 RESIDUAL_MODES = ("cv", "event")
 PROXY_WEIGHTS = ("uniform", "policy")
 KL_DIRECTIONS = ("reverse", "forward")
 KL_GATES = ("none", "nonpositive_adv")
+BASELINES = ("batch", "evpo")
 
 
 MAX_LOG_RATIO = 20.0
@@ -174,37 +180,125 @@ def event_mask(events: torch.Tensor, window: int) -> torch.Tensor:
     return out
 
 
+def batch_centre(x: torch.Tensor) -> torch.Tensor:
+    """``x - mean(x)`` over the whole batch; exact zeros for a constant batch."""
+    shifted = x - x.reshape(-1)[0]  # exact zeros for a constant batch (see group_advantages)
+    return shifted - shifted.mean()
+
+
 def batch_zscore(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """``(x - mean) / (std + eps)`` over the whole batch (population std); all zeros for a constant batch."""
-    shifted = x - x.reshape(-1)[0]  # exact zeros for a constant batch (see group_advantages)
-    centred = shifted - shifted.mean()
+    centred = batch_centre(x)
     return centred / (centred.pow(2).mean().sqrt() + eps)
 
 
-def residual(G: torch.Tensor, proxy_adv_executed: torch.Tensor, mode: str = "cv",
-             event_mask: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+# --- (3') EVPO: the grounded advantage's baseline, chosen per update ---------------------------
+def explained_variance(G: torch.Tensor, V: torch.Tensor) -> float:
+    """Batch explained variance of the critic ``V`` for the targets ``G``: ``1 - Var_B(G - V) / Var_B(G)``.
+
+    Population variances, in float64; ``nan`` when ``Var_B(G) = 0`` (as Stable-Baselines3's
+    ``explained_variance``). Computed as ``(2 Cov(G, V) - Var(V)) / Var(G)``, the same value, so
+    that a constant ``V`` gives exactly 0 and ``V = G`` exactly 1 (no rounding across the tie).
+    """
+    g, v = batch_centre(G.double().reshape(-1)), batch_centre(V.double().reshape(-1))
+    var_g = g.pow(2).mean()
+    if var_g == 0:
+        return math.nan
+    return float((2.0 * (g * v).mean() - v.pow(2).mean()) / var_g)
+
+
+def evpo_advantages(G: torch.Tensor, V: torch.Tensor, threshold: float = 0.0
+                    ) -> tuple[torch.Tensor, float, bool]:
+    """EVPO's hard gate: ``(advantages, ev, use_critic)``.
+
+    ``G - V`` (critic baseline) when ``ev > threshold``, else ``G - mean(G)`` (batch mean);
+    a tie or an undefined ``ev`` (constant ``G``) takes the batch mean, whose advantages are
+    then all 0. With population variances ``Var_B(G - mean G) = Var_B(G)``, so at threshold 0
+    the gate picks exactly the baseline with the lower batch variance.
+    """
+    ev = explained_variance(G, V)
+    use_critic = not math.isnan(ev) and ev > threshold
+    adv = G - V.to(G.dtype) if use_critic else batch_centre(G)
+    return adv, ev, use_critic
+
+
+def scale_advantages(adv: torch.Tensor, centred: bool, eps: float = 1e-5) -> torch.Tensor:
+    """``adv / (std_B(adv) + eps)`` (population std) without re-centring ``adv``.
+
+    ``centred``: ``adv`` is ``batch_centre`` of the targets (the batch-mean baseline), whose std is
+    its root mean square: the arithmetic of ``batch_zscore``, so that branch is bit for bit
+    ``z(G)``. Otherwise (``G - V``) the std is taken about ``adv``'s own mean but the mean stays:
+    subtracting it would put the batch mean back in place of the critic's baseline.
+    """
+    spread = adv if centred else batch_centre(adv)
+    return adv / (spread.pow(2).mean().sqrt() + eps)
+
+
+def grounded_advantage(G: torch.Tensor, V: torch.Tensor | None = None, threshold: float = 0.0,
+                       eps: float = 1e-5) -> tuple[torch.Tensor, float, bool]:
+    """The scaled grounded advantage of the executed candidates (B,), ``ev`` and ``use_critic``.
+
+    Without a critic (``V`` is ``None``, ``baseline=batch``): ``z(G)``, ``nan``, ``False``.
+    With one (``baseline=evpo``): ``evpo_advantages`` scaled by ``scale_advantages``.
+    """
+    G = G.float()
+    if V is None:
+        return batch_zscore(G, eps), math.nan, False
+    adv, ev, use_critic = evpo_advantages(G, V.float(), threshold)
+    return scale_advantages(adv, not use_critic, eps), ev, use_critic
+
+
+def residual(advantage: torch.Tensor, proxy_adv_executed: torch.Tensor, mode: str = "cv",
+             event_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The residual estimate ``delta^_t`` on the executed candidate (B,).
 
-    ``z(G)`` (the batch z-score of the event returns) stands in for the true advantage of
-    ``k*``. Mode ``cv`` (control variate): ``z(G) - A~_{k*}``, the part of the true
-    advantage the proxy missed. Mode ``event``: ``m * z(G)``, the grounded signal only on
-    states with an interaction-critical event in the window (``event_mask``).
+    ``advantage`` (B,), the scaled grounded advantage of ``grounded_advantage`` (``z(G)`` with
+    the batch-mean baseline), stands in for the true advantage of ``k*``. Mode ``cv``
+    (control variate): ``advantage - A~_{k*}``, the part of the true advantage the proxy
+    missed. Mode ``event``: ``m * advantage``, the grounded signal only on states with an
+    interaction-critical event in the window (``event_mask``).
     """
-    z = batch_zscore(G.float(), eps)
     if mode == "cv":
-        return z - proxy_adv_executed.to(z.dtype)
+        return advantage - proxy_adv_executed.to(advantage.dtype)
     if mode == "event":
         if event_mask is None:
             raise CraftConfigError("craft residual_mode='event' needs event_mask")
-        return event_mask.to(z.dtype) * z
+        return event_mask.to(advantage.dtype) * advantage
     raise CraftConfigError(f"craft residual_mode {mode!r}; choose one of {RESIDUAL_MODES}")
 
 
-def residual_for_batch(G: torch.Tensor, proxy_adv: torch.Tensor, chosen: torch.Tensor, mode: str = "cv",
-                       event_mask: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+def residual_for_batch(advantage: torch.Tensor, proxy_adv: torch.Tensor, chosen: torch.Tensor, mode: str = "cv",
+                       event_mask: torch.Tensor | None = None) -> torch.Tensor:
     """``residual`` from the full proxy advantages (B, K) and the executed indices ``chosen`` (B,)."""
     executed = proxy_adv.gather(-1, chosen.long()[:, None])[:, 0]
-    return residual(G, executed, mode, event_mask, eps)
+    return residual(advantage, executed, mode, event_mask)
+
+
+# --- EVPO's critic ---------------------------------------------------------------------------
+class WindowValue(nn.Module):
+    """EVPO's critic: a state's expected event-window return ``V(s) ~ E[G_t | s_t = s]``.
+
+    The candidate policy's observation encoder and MLP widths with its own weights and a
+    one-output head; ``for_policy`` copies the policy's state statistics, so both read the
+    same standardised state.
+    """
+
+    def __init__(self, config: CandidatePolicyConfig):
+        super().__init__()
+        self.encoder = ObservationEncoder(config.features, config.use_text, config.embed_dim, config.hidden_dim)
+        self.head = mlp([config.hidden_dim, config.hidden_dim, 1])
+
+    @classmethod
+    def for_policy(cls, policy: CandidatePolicy) -> "WindowValue":
+        """A fresh critic for ``policy``'s observations, on its device."""
+        critic = cls(policy.config).to(policy.device)
+        critic.encoder.state_mean.copy_(policy.encoder.state_mean)
+        critic.encoder.state_std.copy_(policy.encoder.state_std)
+        return critic
+
+    def forward(self, obs: dict[str, Any]) -> torch.Tensor:
+        """Values (B,) at a batch of observations."""
+        return self.head(self.encoder(obs))[:, 0]
 
 
 # --- (5) EMA teacher --------------------------------------------------------------------------
@@ -306,6 +400,11 @@ class CraftConfig:
         lambda_res: weight of the residual loss (4 measured against 1, at which the proxy's
             pull towards speed, and the crashes that follow it, stayed uncorrected; docs/results.md).
         residual_mode: ``cv`` (control variate ``z(G) - A~_{k*}``) or ``event`` (``m z(G)``).
+        baseline: the grounded advantage's baseline. ``batch``: the batch mean (``z(G)``,
+            value-free). ``evpo``: a learned critic ``WindowValue`` of ``G``, used in place of
+            the batch mean in an update only when its batch explained variance exceeds
+            ``evpo_threshold``; the critic trains (MSE on ``G``) in every update either way.
+        evpo_threshold: the explained variance the critic must exceed (0: it must beat the batch mean).
         kl_direction: ``reverse`` = KL(student || teacher) (mode-seeking: penalises mass the
             teacher lacks) or ``forward`` = KL(teacher || student).
         kl_gate: ``none`` applies the KL on every state. ``nonpositive_adv`` reads
@@ -345,6 +444,8 @@ class CraftConfig:
     beta_sd: float = 0.05
     lambda_res: float = 4.0
     residual_mode: str = "cv"
+    baseline: str = "batch"
+    evpo_threshold: float = 0.0
     kl_direction: str = "reverse"
     kl_gate: str = "none"
     proxy_weight: str = "uniform"
@@ -377,13 +478,16 @@ class CraftConfig:
         for name, value, choices in (("residual_mode", self.residual_mode, RESIDUAL_MODES),
                                      ("kl_direction", self.kl_direction, KL_DIRECTIONS),
                                      ("kl_gate", self.kl_gate, KL_GATES),
-                                     ("proxy_weight", self.proxy_weight, PROXY_WEIGHTS)):
+                                     ("proxy_weight", self.proxy_weight, PROXY_WEIGHTS),
+                                     ("baseline", self.baseline, BASELINES)):
             if value not in choices:
                 raise CraftConfigError(f"craft {name}={value!r}; choose one of {choices}")
         if not (self.use_proxy or self.use_residual):
             raise CraftConfigError("craft use_proxy and use_residual are both off: no policy-gradient term left")
         if not 0.0 < self.eps_clip < 1.0:
             raise CraftConfigError(f"craft eps_clip must be in (0, 1), got {self.eps_clip}")
+        if math.isnan(self.evpo_threshold):
+            raise CraftConfigError("craft evpo_threshold is NaN; give a number (0: the critic must beat the mean)")
         if self.dual_c <= 1.0:
             raise CraftConfigError(f"craft dual_c must be > 1, got {self.dual_c}")
         if not 0.0 <= self.ema_m <= 1.0:
@@ -397,13 +501,16 @@ class CraftConfig:
 
 
 BATCH_KEYS = ("obs", "proxy_adv", "chosen", "old_logits", "delta")
+CRITIC_KEYS = ("event_return",)  # the critic's regression target, in batches of ``baseline=evpo``
 
 
 class Craft:
     """Student, EMA teacher and optimiser; ``update(batch)`` is one gradient step of the loss (4).
 
     Built from a pre-trained ``CandidatePolicy``: the student is a copy of it (the
-    reference is left untouched), the teacher an ``EMATeacher`` of it.
+    reference is left untouched), the teacher an ``EMATeacher`` of it. With
+    ``baseline=evpo`` also a critic ``WindowValue`` with its own optimiser (``critic``
+    in ``modules`` and ``optimizers``, so checkpoints carry it).
 
     Args:
         config: hyperparameters.
@@ -416,14 +523,40 @@ class Craft:
         self.policy = copy.deepcopy(reference).to(device).requires_grad_(True)
         self.teacher = EMATeacher(self.policy)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.critic: WindowValue | None = None
+        self.critic_optimizer: torch.optim.Optimizer | None = None
+        if config.baseline == "evpo":
+            self.critic = WindowValue.for_policy(self.policy)
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=config.lr,
+                                                      weight_decay=config.weight_decay)
 
     @property
     def modules(self) -> dict[str, nn.Module]:
-        return {"policy": self.policy, "teacher": self.teacher}
+        """The networks a checkpoint saves, by name."""
+        critic = {"critic": self.critic} if self.critic is not None else {}
+        return {"policy": self.policy, "teacher": self.teacher} | critic
 
     @property
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        return {"policy": self.optimizer}
+        """The optimisers a checkpoint saves, by name."""
+        critic = {"critic": self.critic_optimizer} if self.critic_optimizer is not None else {}
+        return {"policy": self.optimizer} | critic
+
+    def _critic(self) -> tuple[WindowValue, torch.optim.Optimizer]:
+        if self.critic is None or self.critic_optimizer is None:
+            raise CraftConfigError(f"craft baseline={self.config.baseline!r} has no critic; it needs baseline='evpo'")
+        return self.critic, self.critic_optimizer
+
+    @torch.no_grad()
+    def values(self, obs: dict[str, Any]) -> torch.Tensor:
+        """The critic's values (B,) at a batch of observations, on the CPU (no gradient).
+
+        Raises:
+            CraftConfigError: the method has no critic (``baseline`` is not ``evpo``).
+        """
+        critic, _ = self._critic()
+        critic.eval()
+        return critic(obs).float().cpu()
 
     def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The student as a ``candidate`` artifact."""
@@ -442,11 +575,15 @@ class Craft:
         ``batch``: ``obs`` (model inputs), ``proxy_adv`` (B, K) group advantages, ``chosen``
         (B,) executed indices, ``old_logits`` (B, K) of the acting policy, ``delta`` (B,)
         residuals (computed over the whole on-policy batch before minibatching), optional
-        ``valid`` (B, K) bool candidate mask. Metrics are 0-d detached tensors.
+        ``valid`` (B, K) bool candidate mask; with a critic also ``event_return`` (B,), the
+        ``G`` its MSE loss regresses on. The critic takes its own step on the same minibatch
+        whichever baseline the residual used (its loss reads neither ``delta`` nor the gate).
+        Metrics are 0-d detached tensors (``value_loss`` with a critic).
         """
-        missing = [k for k in BATCH_KEYS if k not in batch]
+        needed = BATCH_KEYS + (CRITIC_KEYS if self.critic is not None else ())
+        missing = [k for k in needed if k not in batch]
         if missing:
-            raise CraftBatchError(f"craft batch lacks {missing}; it needs {list(BATCH_KEYS)} (+ optional 'valid')")
+            raise CraftBatchError(f"craft batch lacks {missing}; it needs {list(needed)} (+ optional 'valid')")
         c, device = self.config, self.policy.device
         valid = batch.get("valid")
         valid = None if valid is None else valid.to(device, torch.bool)
@@ -487,9 +624,27 @@ class Craft:
             kl_old = categorical_kl(old_logits, logits.detach(), valid).mean()
             w = torch.ones_like(ratio) if valid is None else valid.float()
             clip_fraction = (((ratio - 1.0).abs() > c.eps_clip).float() * w).sum() / w.sum()
-        return {"loss": loss.detach(), "proxy_loss": proxy_loss.detach(), "residual_loss": residual_loss.detach(),
-                "sd_loss": sd_loss.detach(), "kl_teacher": kl_teacher.detach().mean(), "kl_old": kl_old,
-                "clip_fraction": clip_fraction, "grad_norm": grad_norm.detach()}
+        metrics = {"loss": loss.detach(), "proxy_loss": proxy_loss.detach(), "residual_loss": residual_loss.detach(),
+                   "sd_loss": sd_loss.detach(), "kl_teacher": kl_teacher.detach().mean(), "kl_old": kl_old,
+                   "clip_fraction": clip_fraction, "grad_norm": grad_norm.detach()}
+        if self.critic is not None:
+            metrics["value_loss"] = self.update_critic(batch["obs"], batch["event_return"])
+        return metrics
+
+    def update_critic(self, obs: dict[str, Any], event_return: torch.Tensor) -> torch.Tensor:
+        """One step of the critic's ``MSE(V(s), G)``; returns the loss before the step (0-d, detached).
+
+        Raises:
+            CraftConfigError: the method has no critic (``baseline`` is not ``evpo``).
+        """
+        critic, optimizer = self._critic()
+        critic.train()
+        loss = (critic(obs) - event_return.to(self.policy.device).float()).pow(2).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(critic.parameters(), self.config.grad_clip)
+        optimizer.step()
+        return loss.detach()
 
     def fit(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         """``config.epochs`` shuffled passes of ``update`` over one on-policy batch in minibatches.

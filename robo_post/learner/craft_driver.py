@@ -11,27 +11,31 @@ One ``robo-post train algo=craft store=S`` run:
    (``<store>-online``), recording per step the policy's logits and chosen index and
    the env's candidate proxy scores and events as store extras -> the learner reads
    them from a snapshot, computes group advantages and grounded residuals over the
-   whole batch and runs ``epochs`` of minibatch updates -> next version.
+   whole batch (with ``algo.baseline=evpo``, against the critic's values at the batch's
+   states before the update when its explained variance allows, else the batch mean) and
+   runs ``epochs`` of minibatch updates -> next version.
 3. **Publish** the final student acting greedily (argmax), for evaluation and deployment.
 
 A killed run resumes after its last finished iteration (checkpoint: student, teacher,
-optimiser, iteration); episodes already recorded for the next version are reused.
+optimisers, iteration, and the critic with ``baseline=evpo``); episodes already recorded
+for the next version are reused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from robo_post.algos.craft import (CraftConfig, bc_pretrain, event_mask, event_returns, group_advantages,
-                                   residual_for_batch)
+from robo_post.algos.craft import (CraftConfig, CraftConfigError, bc_pretrain, event_mask, event_returns,
+                                   grounded_advantage, group_advantages, residual_for_batch)
 from robo_post.algos.registry import MethodSpec
 from robo_post.envs.registry import env_spec
 from robo_post.learner.drivers import finished_run, register_driver, resolve_device, select_episodes
@@ -121,8 +125,23 @@ def online_store(root: str, env: str, env_kwargs: dict[str, Any], k: int, oracle
 
 
 def on_policy_batch(config: CraftConfig, obs: dict[str, np.ndarray], extras: dict[str, np.ndarray],
-                    lengths: list[int], event_weights: np.ndarray) -> dict[str, Any]:
-    """The update batch of one iteration: group advantages per state, residuals over the whole batch."""
+                    lengths: list[int], event_weights: np.ndarray,
+                    critic: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The update batch of one iteration and its baseline statistics.
+
+    Group advantages per state, residuals over the whole batch. With ``baseline=evpo``,
+    ``critic`` maps the batch's observations to values (B,) before any update of this
+    iteration (the values "at collection time"); the residual's baseline is then chosen
+    by their explained variance, the batch carries the event returns as ``event_return``
+    (the critic's target), and the statistics are ``evpo_ev`` (``None`` when undefined)
+    and ``evpo_gate`` (1 critic, 0 batch mean). With ``baseline=batch`` they are empty.
+
+    Raises:
+        CraftConfigError: ``baseline=evpo`` without a ``critic``.
+    """
+    if config.baseline == "evpo" and critic is None:
+        raise CraftConfigError("craft baseline='evpo' needs the critic's values: pass on_policy_batch a critic")
     scores = torch.as_tensor(extras["proxy_scores"], dtype=torch.float32)
     proxy_adv = group_advantages(scores, config.adv_eps)
     chosen = torch.as_tensor(extras["chosen"], dtype=torch.long)
@@ -130,14 +149,21 @@ def on_policy_batch(config: CraftConfig, obs: dict[str, np.ndarray], extras: dic
     # negatively weighted entries are the interaction-critical events of mode `event`'s mask; a
     # positively weighted one (progress) is paid every step and would mark every window
     penalties = torch.as_tensor(extras["events"] @ np.minimum(event_weights, 0.0), dtype=torch.float32)
-    G, mask, start = [], [], 0
+    returns, mask, start = [], [], 0
     for n in lengths:  # windows never cross an episode boundary
-        G.append(event_returns(rewards[start:start + n], config.gamma_event, config.window))
+        returns.append(event_returns(rewards[start:start + n], config.gamma_event, config.window))
         mask.append(event_mask(penalties[start:start + n], config.window))
         start += n
-    delta = residual_for_batch(torch.cat(G), proxy_adv, chosen, config.residual_mode, torch.cat(mask), config.adv_eps)
-    return {"obs": {k: torch.as_tensor(v) for k, v in obs.items()}, "proxy_adv": proxy_adv, "chosen": chosen,
-            "old_logits": torch.as_tensor(extras["logits"], dtype=torch.float32), "delta": delta}
+    G = torch.cat(returns)
+    batch_obs = {k: torch.as_tensor(v) for k, v in obs.items()}
+    V = critic(batch_obs) if config.baseline == "evpo" else None
+    advantage, ev, use_critic = grounded_advantage(G, V, config.evpo_threshold, config.adv_eps)
+    delta = residual_for_batch(advantage, proxy_adv, chosen, config.residual_mode, torch.cat(mask))
+    batch = {"obs": batch_obs, "proxy_adv": proxy_adv, "chosen": chosen,
+             "old_logits": torch.as_tensor(extras["logits"], dtype=torch.float32), "delta": delta}
+    if V is None:
+        return batch, {}
+    return batch | {"event_return": G}, {"evpo_ev": None if math.isnan(ev) else ev, "evpo_gate": int(use_critic)}
 
 
 def proxy_oracle_correlation(extras: dict[str, np.ndarray], eps: float = 1e-5) -> float | None:
@@ -228,14 +254,15 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         snap = online.snapshot()
         episodes = snap.episodes(policy_version=version)
         obs, _, extras, lengths = _load(snap, episodes)
-        batch = on_policy_batch(config, obs, extras, lengths, event_weights)
+        batch, baseline_stats = on_policy_batch(config, obs, extras, lengths, event_weights,
+                                                method.values if config.baseline == "evpo" else None)
         metrics = {k: float(v) for k, v in method.fit(batch, torch.Generator().manual_seed(cfg.seed + i)).items()}
         state["updates"] = state.get("updates", 0) + config.epochs * -(-len(batch["chosen"]) // config.minibatch)
         row = {"update": state["updates"], "iteration": i + 1, "version": version, "time": time.time(), "episodes": len(episodes),
                "steps": int(sum(lengths)), "episode_return": float(np.mean([e.ret for e in episodes])),
                "collision": float(np.mean([bool((e.attrs.get("metrics") or {}).get("collision")) for e in episodes])),
                "mean_speed": float(np.mean([(e.attrs.get("metrics") or {}).get("mean_speed", np.nan) for e in episodes])),
-               "proxy_oracle_corr": proxy_oracle_correlation(extras, config.adv_eps), **metrics}
+               "proxy_oracle_corr": proxy_oracle_correlation(extras, config.adv_eps), **metrics, **baseline_stats}
         with open(log_path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if cfg.show:
