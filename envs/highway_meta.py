@@ -1,14 +1,32 @@
-"""highway-env's fast highway with discrete meta-actions, a candidate vocabulary and
+"""highway-env driving scenes with discrete meta-actions, a candidate vocabulary and
 counterfactual scoring of candidate futures.
 
-:class:`HighwayMetaEnv` is highway-env's ``highway-fast-v0`` (3 lanes, 20 vehicles,
-30 s episodes, decisions at 1 Hz, simulation at 5 Hz) behind robo-post's env
-conventions:
+:class:`HighwayMetaEnv` is one of three highway-env scenes (:data:`SCENARIOS`) behind
+robo-post's env conventions:
 
-- action ``Discrete(5)``: ``0 LANE_LEFT, 1 IDLE, 2 LANE_RIGHT, 3 FASTER, 4 SLOWER``;
+- ``highway``: ``HighwayEnvFast`` (3 lanes, 20 vehicles, 30 s episodes, simulation at
+  5 Hz), ego target speeds 20, 25, 30 m/s;
+- ``merge``: ``MergeEnv`` (2 lanes, 3 vehicles and one merging from the on-ramp,
+  simulation at 15 Hz; the episode ends once the ego has passed the ramp, or after 20 s),
+  target speeds 20, 25, 30 m/s;
+- ``roundabout``: ``RoundaboutEnv`` (4 vehicles on routes, 11 s episodes, simulation at
+  15 Hz), target speeds 0, 8, 16 m/s.
+
+Decisions are at each scene's policy frequency, 1 Hz in all three.
+
+Every scene has the same interface, so one policy architecture reads all three:
+
+- action ``Discrete(5)``: ``0 LANE_LEFT, 1 IDLE, 2 LANE_RIGHT, 3 FASTER, 4 SLOWER``
+  (FASTER / SLOWER step through the scene's own target speeds, above);
 - observation ``{"state": Box(-1, 1, (25,), float32)}``, highway-env's normalized 5x5
-  Kinematics table (ego first) flattened row by row;
-- highway-env's reward, unchanged;
+  Kinematics table (``presence, x, y, vx, vy`` of the ego and its 4 nearest vehicles,
+  others relative to the ego) flattened row by row, with highway-fast's normalization
+  ranges in every scene (x +-200 m, y +-12 m, vx and vy +-80 m/s);
+- the scene's highway-env reward, unchanged (its terms differ per scene: merge adds
+  ``lane_change_reward`` and ``merging_speed_reward``, has no ``on_road_reward``, does not
+  clip ``high_speed_reward`` and reports the lane id as ``right_lane_reward`` (2 on the
+  ramp's merge lane); the roundabout has no ``right_lane_reward`` and its
+  ``high_speed_reward`` is the ego's target-speed index over 2);
 - info: highway-env's ``crashed``, ``speed`` and ``rewards`` plus ``ttc_front`` [s] and
   the step's ``events`` vector (:data:`EVENTS`).
 
@@ -36,8 +54,13 @@ from typing import Any, Mapping, Sequence, SupportsFloat
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
+from highway_env import utils
 from highway_env.envs.common.abstract import AbstractEnv
 from highway_env.envs.highway_env import HighwayEnvFast
+from highway_env.envs.merge_env import MergeEnv
+from highway_env.envs.roundabout_env import RoundaboutEnv
+from highway_env.road.lane import AbstractLane
+from highway_env.vehicle.kinematics import Vehicle
 
 from robo_post.envs.driving import _gap_and_closing_speed, _time_to_collision, make_non_reactive
 
@@ -53,6 +76,7 @@ __all__ = [
     "EVENTS",
     "EVENT_WEIGHTS",
     "PROXY_WEIGHTS",
+    "SCENARIOS",
     "TTC_THRESHOLD",
     "HeuristicDriver",
     "HighwayMetaEnv",
@@ -85,8 +109,11 @@ TTC_THRESHOLD = 1.5
 
 EVENTS: tuple[str, ...] = ("crash", "ttc_breach", "progress")
 """Entries of the per-step ``info["events"]`` vector: ``crash`` and ``ttc_breach`` are 1.0 if
-they happened, else 0.0; ``progress`` is highway-env's ``high_speed_reward`` term of the step
-(0 at or below 20 m/s, 1 at 30 m/s), the optional progress signal of the grounded residual."""
+they happened, else 0.0; ``progress`` is the scene's ``high_speed_reward`` term of the step
+clipped to [0, 1] (highway and merge: 0 at or below 20 m/s, 1 at 30 m/s; roundabout: the
+ego's target-speed index over 2), the optional progress signal of the grounded residual.
+For a scene that reports no such term it is highway-env's definition of it: the ego's
+forward speed mapped from the scene's ``reward_speed_range`` to [0, 1], clipped."""
 
 EVENT_WEIGHTS: tuple[float, ...] = (-1.0, -0.3, 0.0)
 """Default reward of each entry of :data:`EVENTS` (see :func:`event_reward`): progress is
@@ -97,13 +124,16 @@ PROXY_WEIGHTS: Mapping[str, float] = types.MappingProxyType(
 )
 """Default per-step weights of the counterfactual score (see :func:`counterfactual_scores`)."""
 
+SCENARIOS: tuple[str, ...] = ("highway", "merge", "roundabout")
+"""Scenes accepted by ``HighwayMetaEnv(scenario=...)`` (see the module docstring)."""
+
 # Proxy weight name -> highway-env reward term it weighs ("ttc" is computed here).
 _REWARD_TERMS = {"high_speed": "high_speed_reward", "right_lane": "right_lane_reward",
                  "collision": "collision_reward"}
 
 
 class InvalidHighwayConfigError(ValueError):
-    """A highway config entry (or render mode) this env does not accept: unknown, or fixed by the env."""
+    """A scenario, config entry or render mode this env does not accept: unknown, or fixed by the env."""
 
 
 class InvalidMetaActionError(ValueError):
@@ -114,12 +144,69 @@ class InvalidCandidatesError(ValueError):
     """A candidate set, score weight or discount that counterfactual scoring cannot use."""
 
 
+class _MergeEnv(MergeEnv):
+    """highway-env's merge with a time limit (``duration`` [s]): the scene itself ends only
+    once the ego has passed the ramp, which at the lowest target speed takes about 17 s."""
+
+    @classmethod
+    def default_config(cls) -> dict:
+        return {**super().default_config(), "duration": 20}
+
+    def _is_truncated(self) -> bool:
+        return self.time >= self.config["duration"]
+
+
+# highway-fast's observation, spelled out for the scenes whose defaults differ (the roundabout's
+# is absolute with its own ranges; merge's y range would follow its 2 lanes): the ranges
+# highway-env derives on highway-fast's 3-lane road, so one policy reads every scene.
+_KINEMATICS = {
+    "type": "Kinematics",
+    "vehicles_count": 5,
+    "features": ["presence", "x", "y", "vx", "vy"],
+    "features_range": {
+        "x": [-5.0 * Vehicle.MAX_SPEED, 5.0 * Vehicle.MAX_SPEED],
+        "y": [-AbstractLane.DEFAULT_WIDTH * 3, AbstractLane.DEFAULT_WIDTH * 3],
+        "vx": [-2.0 * Vehicle.MAX_SPEED, 2.0 * Vehicle.MAX_SPEED],
+        "vy": [-2.0 * Vehicle.MAX_SPEED, 2.0 * Vehicle.MAX_SPEED],
+    },
+    "absolute": False,
+    "normalize": True,
+    "clip": True,
+    "order": "sorted",
+}
+
+# scenario -> (highway-env scene class, observation config it needs; None: its default).
+# Every scene's default action is DiscreteMetaAction with its own target speeds.
+_SCENES: dict[str, tuple[type[AbstractEnv], dict | None]] = {
+    "highway": (HighwayEnvFast, None),
+    "merge": (_MergeEnv, _KINEMATICS),
+    "roundabout": (RoundaboutEnv, _KINEMATICS),
+}
+
+
+def _progress(core: AbstractEnv, rewards: Mapping[str, float]) -> float:
+    """The ``progress`` entry of :data:`EVENTS`."""
+    if "high_speed_reward" in rewards:
+        return float(np.clip(rewards["high_speed_reward"], 0.0, 1.0))  # merge's term is not clipped
+    if "reward_speed_range" not in core.config:
+        raise InvalidHighwayConfigError(
+            f"{type(core).__name__} reports no high_speed_reward and has no reward_speed_range to derive progress from")
+    ego = core.vehicle
+    scaled = utils.lmap(ego.speed * np.cos(ego.heading), core.config["reward_speed_range"], [0.0, 1.0])
+    return float(np.clip(scaled, 0.0, 1.0))
+
+
 def step_events(core: AbstractEnv, rewards: Mapping[str, float]) -> np.ndarray:
     """The :data:`EVENTS` vector of a highway-env scene's current state, float32 (3,);
-    ``rewards`` are the step's reward terms (``info["rewards"]``)."""
+    ``rewards`` are the step's reward terms (``info["rewards"]``).
+
+    Raises:
+        InvalidHighwayConfigError: ``rewards`` has no ``high_speed_reward`` and the scene's
+            config no ``reward_speed_range``.
+    """
     ego = core.vehicle
     ttc = _time_to_collision(core.road, ego)
-    return np.array([float(ego.crashed), float(ttc < TTC_THRESHOLD), rewards["high_speed_reward"]], dtype=np.float32)
+    return np.array([float(ego.crashed), float(ttc < TTC_THRESHOLD), _progress(core, rewards)], dtype=np.float32)
 
 
 def event_reward(events: np.ndarray | Sequence[float], weights: Sequence[float] = EVENT_WEIGHTS
@@ -139,43 +226,54 @@ def event_reward(events: np.ndarray | Sequence[float], weights: Sequence[float] 
 
 
 class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
-    """highway-env's fast highway with discrete meta-actions (see the module docstring).
+    """A highway-env scene with discrete meta-actions (see the module docstring).
 
-    ``terminated`` on a crash, ``truncated`` when the episode time (``duration`` s)
-    is up. Info keys on every step: ``crashed``, ``speed`` [m/s], ``rewards``
-    (highway-env's reward terms), ``ttc_front`` [s] (``inf``: nobody ahead in the
-    lane, or not closing in), ``events`` (float32 (3,), :data:`EVENTS`).
+    ``terminated`` on a crash (merge: also once the ego has passed the ramp),
+    ``truncated`` when the episode time (``duration`` s) is up. Info keys on every
+    step: ``crashed``, ``speed`` [m/s], ``rewards`` (the scene's highway-env reward
+    terms), ``ttc_front`` [s] (``inf``: nobody ahead in the lane, or not closing in),
+    ``events`` (float32 (3,), :data:`EVENTS`).
 
     Args:
+        scenario: one of :data:`SCENARIOS`.
         oracle: :meth:`candidate_extras` also scores candidates in exact clones
             (``oracle_scores``); an exact clone steps about 3.5x slower than a
             non-reactive one (its traffic runs IDM and lane-change decisions).
         continuation: IDLE steps scored after each candidate's own actions in
             :meth:`candidate_extras` (see :func:`counterfactual_scores`).
         render_mode: ``None`` or ``"rgb_array"``.
-        **config: highway-env config entries (``vehicles_count``, ``lanes_count``,
-            ``duration`` [s], ...); the observation and action types are fixed.
+        **config: config entries of the scenario's highway-env scene (highway:
+            ``vehicles_count``, ``lanes_count``, ``duration`` [s], ...); the
+            observation and action types are fixed.
 
     Raises:
-        InvalidHighwayConfigError: an unknown config key, or ``observation`` / ``action``.
+        InvalidHighwayConfigError: an unknown scenario, a config key the scenario's
+            scene does not know, or ``observation`` / ``action``.
     """
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": 1}
 
-    def __init__(self, oracle: bool = False, continuation: int = CONTINUATION, render_mode: str | None = None,
-                 **config: Any) -> None:
+    def __init__(self, scenario: str = "highway", oracle: bool = False, continuation: int = CONTINUATION,
+                 render_mode: str | None = None, **config: Any) -> None:
+        if scenario not in _SCENES:
+            raise InvalidHighwayConfigError(f"unknown scenario {scenario!r}; choose from {SCENARIOS}")
         if render_mode not in (None, *self.metadata["render_modes"]):
             raise InvalidHighwayConfigError(f"unsupported render_mode {render_mode!r}")
-        known = HighwayEnvFast.default_config()
+        scene, observation = _SCENES[scenario]
+        known = scene.default_config()
         fixed = {"observation", "action"} & config.keys()
         if fixed:
             raise InvalidHighwayConfigError(f"HighwayMetaEnv fixes the observation and action types; got {sorted(fixed)}")
         unknown = sorted(config.keys() - known.keys())
         if unknown:
-            raise InvalidHighwayConfigError(f"unknown highway-env config keys {unknown}; known: {sorted(known)}")
+            raise InvalidHighwayConfigError(
+                f"unknown highway-env config keys {unknown} for scenario {scenario!r}; known: {sorted(known)}")
         if continuation < 0:
             raise InvalidCandidatesError(f"continuation must be >= 0 steps, got {continuation}")
-        self._core = HighwayEnvFast(config=config, render_mode=render_mode)
+        if observation is not None:
+            config = {**config, "observation": copy.deepcopy(observation)}
+        self._core = scene(config=config, render_mode=render_mode)
+        self.scenario = scenario
         self.oracle = oracle
         self.continuation = int(continuation)
         self.render_mode = render_mode
@@ -280,12 +378,15 @@ def counterfactual_scores(
     candidate's meta-actions, stopping after a crash or at the episode's end; the
     score is ``sum_h gamma^h (w_high_speed high_speed_h + w_right_lane right_lane_h +
     w_collision collision_h + w_ttc 1[ttc_front_h < TTC_THRESHOLD])`` with the
-    first three terms from the copy's ``info["rewards"]``.
+    first three terms from the copy's ``info["rewards"]`` as the scene reports them; a
+    term the scene does not report counts 0, whatever its weight (the roundabout has
+    no ``right_lane_reward``).
 
     With ``reactive=False`` the other vehicles of the copy hold their speed and lane
-    (zero acceleration, lane-keeping steering): a world model that ignores how
-    traffic reacts to the ego. With ``reactive=True`` the copy is exact (its random
-    generator is a copy too), so the score is the candidate's true outcome.
+    (zero acceleration, lane-keeping steering; in the roundabout they keep following
+    their routes): a world model that ignores how traffic reacts to the ego. With
+    ``reactive=True`` the copy is exact (its random generator is a copy too), so the
+    score is the candidate's true outcome.
 
     ``env`` is never modified and its random generator is never drawn from.
 
@@ -329,7 +430,8 @@ def counterfactual_scores(
         twin = _clone(core, reactive)
         for h, action in enumerate([*candidate, *[IDLE] * continuation]):
             _, _, terminated, truncated, info = twin.step(int(action))
-            step = sum(weights[name] * info["rewards"][term] for name, term in _REWARD_TERMS.items())
+            # A term the scene does not report (roundabout: right_lane) contributes 0.
+            step = sum(weights[name] * info["rewards"].get(term, 0.0) for name, term in _REWARD_TERMS.items())
             step += weights["ttc"] * float(_time_to_collision(twin.road, twin.vehicle) < TTC_THRESHOLD)
             scores[k] += gamma**h * step
             if terminated or truncated:
@@ -344,6 +446,12 @@ class HeuristicDriver:
     With probability ``noise`` it instead takes a uniformly random meta-action (lane
     changes included), drawn from its own seeded generator. Reads privileged state
     from ``env.unwrapped.core`` and never modifies it.
+
+    "Ahead in the ego's lane" is highway-env's ``road.neighbour_vehicles``: the ego's
+    current lane segment only, unless the scene is configured with
+    ``neighbour_vehicles_connected_lanes=True`` (then the next and previous segments
+    too). That matters off the highway: merge's road has three segments and the
+    roundabout's ring is made of arcs about 15-20 m long.
     """
 
     MIN_GAP = 20.0  # [m]

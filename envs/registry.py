@@ -517,6 +517,8 @@ def _highway_meta_metrics(infos: list[Mapping[str, Any]]) -> dict[str, Metric]:
     }
 
 
+# Env kwargs: scenario (highway | merge | roundabout, highway_meta.SCENARIOS; e.g.
+# +env.kwargs.scenario=merge) and that scene's highway-env config entries.
 register_env(EnvSpec(
     id="robo_post/HighwayMeta-v0",
     name="highway_meta",

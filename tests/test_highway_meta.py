@@ -1,7 +1,8 @@
-"""Tests for the discrete meta-action highway (robo_post.envs.highway_meta): spaces and
-info, the candidate vocabulary, events, counterfactual scoring (the live env stays
-untouched; reactive copies are exact, non-reactive ones are not), the heuristic
-driver, and collecting with the CLI."""
+"""Tests for the discrete meta-action driving scenes (robo_post.envs.highway_meta): spaces
+and info on highway, merge and roundabout, the candidate vocabulary, events,
+counterfactual scoring (the live env stays untouched; reactive copies are exact,
+non-reactive ones are not; reward terms a scene lacks count 0), the heuristic driver,
+and collecting with the CLI."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from robo_post.envs.highway_meta import (
     LANE_LEFT,
     LANE_RIGHT,
     PROXY_WEIGHTS,
+    SCENARIOS,
     SLOWER,
     TTC_THRESHOLD,
     HeuristicDriver,
@@ -45,17 +47,22 @@ def make(seed: int = 0, **kwargs) -> gym.Env:
     return env
 
 
-def stage(env: gym.Env, others: list[tuple[float, float]], ego_speed: float = 25.0) -> None:
+def stage(env: gym.Env, others: list[tuple[float, float]], ego_speed: float = 25.0, at: float | None = None
+          ) -> None:
     """Replace the traffic by IDM cars in the ego's lane at (offset ahead [m, centre to
-    centre], speed [m/s]); the ego drives at ``ego_speed`` with that target speed."""
+    centre, along the lane], speed [m/s]); the ego drives at ``ego_speed`` with that target
+    speed, moved to ``at`` m along its lane unless ``at`` is None."""
     core = env.unwrapped.core
     ego = core.vehicle
+    lane = core.road.network.get_lane(ego.lane_index)
+    s = lane.local_coordinates(ego.position)[0] if at is None else at
+    ego.position, ego.heading = lane.position(s, 0.0), lane.heading_at(s)
     ego.speed = ego_speed
     ego.speed_index = ego.speed_to_index(ego_speed)
     ego.target_speed = ego.index_to_speed(ego.speed_index)
     core.road.vehicles = [ego]
     for offset, speed in others:
-        car = IDMVehicle(core.road, ego.position + np.array([offset, 0.0]), heading=ego.heading, speed=speed)
+        car = IDMVehicle(core.road, lane.position(s + offset, 0.0), heading=lane.heading_at(s + offset), speed=speed)
         car.check_collisions = False  # as highway-fast: only the ego checks
         core.road.vehicles.append(car)
 
@@ -120,6 +127,78 @@ def test_spaces_info_and_config() -> None:
         HighwayMetaEnv(observation={"type": "GrayscaleObservation"})
 
 
+# scenario -> ego target speeds [m/s] and the ego's reset row of the Kinematics table, normalized
+# by highway-fast's ranges (x +-200 m, y +-12 m, vx and vy +-80 m/s; the ego row is absolute).
+SCENE_FACTS = {
+    "merge": ([20.0, 25.0, 30.0], [1.0, 30.0 / 200.0, 4.0 / 12.0, 30.0 / 80.0, 0.0]),  # (30, 4) m, east at 30 m/s
+    "roundabout": ([0.0, 8.0, 16.0], [1.0, 2.0 / 200.0, 1.0, 0.0, -8.0 / 80.0]),  # (2, 45) m, towards -y at 8 m/s
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENE_FACTS))
+def test_other_scenes_share_the_interface(scenario: str) -> None:
+    env = gym.make("robo_post/HighwayMeta-v0", scenario=scenario)
+    highway = gym.make("robo_post/HighwayMeta-v0", vehicles_count=5)
+    assert env.action_space == highway.action_space and env.observation_space == highway.observation_space
+    obs, info = env.reset(seed=0)
+    core = env.unwrapped.core
+    speeds, ego_row = SCENE_FACTS[scenario]
+    assert env.unwrapped.scenario == scenario and core.config["policy_frequency"] == 1
+    np.testing.assert_array_equal(core.action_type.target_speeds, speeds)
+    np.testing.assert_allclose(obs["state"][:5], ego_row, atol=1e-6)
+    assert env.observation_space.contains(obs) and INFO_KEYS <= info.keys()
+    for action in (LANE_LEFT, IDLE, LANE_RIGHT, FASTER, SLOWER):
+        obs, reward, terminated, truncated, info = env.step(np.int64(action))
+        assert env.observation_space.contains(obs) and obs["state"].shape == (25,)
+        assert INFO_KEYS <= info.keys() and info["events"].dtype == np.float32 and info["events"].shape == (3,)
+        assert 0.0 <= info["events"][2] <= 1.0
+        assert info["events"][2] == pytest.approx(np.clip(info["rewards"]["high_speed_reward"], 0.0, 1.0))
+        assert info["speed"] == core.vehicle.speed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_env(env.unwrapped)
+
+
+def test_scenario_and_config_validation() -> None:
+    assert SCENARIOS == ("highway", "merge", "roundabout")
+    with pytest.raises(InvalidHighwayConfigError, match="highway.*merge.*roundabout"):
+        HighwayMetaEnv(scenario="intersection")
+    # Config keys are checked against the chosen scene: the roundabout and merge have no lanes_count.
+    assert HighwayMetaEnv(lanes_count=2).core.config["lanes_count"] == 2
+    with pytest.raises(InvalidHighwayConfigError, match="lanes_count.*roundabout"):
+        HighwayMetaEnv(scenario="roundabout", lanes_count=2)
+    with pytest.raises(InvalidHighwayConfigError, match="vehicles_count.*merge"):
+        HighwayMetaEnv(scenario="merge", vehicles_count=3)
+    with pytest.raises(InvalidHighwayConfigError, match="action"):
+        HighwayMetaEnv(scenario="roundabout", action={"type": "ContinuousAction"})
+    # merge gains a time limit [s]; the scene alone ends only once the ramp is passed.
+    assert HighwayMetaEnv(scenario="merge").duration == 20
+    assert HighwayMetaEnv(scenario="merge", duration=3).duration == 3
+    assert HighwayMetaEnv(scenario="roundabout").duration == 11
+
+
+def test_a_short_merge_is_truncated_at_its_time_limit() -> None:
+    env = make(scenario="merge", duration=2)
+    _, _, terminated, truncated, _ = env.step(SLOWER)
+    assert not (terminated or truncated)
+    _, _, terminated, truncated, _ = env.step(SLOWER)
+    assert truncated and not terminated
+
+
+def test_progress_without_a_high_speed_term_is_derived_from_the_speed() -> None:
+    core = make(scenario="merge").unwrapped.core
+    ego = core.vehicle
+    for speed, progress in ((25.0, 0.5), (35.0, 1.0), (10.0, 0.0)):  # merge's reward_speed_range is [20, 30]
+        ego.speed = speed
+        assert step_events(core, {"collision_reward": 0.0})[2] == pytest.approx(progress)
+    ego.heading = np.pi / 3  # only the forward component counts: 25 cos 60deg = 12.5 m/s
+    ego.speed = 25.0
+    assert step_events(core, {})[2] == 0.0
+    assert step_events(core, {"high_speed_reward": 1.4})[2] == 1.0  # a reported term is clipped to [0, 1]
+    with pytest.raises(InvalidHighwayConfigError, match="reward_speed_range"):
+        step_events(make(scenario="roundabout").unwrapped.core, {})
+
+
 def test_vocabulary() -> None:
     assert np.asarray(CANDIDATES).shape == (8, 3)
     assert all(a in range(5) for c in CANDIDATES for a in c)
@@ -151,10 +230,12 @@ def test_events_from_constructed_scenes() -> None:
     assert EVENT_WEIGHTS == (-1.0, -0.3, 0.0) and TTC_THRESHOLD == 1.5
 
 
-def test_counterfactual_scoring_leaves_the_live_env_untouched() -> None:
-    env, twin = make(seed=3, oracle=True), make(seed=3)
+@pytest.mark.parametrize(("scenario", "seed"), [("highway", 3), ("merge", 3), ("roundabout", 6)])
+def test_counterfactual_scoring_leaves_the_live_env_untouched(scenario: str, seed: int) -> None:
+    env, twin = make(seed=seed, oracle=True, scenario=scenario), make(seed=seed, scenario=scenario)
     for action in (IDLE, FASTER):
         env.step(action), twin.step(action)
+    assert not env.unwrapped.core.vehicle.crashed  # a live scene to score (these seeds do not crash early)
     before = snapshot(env)
     proxy = counterfactual_scores(env, CANDIDATES)
     oracle = counterfactual_scores(env, CANDIDATES, reactive=True)
@@ -175,6 +256,19 @@ def test_counterfactual_scoring_leaves_the_live_env_untouched() -> None:
         assert a[1:4] == b[1:4]
         assert_same(a[4], b[4])
     assert set(make(seed=3).unwrapped.candidate_extras()) == {"proxy_scores"}  # no oracle unless asked
+
+
+def test_a_weight_on_a_term_the_scene_lacks_counts_zero() -> None:
+    only_right_lane = {**{name: 0.0 for name in PROXY_WEIGHTS}, "right_lane": 1.0}
+    # The roundabout reports no right_lane_reward: all-zero scores, not a KeyError.
+    roundabout = make(seed=0, scenario="roundabout")
+    assert "right_lane_reward" not in roundabout.step(IDLE)[4]["rewards"]
+    np.testing.assert_array_equal(counterfactual_scores(roundabout, CANDIDATES, weights=only_right_lane), 0.0)
+    np.testing.assert_array_equal(counterfactual_scores(roundabout, CANDIDATES, reactive=True, weights=only_right_lane),
+                                  0.0)
+    # The same weight counts where the term exists: merge's ego starts in the right lane (term 1).
+    merge = make(seed=0, scenario="merge")
+    assert counterfactual_scores(merge, [[IDLE]], weights=only_right_lane)[0] == 1.0
 
 
 def test_an_exact_copy_scores_the_real_outcome() -> None:
@@ -247,6 +341,33 @@ def test_heuristic_driver() -> None:
     assert runs[0] == runs[1] != runs[2] and set(runs[0]) == set(range(5))
 
 
+# scenario -> (kwargs, where the ego is staged along its lane [m], its speed [m/s]): straight
+# stretches of the main road (merge) and of the south entry (roundabout).
+STAGES = {"merge": ({"scenario": "merge"}, 60.0, 25.0), "roundabout": ({"scenario": "roundabout"}, 60.0, 8.0)}
+
+
+@pytest.mark.parametrize("scenario", sorted(STAGES))
+def test_heuristic_driver_in_other_scenes(scenario: str) -> None:
+    kwargs, at, speed = STAGES[scenario]
+    env, driver = make(**kwargs), HeuristicDriver()
+    for offset, others, expected in ((15.0, 2.0, SLOWER), (30.0, 2.0, IDLE), (-10.0, 20.0, IDLE)):
+        stage(env, [(offset, others)], ego_speed=speed, at=at)  # gaps 10 m, 25 m, nobody ahead
+        assert driver(env) == expected
+    # A whole episode: only idling or braking, never a lane-change action.
+    env = env_spec("highway_meta").make(**kwargs)
+    obs, _ = env.reset(seed=4)
+    act = env_spec("highway_meta").make_expert(env, noise=0.0, seed=0)
+    lane, actions, done = env.unwrapped.core.vehicle.lane_index[2], [], False
+    while not done:
+        actions.append(int(act(obs)))
+        obs, _, terminated, truncated, info = env.step(actions[-1])
+        done = terminated or truncated
+        assert 0.0 <= info["events"][2] <= 1.0
+    assert set(actions) <= {IDLE, SLOWER} and 2 <= len(actions) <= env.unwrapped.duration
+    if scenario == "merge":  # the main road keeps its lane ids across segments
+        assert env.unwrapped.core.vehicle.lane_index[2] == lane
+
+
 def test_collect_with_the_cli(tmp_path) -> None:
     root = str(tmp_path / "store")
     run_cli("collect", "env=highway_meta", "episodes=2", f"store={root}", "fleet.n_clients=1", "show=false",
@@ -260,3 +381,14 @@ def test_collect_with_the_cli(tmp_path) -> None:
         assert set(e.attrs["metrics"]) == {"collision", "mean_speed"}
         assert e.success == (not e.attrs["metrics"]["collision"])
         assert 15.0 < e.attrs["metrics"]["mean_speed"] < 35.0
+
+
+def test_collect_a_roundabout_with_the_cli(tmp_path) -> None:
+    root = str(tmp_path / "store")
+    run_cli("collect", "env=highway_meta", "+env.kwargs.scenario=roundabout", "policy=expert", "episodes=2",
+            f"store={root}", "fleet.n_clients=1", "show=false", timeout=180)
+    episodes = Store.open(root).snapshot().episodes()
+    assert len(episodes) == 2
+    for e in episodes:
+        assert e.attrs["env_kwargs"] == {"scenario": "roundabout"} and 1 <= e.length <= 11
+        assert 0.0 < e.attrs["metrics"]["mean_speed"] <= 17.0  # target speeds 0, 8, 16 m/s
