@@ -8,9 +8,10 @@ then fine-tuned on-policy through the fleet by each arm with the same budget
 - proxy only (RIFT-like): counterfactual group advantages, no residual, no KL;
 - residual only: grounded event residual (dual-clipped REINFORCE), no proxy, no KL;
 - CRAFT: proxy + residual + EMA-teacher KL (the defaults);
-- CRAFT without KL.
+- CRAFT without KL;
+- CRAFT with EVPO's explained-variance gate on the residual's baseline (``algo.baseline=evpo``).
 
-Every version is evaluated greedily on the same fixed seeds. Printed per arm: return,
+``--arms`` runs a subset (the pretrained policy is always evaluated). Every version is evaluated greedily on the same fixed seeds. Printed per arm: return,
 crash rate and mean speed with 95% t-intervals over seeds, KL to the teacher at the end,
 wall time, and (CRAFT, first seed) the proxy-oracle correlation of group advantages on
 the states its final policy visits (exact reactive clones scored beside the
@@ -142,6 +143,7 @@ def main() -> None:
     parser.add_argument("--demos", type=int, default=30)
     parser.add_argument("--oracle-episodes", type=int, default=3,
                         help="greedy CRAFT episodes (seed 0) whose states are scored by proxy and oracle")
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--work", default=None,
                         help="work dir (default runs/bench_craft, runs/bench_craft_<scenario> off the highway)")
@@ -159,13 +161,16 @@ def main() -> None:
     if args.quick:
         args.seeds, args.iterations, args.episodes, args.eval_episodes, args.demos = 1, 1, 2, 4, 4
         args.oracle_episodes = 1
+    arms = {arm: ARMS[arm] for arm in args.arms.split(",")} if set(args.arms.split(",")) <= ARMS.keys() else None
+    if arms is None:
+        parser.error(f"--arms {args.arms!r}: choose from {', '.join(ARMS)}")
     eval_seeds = list(range(100, 100 + args.eval_episodes))
     store = os.path.join(args.work, "demos")
     t_all = time.perf_counter()
     if not os.path.exists(os.path.join(store, "store.json")):
         cli("collect", "env=highway_meta", *[f"+env.kwargs.{k}={v}" for k, v in env_kwargs.items()], "policy=expert",
             f"episodes={args.demos}", f"store={store}", "show=false")
-    results: dict[str, list[dict]] = {arm: [] for arm in ["pretrained", *ARMS]}
+    results: dict[str, list[dict]] = {arm: [] for arm in ["pretrained", *arms]}
     for seed in range(args.seeds):
         base = ["train", "algo=craft", f"store={store}", f"seed={seed}", "show=false", "torch_threads=1",
                 *[f"+algo.env_kwargs.{k}={v}" for k, v in env_kwargs.items()], *demo_filter]
@@ -174,7 +179,7 @@ def main() -> None:
         reference = pre["pretrained_version"]
         results["pretrained"].append({**evaluate(store, reference, eval_seeds, env_kwargs), "wall_s": 0.0})
         print(f"seed {seed} pretrained: {results['pretrained'][-1]}", flush=True)
-        for arm, overrides in ARMS.items():
+        for arm, overrides in arms.items():
             t0 = time.perf_counter()
             out = summary_of(cli(*base, f"run_dir={args.work}/s{seed}/{arm}", f"algo.reference_version={reference}",
                                  f"algo.iterations={args.iterations}", f"algo.episodes_per_iteration={args.episodes}",
@@ -192,7 +197,7 @@ def main() -> None:
         print(f"{arm:<15}{interval([r['return'] for r in rows]):>26}{interval([r['crash'] for r in rows]):>26}"
               f"{interval([r['speed'] for r in rows]):>26}{(f'{np.mean(kl):.4f}' if kl else '-'):>12}"
               f"{np.mean([r['wall_s'] for r in rows]):>8.0f}")
-    corr = [r["proxy_oracle_corr"] for r in results["craft"] if r.get("proxy_oracle_corr") is not None]
+    corr = [r["proxy_oracle_corr"] for r in results.get("craft", []) if r.get("proxy_oracle_corr") is not None]
     if corr:
         print(f"proxy-oracle correlation of group advantages (CRAFT, seed 0): {corr[0]:.3f}")
     if args.scenario == "highway":  # the spec's targets are for the fast highway only

@@ -186,3 +186,15 @@ def test_evpo_run_logs_the_gate_and_checkpoints_the_critic(craft_run, tmp_path):
     assert math.isfinite(row["value_loss"]) and row["value_loss"] >= 0
     tensors = load_file(str(tmp_path / "run" / "checkpoint" / "tensors.safetensors"))
     assert any(k.startswith("module.critic.") for k in tensors) and any(k.startswith("optim.critic.") for k in tensors)
+
+
+def test_craft_runs_the_scene_its_demonstrations_were_recorded_in(tmp_path):
+    store = str(tmp_path / "demos")
+    run_cli("collect", "env=highway_meta", "+env.kwargs.scenario=roundabout", "policy=expert", "episodes=2",
+            f"store={store}", "fleet.n_clients=1", "show=false")
+    summary = summary_of(run_cli("train", "algo=craft", f"store={store}", f"run_dir={tmp_path / 'run'}",
+                                 "algo.iterations=1", "algo.episodes_per_iteration=1", "algo.n_clients=1",
+                                 "algo.bc_updates=20", "data.success=null", "show=false").stdout)
+    # no algo.env_kwargs: the on-policy clients drove the roundabout, not the default highway
+    episodes = Store.open(summary["online_store"]).snapshot(record=False).episodes()
+    assert len(episodes) == 1 and episodes[0].attrs["env_kwargs"] == {"scenario": "roundabout"}

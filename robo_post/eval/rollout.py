@@ -180,7 +180,7 @@ def evaluate(
         raise NoExpertError(f"env {spec.key!r} has no scripted expert: evaluate a registry version, or pass "
                             "a policy for version 0 (e.g. {'kind': 'random'})")
     policy_config, weights_digest = _policy_identity(policy_store, version, baseline)
-    recorded = _recorded_env_kwargs(policy_store, spec) if env_kwargs is None else None
+    recorded = recorded_env_kwargs(policy_store, spec) if env_kwargs is None else None
     env_cfg = {"name": spec.key, **_env_kwargs(spec, policy_config, env_kwargs, split, recorded)}
 
     identity = {"policy_store": policy_store, "version": version, "weights": weights_digest, "tasks": tasks,
@@ -368,7 +368,7 @@ def _env_of_tasks(tasks: list[str]) -> EnvSpec:
     raise ValueError(f"no registered env has the tasks {tasks}; pass env=")
 
 
-def _recorded_env_kwargs(policy_store: str, spec: EnvSpec) -> dict[str, Any] | None:
+def recorded_env_kwargs(policy_store: str, spec: EnvSpec) -> dict[str, Any] | None:
     """The env kwargs every episode of the store was collected with, when the store records
     ``spec``'s env and all its episodes agree (``None`` otherwise: older stores, mixed
     settings; the env's defaults apply). The instruction split stays the eval's own choice."""

@@ -38,6 +38,7 @@ from robo_post.algos.craft import (CraftConfig, CraftConfigError, bc_pretrain, e
                                    grounded_advantage, group_advantages, residual_for_batch)
 from robo_post.algos.registry import MethodSpec
 from robo_post.envs.registry import env_spec
+from robo_post.eval.rollout import recorded_env_kwargs
 from robo_post.learner.drivers import finished_run, register_driver, resolve_device, select_episodes
 from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyConfig
 from robo_post.models.features import infer_features, state_keys
@@ -228,7 +229,9 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     if has_checkpoint(ckpt):
         load_checkpoint(ckpt, method.modules, method.optimizers, {})
 
-    env_kwargs = dict(config.env_kwargs) | ({"oracle": True} if config.oracle else {})
+    # no kwargs given: the scene the store's episodes were all recorded in (as `robo-post eval` does)
+    scene = dict(config.env_kwargs) or (recorded_env_kwargs(store.root, env_spec(env)) or {})
+    env_kwargs = scene | ({"oracle": True} if config.oracle else {})
     online = online_store(config.online_store or f"{store.root.rstrip('/')}-online", env, env_kwargs, len(vocabulary),
                           config.oracle)
     t0 = time.perf_counter()
