@@ -1,0 +1,140 @@
+"""Can a candidate scorer learn what the CRAFT proxy chooses? The proxy as a planner vs. its distillations.
+
+Reads the on-policy episodes that ``benchmarks/craft_highway.py`` recorded (every
+``*-online`` store under ``--work``: observations and the proxy's scores of all K
+candidates at every state) and compares, greedily on the benchmark's evaluation seeds:
+
+- **planner**: the proxy's best candidate at every step (counterfactual scoring in
+  non-reactive clones at every decision; no learning);
+- **distilled**: the pretrained policy's architecture trained by cross-entropy on the
+  proxy's best candidate at every recorded state (the most direct way to learn the
+  planner's choices, with far more signal per state than the clipped policy gradient);
+- **DAgger round r**: the distilled policy's own greedy episodes, scored by the proxy at
+  every state, added to the data and the policy retrained (``--dagger`` rounds of
+  ``--dagger-episodes`` episodes on seeds disjoint from the evaluation's).
+
+If the distilled policies stay far below the planner, CRAFT's gap to the planner is not
+an optimisation budget of its loss but what the scorer can learn from its observation.
+
+    python benchmarks/craft_ceiling.py --work runs/bench_craft       # after craft_highway.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+from robo_post.algos.craft import bc_pretrain
+from robo_post.envs.highway_meta import counterfactual_scores
+from robo_post.envs.registry import env_spec
+from robo_post.models.candidate_policy import CandidatePolicy
+from robo_post.store.registry import PolicyRegistry
+from robo_post.store.store import Store
+
+
+def recorded_states(work: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Observations (N, D) and proxy scores (N, K) of every recorded decision under ``work``."""
+    obs, scores = [], []
+    for root in sorted(glob.glob(os.path.join(work, "s*", "*-online"))):
+        snap = Store.open(root).snapshot(record=False)
+        for episode in snap.episodes():
+            data = snap.load(episode)
+            proxy = data["extras"]["proxy_scores"]
+            obs.append(data["obs"]["state"][:len(proxy)])
+            scores.append(proxy)
+    if not obs:
+        raise SystemExit(f"no on-policy episodes with proxy scores under {work}/s*/*-online: run craft_highway.py first")
+    return torch.as_tensor(np.concatenate(obs)), torch.as_tensor(np.concatenate(scores))
+
+
+def drive(choose, seeds, env_kwargs: dict, record: bool = False) -> dict:
+    """Greedy episodes with ``choose(obs, env) -> candidate index``; optionally the states and proxy scores seen."""
+    spec = env_spec("highway_meta")
+    env, candidates = spec.make(None, **env_kwargs), spec.candidates()
+    returns, crashes, speeds, states, scores = [], [], [], [], []
+    for seed in seeds:
+        obs, _ = env.reset(seed=seed)
+        ret, speed = 0.0, []
+        while True:
+            if record:
+                states.append(obs["state"])
+                scores.append(counterfactual_scores(env, candidates))
+            obs, reward, terminated, truncated, info = env.step(candidates[choose(obs, env)][0])
+            ret += float(reward)
+            speed.append(float(info["speed"]))
+            if terminated or truncated:
+                break
+        returns.append(ret)
+        crashes.append(float(info["crashed"]))
+        speeds.append(float(np.mean(speed)))
+    env.close()
+    out = {"return": float(np.mean(returns)), "crash": float(np.mean(crashes)), "speed": float(np.mean(speeds))}
+    if record:
+        out["states"], out["scores"] = np.asarray(states, np.float32), np.asarray(scores, np.float32)
+    return out
+
+
+def greedy(policy: CandidatePolicy):
+    def choose(obs, env) -> int:
+        with torch.no_grad():
+            return int(policy.logits({"state": torch.as_tensor(obs["state"])[None]}).argmax(-1))
+    return choose
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", default="runs/bench_craft", help="craft_highway.py's work dir")
+    parser.add_argument("--eval-episodes", type=int, default=30)
+    parser.add_argument("--updates", type=int, default=4000, help="distillation steps per (re)training")
+    parser.add_argument("--dagger", type=int, default=3, help="DAgger rounds")
+    parser.add_argument("--dagger-episodes", type=int, default=20)
+    parser.add_argument("--out", default=None, help="JSON results (default: <work>/ceiling.json)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    summary = json.load(open(os.path.join(args.work, "s0", "pretrain", "summary.json")))
+    store = os.path.join(args.work, "demos")
+    env_kwargs = Store.open(store).snapshot(record=False).episodes()[0].attrs.get("env_kwargs") or {}
+
+    def fresh() -> CandidatePolicy:  # the pretrained policy's architecture and state statistics
+        return CandidatePolicy.from_artifact(*PolicyRegistry(store).load(summary["pretrained_version"]))
+
+    eval_seeds = list(range(100, 100 + args.eval_episodes))
+    obs, scores = recorded_states(args.work)
+    best = scores.argmax(-1)
+    print(f"{len(best)} recorded states; share of each candidate as the proxy's best: "
+          f"{np.round(np.bincount(best.numpy(), minlength=scores.shape[1]) / len(best), 3).tolist()}", flush=True)
+    rows = {"pretrained": drive(greedy(fresh()), eval_seeds, env_kwargs)}
+    t0 = time.perf_counter()
+    candidates = env_spec("highway_meta").candidates()
+    rows["planner"] = drive(lambda o, env: int(np.argmax(counterfactual_scores(env, candidates))), eval_seeds,
+                            env_kwargs)
+    rows["planner"]["wall_s"] = time.perf_counter() - t0
+    for r in range(args.dagger + 1):
+        policy = fresh()
+        fit = bc_pretrain(policy, {"state": obs}, best, args.updates, generator=torch.Generator().manual_seed(0))
+        name = "distilled" if r == 0 else f"dagger {r}"
+        rows[name] = {**drive(greedy(policy), eval_seeds, env_kwargs), "states": len(best),
+                      "train_accuracy": fit["accuracy"]}
+        print(f"{name}: {rows[name]}", flush=True)
+        if r < args.dagger:
+            seeds = range(1000 + r * args.dagger_episodes, 1000 + (r + 1) * args.dagger_episodes)
+            new = drive(greedy(policy), seeds, env_kwargs, record=True)
+            obs = torch.cat([obs, torch.as_tensor(new["states"])])
+            scores = torch.cat([scores, torch.as_tensor(new["scores"])])
+            best = scores.argmax(-1)
+    print(f"\n{'policy':<12}{'return':>9}{'crash':>8}{'speed':>8}{'states':>8}{'train acc':>11}")
+    for name, row in rows.items():
+        print(f"{name:<12}{row['return']:>9.2f}{row['crash']:>8.2f}{row['speed']:>8.1f}{row.get('states', ''):>8}"
+              f"{row.get('train_accuracy', float('nan')):>11.3f}")
+    with open(args.out or os.path.join(args.work, "ceiling.json"), "w") as f:
+        json.dump({"args": vars(args), "results": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
