@@ -37,6 +37,8 @@ from robo_post.models.candidate_policy import CandidatePolicy
 from robo_post.store.registry import PolicyRegistry
 from robo_post.store.store import Store
 
+from craft_highway import rollouts  # run as a script from the repository root: benchmarks/ is on the path
+
 
 def recorded_states(work: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Observations (N, D) and proxy scores (N, K) of every recorded decision under ``work``."""
@@ -53,31 +55,23 @@ def recorded_states(work: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.as_tensor(np.concatenate(obs)), torch.as_tensor(np.concatenate(scores))
 
 
-def drive(choose, seeds, env_kwargs: dict, record: bool = False) -> dict:
-    """Greedy episodes with ``choose(obs, env) -> candidate index``; optionally the states and proxy scores seen."""
-    spec = env_spec("highway_meta")
-    env, candidates = spec.make(None, **env_kwargs), spec.candidates()
-    returns, crashes, speeds, states, scores = [], [], [], [], []
-    for seed in seeds:
-        obs, _ = env.reset(seed=seed)
-        ret, speed = 0.0, []
-        while True:
-            if record:
-                states.append(obs["state"])
-                scores.append(counterfactual_scores(env, candidates))
-            obs, reward, terminated, truncated, info = env.step(candidates[choose(obs, env)][0])
-            ret += float(reward)
-            speed.append(float(info["speed"]))
-            if terminated or truncated:
-                break
-        returns.append(ret)
-        crashes.append(float(info["crashed"]))
-        speeds.append(float(np.mean(speed)))
-    env.close()
-    out = {"return": float(np.mean(returns)), "crash": float(np.mean(crashes)), "speed": float(np.mean(speeds))}
-    if record:
-        out["states"], out["scores"] = np.asarray(states, np.float32), np.asarray(scores, np.float32)
-    return out
+class Chooser:
+    """A fleet-style policy executing the first action of the candidate ``choose(obs, env)``
+    picks; with ``record`` it keeps every state it saw and the proxy's scores there."""
+
+    def __init__(self, choose, record: bool = False):
+        self.choose, self.record, self.candidates = choose, record, env_spec("highway_meta").candidates()
+        self.states: list[np.ndarray] = []
+        self.scores: list[np.ndarray] = []
+
+    def reset(self, env, seed) -> None:
+        pass
+
+    def act(self, obs, env) -> int:
+        if self.record:
+            self.states.append(obs["state"])
+            self.scores.append(counterfactual_scores(env, self.candidates))
+        return self.candidates[self.choose(obs, env)][0]
 
 
 def greedy(policy: CandidatePolicy):
@@ -109,24 +103,25 @@ def main() -> None:
     best = scores.argmax(-1)
     print(f"{len(best)} recorded states; share of each candidate as the proxy's best: "
           f"{np.round(np.bincount(best.numpy(), minlength=scores.shape[1]) / len(best), 3).tolist()}", flush=True)
-    rows = {"pretrained": drive(greedy(fresh()), eval_seeds, env_kwargs)}
+    rows = {"pretrained": rollouts(Chooser(greedy(fresh())), eval_seeds, env_kwargs)}
     t0 = time.perf_counter()
     candidates = env_spec("highway_meta").candidates()
-    rows["planner"] = drive(lambda o, env: int(np.argmax(counterfactual_scores(env, candidates))), eval_seeds,
-                            env_kwargs)
+    rows["planner"] = rollouts(Chooser(lambda o, env: int(np.argmax(counterfactual_scores(env, candidates)))),
+                               eval_seeds, env_kwargs)
     rows["planner"]["wall_s"] = time.perf_counter() - t0
     for r in range(args.dagger + 1):
         policy = fresh()
         fit = bc_pretrain(policy, {"state": obs}, best, args.updates, generator=torch.Generator().manual_seed(0))
         name = "distilled" if r == 0 else f"dagger {r}"
-        rows[name] = {**drive(greedy(policy), eval_seeds, env_kwargs), "states": len(best),
+        rows[name] = {**rollouts(Chooser(greedy(policy)), eval_seeds, env_kwargs), "states": len(best),
                       "train_accuracy": fit["accuracy"]}
         print(f"{name}: {rows[name]}", flush=True)
         if r < args.dagger:
             seeds = range(1000 + r * args.dagger_episodes, 1000 + (r + 1) * args.dagger_episodes)
-            new = drive(greedy(policy), seeds, env_kwargs, record=True)
-            obs = torch.cat([obs, torch.as_tensor(new["states"])])
-            scores = torch.cat([scores, torch.as_tensor(new["scores"])])
+            recorder = Chooser(greedy(policy), record=True)
+            rollouts(recorder, list(seeds), env_kwargs)
+            obs = torch.cat([obs, torch.as_tensor(np.asarray(recorder.states, np.float32))])
+            scores = torch.cat([scores, torch.as_tensor(np.asarray(recorder.scores, np.float32))])
             best = scores.argmax(-1)
     print(f"\n{'policy':<12}{'return':>9}{'crash':>8}{'speed':>8}{'states':>8}{'train acc':>11}")
     for name, row in rows.items():

@@ -62,13 +62,19 @@ def evaluate(store: str, version: int, seeds: list[int], env_kwargs: dict) -> di
     """Greedy episodes of one version on fixed seeds: return, crash, mean speed per episode."""
     import torch
 
-    from robo_post.envs.registry import env_spec
     from robo_post.fleet.policies import build_policy
     from robo_post.store.registry import PolicyRegistry
 
     torch.set_num_threads(1)
     weights, config = PolicyRegistry(store).load(version)
-    policy = build_policy(weights, {**config, "deterministic": True, "env_extras": False})
+    return rollouts(build_policy(weights, {**config, "deterministic": True, "env_extras": False}), seeds, env_kwargs)
+
+
+def rollouts(policy, seeds: list[int], env_kwargs: dict) -> dict:
+    """Episodes of a fleet-style policy (``reset(env, seed)``, ``act(obs, env)``) on fixed seeds:
+    mean return, crash rate and mean speed."""
+    from robo_post.envs.registry import env_spec
+
     env = env_spec("highway_meta").make(None, **env_kwargs)
     returns, crashes, speeds = [], [], []
     for seed in seeds:
