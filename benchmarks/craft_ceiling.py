@@ -13,10 +13,16 @@ candidates at every state) and compares, greedily on the benchmark's evaluation 
   every state, added to the data and the policy retrained (``--dagger`` rounds of
   ``--dagger-episodes`` episodes on seeds disjoint from the evaluation's).
 
+With ``--planner-episodes N`` the data are instead the planner's own episodes (seeds from
+2000), in the env built with ``--env-kwargs`` (e.g. more observed vehicles), and the scorer
+is a fresh candidate policy for that env's observation: the same question for another
+observation, without a CRAFT run first.
+
 If the distilled policies stay far below the planner, CRAFT's gap to the planner is not
 an optimisation budget of its loss but what the scorer can learn from its observation.
 
     python benchmarks/craft_ceiling.py --work runs/bench_craft       # after craft_highway.py
+    python benchmarks/craft_ceiling.py --planner-episodes 60 --env-kwargs '{"observed_vehicles": 8}'
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ import torch
 from robo_post.algos.craft import bc_pretrain
 from robo_post.envs.highway_meta import counterfactual_scores
 from robo_post.envs.registry import env_spec
-from robo_post.models.candidate_policy import CandidatePolicy
+from robo_post.fleet.client import store_schema
+from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyConfig
+from robo_post.models.features import infer_features
 from robo_post.store.registry import PolicyRegistry
 from robo_post.store.store import Store
 
@@ -88,26 +96,43 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=4000, help="distillation steps per (re)training")
     parser.add_argument("--dagger", type=int, default=3, help="DAgger rounds")
     parser.add_argument("--dagger-episodes", type=int, default=20)
+    parser.add_argument("--planner-episodes", type=int, default=0,
+                        help="learn from this many of the planner's own episodes instead of --work's recordings")
+    parser.add_argument("--env-kwargs", default="{}", help="JSON env kwargs with --planner-episodes")
     parser.add_argument("--out", default=None, help="JSON results (default: <work>/ceiling.json)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    summary = json.load(open(os.path.join(args.work, "s0", "pretrain", "summary.json")))
-    store = os.path.join(args.work, "demos")
-    env_kwargs = Store.open(store).snapshot(record=False).episodes()[0].attrs.get("env_kwargs") or {}
-
-    def fresh() -> CandidatePolicy:  # the pretrained policy's architecture and state statistics
-        return CandidatePolicy.from_artifact(*PolicyRegistry(store).load(summary["pretrained_version"]))
-
+    candidates = env_spec("highway_meta").candidates()
+    planner = Chooser(lambda o, env: int(np.argmax(counterfactual_scores(env, candidates))))
     eval_seeds = list(range(100, 100 + args.eval_episodes))
-    obs, scores = recorded_states(args.work)
+    rows = {}
+    if args.planner_episodes:
+        env_kwargs = json.loads(args.env_kwargs)
+        recorder = Chooser(planner.choose, record=True)
+        rollouts(recorder, list(range(2000, 2000 + args.planner_episodes)), env_kwargs)
+        obs = torch.as_tensor(np.asarray(recorder.states, np.float32))
+        scores = torch.as_tensor(np.asarray(recorder.scores, np.float32))
+        features = infer_features(store_schema({"name": "highway_meta", **env_kwargs}, None).observations)
+
+        def fresh() -> CandidatePolicy:  # default widths, statistics of the planner's states
+            policy = CandidatePolicy(CandidatePolicyConfig(features, len(candidates), candidates))
+            policy.set_state_stats(obs.numpy().mean(0), obs.numpy().std(0))
+            return policy
+    else:
+        summary = json.load(open(os.path.join(args.work, "s0", "pretrain", "summary.json")))
+        store = os.path.join(args.work, "demos")
+        env_kwargs = Store.open(store).snapshot(record=False).episodes()[0].attrs.get("env_kwargs") or {}
+
+        def fresh() -> CandidatePolicy:  # the pretrained policy's architecture and state statistics
+            return CandidatePolicy.from_artifact(*PolicyRegistry(store).load(summary["pretrained_version"]))
+
+        obs, scores = recorded_states(args.work)
+        rows["pretrained"] = rollouts(Chooser(greedy(fresh())), eval_seeds, env_kwargs)
     best = scores.argmax(-1)
     print(f"{len(best)} recorded states; share of each candidate as the proxy's best: "
           f"{np.round(np.bincount(best.numpy(), minlength=scores.shape[1]) / len(best), 3).tolist()}", flush=True)
-    rows = {"pretrained": rollouts(Chooser(greedy(fresh())), eval_seeds, env_kwargs)}
     t0 = time.perf_counter()
-    candidates = env_spec("highway_meta").candidates()
-    rows["planner"] = rollouts(Chooser(lambda o, env: int(np.argmax(counterfactual_scores(env, candidates)))),
-                               eval_seeds, env_kwargs)
+    rows["planner"] = rollouts(planner, eval_seeds, env_kwargs)
     rows["planner"]["wall_s"] = time.perf_counter() - t0
     for r in range(args.dagger + 1):
         policy = fresh()
@@ -127,7 +152,8 @@ def main() -> None:
     for name, row in rows.items():
         print(f"{name:<12}{row['return']:>9.2f}{row['crash']:>8.2f}{row['speed']:>8.1f}{row.get('states', ''):>8}"
               f"{row.get('train_accuracy', float('nan')):>11.3f}")
-    with open(args.out or os.path.join(args.work, "ceiling.json"), "w") as f:
+    default = "ceiling_planner.json" if args.planner_episodes else "ceiling.json"
+    with open(args.out or os.path.join(args.work, default), "w") as f:
         json.dump({"args": vars(args), "results": rows}, f, indent=1)
 
 

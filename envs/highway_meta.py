@@ -20,7 +20,7 @@ Every scene has the same interface, so one policy architecture reads all three:
   (FASTER / SLOWER step through the scene's own target speeds, above);
 - observation ``{"state": Box(-1, 1, (25,), float32)}``, highway-env's normalized 5x5
   Kinematics table (``presence, x, y, vx, vy`` of the ego and its 4 nearest vehicles,
-  others relative to the ego) flattened row by row, with highway-fast's normalization
+  others relative to the ego; ``observed_vehicles`` rows instead of 5 on request) flattened row by row, with highway-fast's normalization
   ranges in every scene (x +-200 m, y +-12 m, vx and vy +-80 m/s);
 - the scene's highway-env reward, unchanged (its terms differ per scene: merge adds
   ``lane_change_reward`` and ``merging_speed_reward``, has no ``on_road_reward``, does not
@@ -241,6 +241,8 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
             non-reactive one (its traffic runs IDM and lane-change decisions).
         continuation: IDLE steps scored after each candidate's own actions in
             :meth:`candidate_extras` (see :func:`counterfactual_scores`).
+        observed_vehicles: rows of the Kinematics table (the ego's first, then the nearest
+            vehicles); the observation has ``5 * observed_vehicles`` entries.
         render_mode: ``None`` or ``"rgb_array"``.
         **config: config entries of the scenario's highway-env scene (highway:
             ``vehicles_count``, ``lanes_count``, ``duration`` [s], ...); the
@@ -248,13 +250,13 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
 
     Raises:
         InvalidHighwayConfigError: an unknown scenario, a config key the scenario's
-            scene does not know, or ``observation`` / ``action``.
+            scene does not know, ``observation`` / ``action``, or ``observed_vehicles < 1``.
     """
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": 1}
 
     def __init__(self, scenario: str = "highway", oracle: bool = False, continuation: int = CONTINUATION,
-                 render_mode: str | None = None, **config: Any) -> None:
+                 observed_vehicles: int = 5, render_mode: str | None = None, **config: Any) -> None:
         if scenario not in _SCENES:
             raise InvalidHighwayConfigError(f"unknown scenario {scenario!r}; choose from {SCENARIOS}")
         if render_mode not in (None, *self.metadata["render_modes"]):
@@ -270,6 +272,10 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
                 f"unknown highway-env config keys {unknown} for scenario {scenario!r}; known: {sorted(known)}")
         if continuation < 0:
             raise InvalidCandidatesError(f"continuation must be >= 0 steps, got {continuation}")
+        if observed_vehicles < 1:
+            raise InvalidHighwayConfigError(f"observed_vehicles must be >= 1 (the ego's row), got {observed_vehicles}")
+        if observed_vehicles != _KINEMATICS["vehicles_count"]:
+            observation = {**(observation or _KINEMATICS), "vehicles_count": int(observed_vehicles)}
         if observation is not None:
             config = {**config, "observation": copy.deepcopy(observation)}
         self._core = scene(config=config, render_mode=render_mode)

@@ -392,3 +392,21 @@ def test_collect_a_roundabout_with_the_cli(tmp_path) -> None:
     for e in episodes:
         assert e.attrs["env_kwargs"] == {"scenario": "roundabout"} and 1 <= e.length <= 11
         assert 0.0 < e.attrs["metrics"]["mean_speed"] <= 17.0  # target speeds 0, 8, 16 m/s
+
+
+@pytest.mark.parametrize("scenario", ["highway", "merge"])
+def test_more_observed_vehicles_extend_the_table_nearest_first(scenario) -> None:
+    base, wide = make(scenario=scenario), make(scenario=scenario, observed_vehicles=8)
+    obs, _ = base.reset(seed=4)
+    more, _ = wide.reset(seed=4)
+    assert more["state"].shape == (40,) and wide.observation_space["state"].shape == (40,)
+    # the same scene: the first five rows are the default table, the extra rows the next-nearest vehicles
+    np.testing.assert_array_equal(more["state"][:25], obs["state"])
+    if scenario == "highway":  # 20 cars on the road: more of them are in view
+        assert more["state"][25:].reshape(3, 5)[:, 0].sum() > 0
+    for action in (FASTER, LANE_LEFT):
+        obs, *_ = base.step(np.int64(action))
+        more, *_ = wide.step(np.int64(action))
+        np.testing.assert_array_equal(more["state"][:25], obs["state"])
+    with pytest.raises(InvalidHighwayConfigError, match="observed_vehicles"):
+        HighwayMetaEnv(observed_vehicles=0)
