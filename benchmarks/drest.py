@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="short smoke: 2 seeds, tiny budgets")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     ap.add_argument("--timesteps", type=int, default=TIMESTEPS, help="env steps per PPO run (A2C: x2)")
     ap.add_argument("--meta-episodes", type=int, default=TABULAR["meta_episodes"], help="meta-episodes per tabular run")
     ap.add_argument("--agents", default="tabular,PPO,A2C")
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict[str, list[dict]]] = {}
     for agent in args.agents.split(","):
         for reward in args.rewards.split(","):
-            for seed in range(args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 if agent == "tabular":
                     r = run_tabular(reward, seed, args.meta_episodes, args.train_grids)
                 else:

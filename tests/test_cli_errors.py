@@ -95,7 +95,7 @@ def interrupted(tmp_path_factory):
          "env.kwargs.render_images=false", "fleet.n_clients=1", "show=false"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 300  # generous: on loaded cores MuJoCo's start-up alone can take a minute
     while ((read_status(store, "client-0") or {}).get("episodes", 0) < 2 and proc.poll() is None
            and time.monotonic() < deadline):
         time.sleep(0.2)
