@@ -243,6 +243,9 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
             :meth:`candidate_extras` (see :func:`counterfactual_scores`).
         observed_vehicles: rows of the Kinematics table (the ego's first, then the nearest
             vehicles); the observation has ``5 * observed_vehicles`` entries.
+        ego_targets: append the ego controller's targets to the observation: its target
+            speed over highway-env's ``Vehicle.MAX_SPEED`` and the direction of a lane change
+            in progress (-1 left, 0 none, 1 right); two more entries.
         render_mode: ``None`` or ``"rgb_array"``.
         **config: config entries of the scenario's highway-env scene (highway:
             ``vehicles_count``, ``lanes_count``, ``duration`` [s], ...); the
@@ -256,7 +259,8 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
     metadata = {"render_modes": ["rgb_array"], "render_fps": 1}
 
     def __init__(self, scenario: str = "highway", oracle: bool = False, continuation: int = CONTINUATION,
-                 observed_vehicles: int = 5, render_mode: str | None = None, **config: Any) -> None:
+                 observed_vehicles: int = 5, ego_targets: bool = False, render_mode: str | None = None,
+                 **config: Any) -> None:
         if scenario not in _SCENES:
             raise InvalidHighwayConfigError(f"unknown scenario {scenario!r}; choose from {SCENARIOS}")
         if render_mode not in (None, *self.metadata["render_modes"]):
@@ -286,8 +290,9 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
         policy_frequency = self._core.config["policy_frequency"]
         self.metadata = {**self.metadata, "render_fps": policy_frequency}
         self.duration = round(self._core.config["duration"] * policy_frequency)  # in decisions
-        self.observation_space = spaces.Dict(
-            {"state": spaces.Box(-1.0, 1.0, (int(np.prod(self._core.observation_space.shape)),), np.float32)})
+        self.ego_targets = bool(ego_targets)
+        size = int(np.prod(self._core.observation_space.shape)) + 2 * self.ego_targets
+        self.observation_space = spaces.Dict({"state": spaces.Box(-1.0, 1.0, (size,), np.float32)})
         self.action_space = spaces.Discrete(len(ACTIONS))
 
     @property
@@ -329,7 +334,15 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
         return out
 
     def _observation(self, raw: np.ndarray) -> dict[str, np.ndarray]:
-        return {"state": np.asarray(raw, dtype=np.float32).reshape(-1)}
+        state = np.asarray(raw, dtype=np.float32).reshape(-1)
+        if self.ego_targets:
+            # the meta-action controller's state, which the table does not show: the speed FASTER /
+            # SLOWER last set and the lane a change is heading to (-1 left, 0 none, 1 right)
+            ego = self._core.vehicle
+            targets = [ego.target_speed / Vehicle.MAX_SPEED,
+                       float(np.clip(ego.target_lane_index[2] - ego.lane_index[2], -1, 1))]
+            state = np.concatenate([state, np.asarray(targets, np.float32)])
+        return {"state": state}
 
     def _info(self, core_info: Mapping[str, Any]) -> dict[str, Any]:
         ego = self._core.vehicle

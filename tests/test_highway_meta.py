@@ -410,3 +410,18 @@ def test_more_observed_vehicles_extend_the_table_nearest_first(scenario) -> None
         np.testing.assert_array_equal(more["state"][:25], obs["state"])
     with pytest.raises(InvalidHighwayConfigError, match="observed_vehicles"):
         HighwayMetaEnv(observed_vehicles=0)
+
+
+def test_ego_targets_append_the_controllers_target_speed_and_lane_change() -> None:
+    base, env = make(), make(ego_targets=True)
+    obs, _ = base.reset(seed=2)
+    seen, _ = env.reset(seed=2)
+    assert seen["state"].shape == (27,) and env.observation_space.contains(seen)
+    np.testing.assert_array_equal(seen["state"][:25], obs["state"])  # the table itself is unchanged
+    ego = env.unwrapped.core.vehicle
+    assert seen["state"][25] == pytest.approx(ego.target_speed / 40.0) and seen["state"][26] == 0.0
+    seen, *_ = env.step(np.int64(FASTER))  # FASTER raises the target at once; the speed follows
+    assert seen["state"][25] == pytest.approx(ego.target_speed / 40.0) and ego.target_speed > ego.speed - 1e-6
+    # a lane change in progress: the target lane differs from the current one
+    ego.target_lane_index = (*ego.lane_index[:2], ego.lane_index[2] + 1)
+    assert env.unwrapped._observation(np.zeros(25))["state"][26] == 1.0
