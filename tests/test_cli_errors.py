@@ -88,10 +88,11 @@ def test_version():
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
     """A `robo-post collect` sent Ctrl-C (SIGINT to its process group, as a terminal does) once its
-    client has committed two episodes: (the store, the exit code, stderr)."""
+    client has committed two episodes: (the store, the exit code, stderr). It asks for far more
+    episodes than it can finish before the signal (the reach expert collects ~60 episodes/s)."""
     store = str(tmp_path_factory.mktemp("ctrl_c") / "store")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "robo_post.cli", "collect", f"store={store}", "episodes=500", "env.tasks=[reach]",
+        [sys.executable, "-m", "robo_post.cli", "collect", f"store={store}", "episodes=100000", "env.tasks=[reach]",
          "env.kwargs.render_images=false", "fleet.n_clients=1", "show=false"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
