@@ -95,6 +95,9 @@ def interrupted(tmp_path_factory):
         [sys.executable, "-m", "robo_post.cli", "collect", f"store={store}", "episodes=100000", "env.tasks=[reach]",
          "env.kwargs.render_images=false", "fleet.n_clients=1", "show=false"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        # a terminal's Ctrl-C: the default disposition, even when pytest itself runs where SIGINT
+        # is ignored (a background job of a non-interactive shell), which a child would inherit
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 300  # generous: on loaded cores MuJoCo's start-up alone can take a minute
     while ((read_status(store, "client-0") or {}).get("episodes", 0) < 2 and proc.poll() is None
