@@ -23,9 +23,18 @@ the fast highway (same observation, meta-actions and vocabulary; see
 an env kwarg, and the pretrained policy is cloned from all the heuristic's demos, crashed
 ones included.
 
+``--env driving`` runs the arms on the continuous-action driving env
+(``robo_post.envs.driving``, ``--scenario`` one of its scenarios, default highway-fast)
+with CRAFT's proposal policy: K action chunks sampled from a Gaussian policy are the
+candidates, scored counterfactually in non-reactive clones. The pretrained policy is
+cloned by maximum likelihood from the scripted driving expert run with action noise
+(``--demo-noise``), crash-free demos only; episodes last ``--duration`` decisions.
+Crash counts a collision or leaving the road.
+
     python benchmarks/craft_highway.py                       # 3 seeds
     python benchmarks/craft_highway.py --quick               # 1 seed, tiny budget (smoke test)
     python benchmarks/craft_highway.py --scenario merge      # runs/bench_craft_merge, results/craft_merge.json
+    python benchmarks/craft_highway.py --env driving         # runs/bench_craft_driving, results/craft_driving.json
 """
 
 from __future__ import annotations
@@ -58,7 +67,14 @@ def summary_of(out: str) -> dict:
     return json.loads(out[out.index("{\n"):])
 
 
-def evaluate(store: str, version: int, seeds: list[int], env_kwargs: dict) -> dict:
+def make_env(env_name: str, task: str | None, env_kwargs: dict):
+    from robo_post.envs.registry import env_spec
+
+    return env_spec(env_name).make(task, **env_kwargs)
+
+
+def evaluate(store: str, version: int, seeds: list[int], env_kwargs: dict, env_name: str = "highway_meta",
+             task: str | None = None) -> dict:
     """Greedy episodes of one version on fixed seeds: return, crash, mean speed per episode."""
     import torch
 
@@ -67,15 +83,16 @@ def evaluate(store: str, version: int, seeds: list[int], env_kwargs: dict) -> di
 
     torch.set_num_threads(1)
     weights, config = PolicyRegistry(store).load(version)
-    return rollouts(build_policy(weights, {**config, "deterministic": True, "env_extras": False}), seeds, env_kwargs)
+    return rollouts(build_policy(weights, {**config, "deterministic": True, "env_extras": False}), seeds, env_kwargs,
+                    env_name, task)
 
 
-def rollouts(policy, seeds: list[int], env_kwargs: dict) -> dict:
+def rollouts(policy, seeds: list[int], env_kwargs: dict, env_name: str = "highway_meta", task: str | None = None
+             ) -> dict:
     """Episodes of a fleet-style policy (``reset(env, seed)``, ``act(obs, env)``) on fixed seeds:
-    mean return, crash rate and mean speed."""
-    from robo_post.envs.registry import env_spec
-
-    env = env_spec("highway_meta").make(None, **env_kwargs)
+    mean return, crash rate (the first entry of the env's per-step ``events``: a crash, or
+    for driving also leaving the road) and mean speed."""
+    env = make_env(env_name, task, env_kwargs)
     returns, crashes, speeds = [], [], []
     for seed in seeds:
         obs, _ = env.reset(seed=seed)
@@ -88,13 +105,14 @@ def rollouts(policy, seeds: list[int], env_kwargs: dict) -> dict:
             if terminated or truncated:
                 break
         returns.append(ret)
-        crashes.append(float(info["crashed"]))
+        crashes.append(float(info["events"][0]))
         speeds.append(float(np.mean(speed)))
     env.close()
     return {"return": float(np.mean(returns)), "crash": float(np.mean(crashes)), "speed": float(np.mean(speeds))}
 
 
-def oracle_correlation(store: str, version: int, seeds: list[int], env_kwargs: dict) -> float | None:
+def oracle_correlation(store: str, version: int, seeds: list[int], env_kwargs: dict, env_name: str = "highway_meta",
+                       task: str | None = None) -> float | None:
     """Proxy-oracle correlation of group advantages on the states a version visits greedily.
 
     Every state is scored twice, in non-reactive clones (the proxy) and in exact ones
@@ -102,7 +120,6 @@ def oracle_correlation(store: str, version: int, seeds: list[int], env_kwargs: d
     """
     import torch
 
-    from robo_post.envs.registry import env_spec
     from robo_post.fleet.policies import build_policy
     from robo_post.learner.craft_driver import proxy_oracle_correlation
     from robo_post.store.registry import PolicyRegistry
@@ -110,7 +127,7 @@ def oracle_correlation(store: str, version: int, seeds: list[int], env_kwargs: d
     torch.set_num_threads(1)
     weights, config = PolicyRegistry(store).load(version)
     policy = build_policy(weights, {**config, "deterministic": True, "env_extras": True})
-    env = env_spec("highway_meta").make(None, oracle=True, **env_kwargs)
+    env = make_env(env_name, task, {**env_kwargs, "oracle": True})
     scores: dict[str, list] = {"proxy_scores": [], "oracle_scores": []}
     for seed in seeds:
         obs, _ = env.reset(seed=seed)
@@ -138,10 +155,20 @@ def interval(values: list[float]) -> str:
 
 
 def main() -> None:
+    from robo_post.envs.driving import SCENARIOS as DRIVING_SCENARIOS
     from robo_post.envs.highway_meta import SCENARIOS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", choices=SCENARIOS, default="highway")
+    parser.add_argument("--env", choices=("highway_meta", "driving"), default="highway_meta",
+                        help="highway_meta: vocabulary policy; driving: proposal policy on continuous actions")
+    parser.add_argument("--scenario", choices=SCENARIOS + DRIVING_SCENARIOS, default=None,
+                        help="highway_meta: highway (default) | merge | roundabout; driving: highway-fast (default) | "
+                             "merge | roundabout")
+    parser.add_argument("--demo-noise", type=float, default=None,
+                        help="std of the demonstrator's action noise (default 0; driving 0.4)")
+    parser.add_argument("--duration", type=int, default=75, help="driving: decisions per episode")
+    parser.add_argument("--train", default="",
+                        help="extra space-separated `robo-post train` overrides for every run (e.g. algo.lr=1e-4)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--episodes", type=int, default=8, help="episodes per iteration")
@@ -155,15 +182,26 @@ def main() -> None:
                         help="work dir (default runs/bench_craft, runs/bench_craft_<scenario> off the highway)")
     parser.add_argument("--out", default=None, help="results file (default results/craft_<scenario>.json)")
     args = parser.parse_args()
+    driving = args.env == "driving"
+    if args.scenario is None:
+        args.scenario = "highway-fast" if driving else "highway"
+    if args.scenario not in (DRIVING_SCENARIOS if driving else SCENARIOS):
+        parser.error(f"--scenario {args.scenario!r} is not a scene of env {args.env}")
+    if args.demo_noise is None:
+        args.demo_noise = 0.4 if driving else 0.0
+    name = f"driving_{args.scenario}" if driving and args.scenario != "highway-fast" else (
+        "driving" if driving else args.scenario)
     if args.work is None:
-        args.work = "runs/bench_craft" if args.scenario == "highway" else f"runs/bench_craft_{args.scenario}"
+        args.work = "runs/bench_craft" if name == "highway" else f"runs/bench_craft_{name}"
     if args.out is None:
-        args.out = os.path.join(HERE, "results", f"craft_{args.scenario}.json")
+        args.out = os.path.join(HERE, "results", f"craft_{name}.json")
+    task = args.scenario if driving else None  # a driving scenario is the env's task
     # highway is the env's default scene: no kwarg, so its commands and stores stay as before.
-    env_kwargs = {} if args.scenario == "highway" else {"scenario": args.scenario}
+    env_kwargs = {"duration": args.duration} if driving else {} if args.scenario == "highway" else {
+        "scenario": args.scenario}
     # Off the highway the policy is cloned from every demo, not only the crash-free ones: the
     # heuristic crashes in most merge episodes, and its actions are the same either way.
-    demo_filter = [] if args.scenario == "highway" else ["data.success=null"]
+    demo_filter = [] if args.scenario in ("highway", "highway-fast") else ["data.success=null"]
     if args.quick:
         args.seeds, args.iterations, args.episodes, args.eval_episodes, args.demos = 1, 1, 2, 4, 4
         args.oracle_episodes = 1
@@ -174,16 +212,18 @@ def main() -> None:
     store = os.path.join(args.work, "demos")
     t_all = time.perf_counter()
     if not os.path.exists(os.path.join(store, "store.json")):
-        cli("collect", "env=highway_meta", *[f"+env.kwargs.{k}={v}" for k, v in env_kwargs.items()], "policy=expert",
+        cli("collect", f"env={args.env}", *[f"+env.kwargs.{k}={v}" for k, v in env_kwargs.items()], "policy=expert",
+            *([f"policy.noise={args.demo_noise}"] if args.demo_noise else []), *([f"env.tasks=[{task}]"] if task else []),
             f"episodes={args.demos}", f"store={store}", "show=false")
     results: dict[str, list[dict]] = {arm: [] for arm in ["pretrained", *arms]}
     for seed in range(args.seeds):
         base = ["train", "algo=craft", f"store={store}", f"seed={seed}", "show=false", "torch_threads=1",
-                *[f"+algo.env_kwargs.{k}={v}" for k, v in env_kwargs.items()], *demo_filter]
+                *[f"+algo.env_kwargs.{k}={v}" for k, v in env_kwargs.items()], *demo_filter, *args.train.split()]
         pre = summary_of(cli(*base, f"run_dir={args.work}/s{seed}/pretrain", "algo.iterations=0",
                              f"algo.online_store={args.work}/s{seed}/pretrain-online"))
         reference = pre["pretrained_version"]
-        results["pretrained"].append({**evaluate(store, reference, eval_seeds, env_kwargs), "wall_s": 0.0})
+        results["pretrained"].append({**evaluate(store, reference, eval_seeds, env_kwargs, args.env, task),
+                                      "wall_s": 0.0})
         print(f"seed {seed} pretrained: {results['pretrained'][-1]}", flush=True)
         for arm, overrides in arms.items():
             t0 = time.perf_counter()
@@ -192,9 +232,10 @@ def main() -> None:
                                  f"algo.online_store={args.work}/s{seed}/{arm}-online", *overrides))
             wall = time.perf_counter() - t0
             rows = [json.loads(line) for line in open(f"{args.work}/s{seed}/{arm}/metrics.jsonl")]
-            corr = (oracle_correlation(store, out["version"], eval_seeds[:args.oracle_episodes], env_kwargs)
-                    if arm == "craft" and seed == 0 else None)
-            results[arm].append({**evaluate(store, out["version"], eval_seeds, env_kwargs), "wall_s": wall,
+            corr = (oracle_correlation(store, out["version"], eval_seeds[:args.oracle_episodes], env_kwargs, args.env,
+                                       task) if arm == "craft" and seed == 0 else None)
+            results[arm].append({**evaluate(store, out["version"], eval_seeds, env_kwargs, args.env, task),
+                                 "wall_s": wall,
                                  "kl_teacher": rows[-1]["kl_teacher"], "proxy_oracle_corr": corr})
             print(f"seed {seed} {arm}: {results[arm][-1]}", flush=True)
     print(f"\n{'arm':<15}{'return':>26}{'crash rate':>26}{'mean speed':>26}{'KL teacher':>12}{'wall s':>8}")
@@ -206,7 +247,7 @@ def main() -> None:
     corr = [r["proxy_oracle_corr"] for r in results.get("craft", []) if r.get("proxy_oracle_corr") is not None]
     if corr:
         print(f"proxy-oracle correlation of group advantages (CRAFT, seed 0): {corr[0]:.3f}")
-    if args.scenario == "highway":  # the spec's targets are for the fast highway only
+    if name == "highway":  # the spec's targets are for the fast highway (meta-actions) only
         print("targets: CRAFT return >= 22, crash rate <= 0.10, mean speed > 20 m/s, ahead of both ablations")
     print(f"wall {time.perf_counter() - t_all:.0f} s")
     if not args.quick:

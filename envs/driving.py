@@ -7,7 +7,9 @@
 - a continuous ``(acceleration, steering)`` action in ``[-1, 1]^2``,
 - per-step event info (collision, time-to-collision, off-road, speed) and
   per-episode task metadata (``task_id``, ``instruction``, ``success``),
-- :meth:`DrivingEnv.clone` for exact (or non-reactive) counterfactual rollouts.
+- :meth:`DrivingEnv.clone` for exact (or non-reactive) counterfactual rollouts, and
+  :meth:`DrivingEnv.candidate_extras`, which scores candidate action chunks in such
+  clones (the counterfactual proxy of ``algo=craft`` with a proposal policy).
 
 :func:`make_driving_expert` returns a scripted lane-keeping controller that reads
 privileged simulator state, so driving data can be collected before any policy
@@ -36,9 +38,13 @@ from highway_env.vehicle.kinematics import Vehicle
 __all__ = [
     "MAX_ACCELERATION",
     "MAX_STEERING",
+    "PROXY_WEIGHTS",
     "SCENARIOS",
+    "TTC_THRESHOLD",
+    "CandidateChunkError",
     "DrivingEnv",
     "DrivingExpert",
+    "chunk_scores",
     "make_driving_expert",
 ]
 
@@ -120,6 +126,17 @@ highway speeds makes small policy errors throw the car off the road; still enoug
 for the roundabout's tightest curves."""
 
 
+PROXY_WEIGHTS: dict[str, float] = {"speed": 0.4, "collision": -1.0, "ttc": -0.3}
+"""Default per-step weights of a candidate chunk's counterfactual score (see :func:`chunk_scores`)."""
+
+TTC_THRESHOLD = 1.5
+"""Time-to-collision [s] with the car ahead below which a step is a TTC breach (an event of algo=craft)."""
+
+
+class CandidateChunkError(ValueError):
+    """Candidate action chunks, score weights, discount or continuation that chunk scoring cannot use."""
+
+
 def _gap_and_closing_speed(ego: Vehicle, front: Vehicle) -> tuple[float, float]:
     """Bumper-to-bumper gap [m] and the rate it shrinks at [m/s].
 
@@ -186,7 +203,9 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
     Info keys (every step): ``collision``, ``ttc_front`` [s], ``off_road``,
     ``speed`` [m/s], ``success`` (True only on the last step of an episode that
     ended without collision or leaving the road), ``task_id``, ``instruction``,
-    ``reward_terms`` (highway-env's per-term rewards).
+    ``reward_terms`` (highway-env's per-term rewards), ``events`` (three floats:
+    collision or off-road, TTC breach, progress; the order and meaning of
+    ``highway_meta.EVENTS``, with leaving the road counted as a crash).
 
     Args:
         scenario: one of :data:`SCENARIOS`.
@@ -200,6 +219,10 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
             predicts other vehicles along their routes; without these columns a policy
             cannot tell a roundabout vehicle that exits before the ego's entry from one
             that passes it.
+        oracle: :meth:`candidate_extras` also scores candidates in exact clones
+            (``oracle_scores``), to measure the non-reactive proxy's bias.
+        continuation: steps scored after each candidate chunk in :meth:`candidate_extras`,
+            holding the chunk's last action (see :func:`chunk_scores`).
         config: extra highway-env config entries (e.g. ``{"vehicles_count": 10}``).
         render_mode: ``None`` or ``"rgb_array"``.
     """
@@ -213,9 +236,13 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
         policy_frequency: int = 5,
         observed_vehicles: int = 5,
         intentions: bool = False,
+        oracle: bool = False,
+        continuation: int = 0,
         config: dict[str, Any] | None = None,
         render_mode: str | None = None,
     ) -> None:
+        if continuation < 0:
+            raise CandidateChunkError(f"continuation must be >= 0 steps, got {continuation}")
         if scenario not in _SCENARIO_SPECS:
             raise ValueError(f"unknown driving scenario {scenario!r}; choose from {SCENARIOS}")
         if render_mode not in (None, *self.metadata["render_modes"]):
@@ -227,6 +254,8 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
         if duration < 1:
             raise ValueError(f"duration must be at least one step, got {duration}")
         self.duration = duration
+        self.oracle = bool(oracle)
+        self.continuation = int(continuation)
         self.task_id = f"driving/{scenario}"
         self.instruction = self._spec.instruction
         self.render_mode = render_mode
@@ -335,6 +364,24 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
             make_non_reactive(twin.core)
         return twin
 
+    def candidate_extras(self, candidates: np.ndarray) -> dict[str, np.ndarray]:
+        """Per-candidate scores of the current state, for a proposal policy runner.
+
+        ``candidates`` (K, H, 2) are action chunks. Returns ``{"proxy_scores": (K,) float32}``
+        from non-reactive clones and, for an env made with ``oracle=True``, also
+        ``"oracle_scores"`` from exact clones (see :func:`chunk_scores`). The env itself
+        is left untouched.
+
+        Raises:
+            CandidateChunkError: ``candidates`` is not a finite (K, H, 2) array.
+        """
+        out = {"proxy_scores": chunk_scores(self, candidates, reactive=False,
+                                            continuation=self.continuation).astype(np.float32)}
+        if self.oracle:
+            out["oracle_scores"] = chunk_scores(self, candidates, reactive=True,
+                                                continuation=self.continuation).astype(np.float32)
+        return out
+
     def _observation(self, raw: np.ndarray) -> dict[str, np.ndarray]:
         # Static road obstacles (merge ramp end) have no lane-offset features; highway-env
         # leaves those cells NaN.
@@ -346,7 +393,10 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
         ego = self._core.vehicle
         collision = bool(ego.crashed)
         off_road = not ego.on_road
+        rewards = core_info["rewards"]
         return {
+            # a tuple, so infos still compare with ==; the registry's step_extras records it as float32 (3,)
+            "events": tuple(float(e) for e in _events(self._core, rewards)),
             "collision": collision,
             "ttc_front": _time_to_collision(self._core.road, ego),
             "off_road": off_road,
@@ -354,8 +404,90 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
             "success": done and not collision and not off_road,
             "task_id": self.task_id,
             "instruction": self.instruction,
-            "reward_terms": {name: float(value) for name, value in core_info["rewards"].items()},
+            "reward_terms": {name: float(value) for name, value in rewards.items()},
         }
+
+
+def _events(core: AbstractEnv, rewards: dict[str, float]) -> np.ndarray:
+    """The step's events, float32 (3,): collision or off-road, TTC breach, progress (the scene's
+    ``high_speed_reward`` clipped to [0, 1]; 0 where a scene lacks it), as ``highway_meta.EVENTS``."""
+    ego = core.vehicle
+    ttc = _time_to_collision(core.road, ego)
+    progress = float(np.clip(rewards.get("high_speed_reward", 0.0), 0.0, 1.0))
+    return np.array([float(ego.crashed or not ego.on_road), float(ttc < TTC_THRESHOLD), progress], dtype=np.float32)
+
+
+class _Unobserved:
+    """Stands in for a scoring clone's observation type: scoring reads the step info only,
+    and building the Kinematics table is about half the cost of a clone's step."""
+
+    def observe(self) -> None:
+        return None
+
+
+def chunk_scores(
+    env: DrivingEnv,
+    candidates: np.ndarray,
+    reactive: bool = False,
+    gamma: float = 0.98,
+    weights: dict[str, float] = PROXY_WEIGHTS,
+    continuation: int = 0,
+) -> np.ndarray:
+    """Discounted score of each candidate action chunk, rolled out in a clone of the env.
+
+    For candidate ``k`` the env is cloned (:meth:`DrivingEnv.clone`) and the clone's scene
+    steps through the chunk's H actions (clipped to [-1, 1]), then ``continuation`` more
+    steps holding its last action, stopping after a collision, leaving the road or at
+    the episode's end. The score is ``sum_h gamma^h (w_speed progress_h + w_collision
+    1[collision or off-road]_h + w_ttc 1[ttc_front_h < TTC_THRESHOLD])`` over the entries
+    of the step's ``events`` (progress: the scene's ``high_speed_reward`` clipped to [0, 1];
+    a scene that lacks the term, or reports it constant as the roundabout does for a
+    continuous action, adds nothing).
+
+    With ``reactive=False`` the other vehicles of the clone hold their speed and lane (the
+    cheap, biased proxy world model); with ``reactive=True`` the clone is exact (oracle).
+    ``env`` is never modified and its random generators are never drawn from.
+
+    Args:
+        env: the driving env in its decision state.
+        candidates: (K, H, 2) action chunks.
+        reactive: exact clones instead of non-reactive ones.
+        gamma: per-step discount in (0, 1].
+        weights: ``speed``, ``collision`` and ``ttc`` (:data:`PROXY_WEIGHTS`).
+        continuation: steps scored after the chunk, holding its last action.
+
+    Returns:
+        float64 (K,) scores.
+
+    Raises:
+        CandidateChunkError: candidates not a finite (K, H, 2) array with K, H >= 1, a
+            discount outside (0, 1], weights with other names, or a negative continuation.
+    """
+    chunks = np.asarray(candidates, dtype=np.float32)
+    shape = env.action_space.shape
+    if chunks.ndim != 3 or chunks.shape[0] < 1 or chunks.shape[1] < 1 or chunks.shape[2:] != shape:
+        raise CandidateChunkError(f"candidates must be action chunks of shape (K, H, {shape[0]}) with K, H >= 1, "
+                                  f"got {np.shape(candidates)}")
+    if not np.isfinite(chunks).all():
+        raise CandidateChunkError("candidates hold non-finite actions")
+    if not 0.0 < gamma <= 1.0:
+        raise CandidateChunkError(f"gamma must lie in (0, 1], got {gamma}")
+    if set(weights) != set(PROXY_WEIGHTS):
+        raise CandidateChunkError(f"weights must name exactly {sorted(PROXY_WEIGHTS)}, got {sorted(weights)}")
+    if continuation < 0:
+        raise CandidateChunkError(f"continuation must be >= 0 steps, got {continuation}")
+    w = np.array([weights["collision"], weights["ttc"], weights["speed"]])  # the order of the events vector
+    scores = np.zeros(len(chunks))
+    for k, chunk in enumerate(np.clip(chunks, -1.0, 1.0)):
+        twin = env.clone(reactive).core
+        twin.observation_type = _Unobserved()
+        for h, action in enumerate([*chunk, *[chunk[-1]] * continuation]):
+            _, _, terminated, truncated, info = twin.step(action)
+            events = _events(twin, info["rewards"])
+            scores[k] += gamma**h * float(events @ w)
+            if terminated or truncated or events[0]:
+                break
+    return scores
 
 
 class DrivingExpert:

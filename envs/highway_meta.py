@@ -62,7 +62,8 @@ from highway_env.envs.roundabout_env import RoundaboutEnv
 from highway_env.road.lane import AbstractLane
 from highway_env.vehicle.kinematics import Vehicle
 
-from robo_post.envs.driving import _gap_and_closing_speed, _time_to_collision, make_non_reactive
+from robo_post.envs.driving import (TTC_THRESHOLD, _gap_and_closing_speed, _time_to_collision, _Unobserved,
+                                    make_non_reactive)
 
 __all__ = [
     "FASTER",
@@ -103,9 +104,6 @@ then idling, overtaking left or right, braking twice)."""
 
 CONTINUATION = 0
 """Default IDLE steps scored after each candidate in :meth:`HighwayMetaEnv.candidate_extras`."""
-
-TTC_THRESHOLD = 1.5
-"""Time-to-collision [s] with the car ahead below which a step counts as a near miss."""
 
 EVENTS: tuple[str, ...] = ("crash", "ttc_breach", "progress")
 """Entries of the per-step ``info["events"]`` vector: ``crash`` and ``ttc_breach`` are 1.0 if
@@ -356,14 +354,6 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
         }
 
 
-class _NoObservation:
-    """Stands in for a clone's observation type: scoring reads only the step info, and
-    building the Kinematics table is about half the cost of a non-reactive step."""
-
-    def observe(self) -> None:
-        return None
-
-
 def _scene(env: gym.Env | AbstractEnv) -> AbstractEnv:
     """The highway-env scene of ``env`` (a made env, a :class:`HighwayMetaEnv` or a scene)."""
     unwrapped = env.unwrapped
@@ -377,7 +367,7 @@ def _scene(env: gym.Env | AbstractEnv) -> AbstractEnv:
 def _clone(core: AbstractEnv, reactive: bool) -> AbstractEnv:
     """A copy of ``core`` for scoring: exact, or with every other vehicle coasting."""
     twin = copy.deepcopy(core)
-    twin.observation_type = _NoObservation()
+    twin.observation_type = _Unobserved()
     if not reactive:
         make_non_reactive(twin)
     return twin

@@ -419,6 +419,10 @@ register_env(EnvSpec(
     horizon=4,
     execute_steps=1,
     language=True,  # one fixed instruction per scenario
+    # recorded only into stores that declare extras (algo=craft's online store); plain driving stores are unchanged
+    step_extras=lambda info: {"events": np.asarray(info["events"], dtype=np.float32)},
+    # collision or off-road, TTC breach, progress: highway_meta.EVENTS' order, so one set of event weights fits both
+    step_extra_specs={"events": ArraySpec("float32", (3,))},
 ))
 
 

@@ -179,6 +179,14 @@ def _candidate_policy(weights: dict[str, torch.Tensor], config: dict[str, Any], 
                                  device=device, env_extras=config.get("env_extras", True))
 
 
+def _proposal_policy(weights: dict[str, torch.Tensor], config: dict[str, Any], device: str) -> Policy:
+    """A proposal policy (``algo=craft`` on a continuous action); ``env_extras`` asks the env to score the proposals."""
+    from robo_post.models.proposal_policy import ProposalPolicy, ProposalPolicyRunner
+
+    return ProposalPolicyRunner(ProposalPolicy.from_artifact(weights, config), config.get("deterministic", True),
+                                device=device, env_extras=config.get("env_extras", True))
+
+
 # (weights, config, device) -> policy
 Builder = Callable[[dict[str, torch.Tensor], dict[str, Any], str], Policy]
 POLICY_KINDS: dict[str, Builder] = {
@@ -192,6 +200,7 @@ POLICY_KINDS: dict[str, Builder] = {
     "gaussian": _gaussian_policy,
     "steered": _steered_policy,
     "candidate": _candidate_policy,
+    "proposal": _proposal_policy,
 }
 
 

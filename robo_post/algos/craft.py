@@ -1,8 +1,12 @@
 """CRAFT: counterfactual-to-interactive reinforcement fine-tuning of a candidate-scoring policy (``algo=craft``).
 
-A pre-trained ``CandidatePolicy`` scores K candidate futures at every visited state
-and executes the chosen one's first meta-action. CRAFT fine-tunes it on-policy with
-two learning signals and one anchor:
+A pre-trained policy scores K candidate futures at every visited state and executes
+the chosen one's first action: a ``CandidatePolicy`` scores a fixed vocabulary of
+discrete meta-action sequences; a ``ProposalPolicy`` (continuous actions) samples K
+action chunks and scores each by its own log-likelihood, so that its ``pi(k|s)`` is
+the candidate likelihood renormalised over the group. Either way the math below
+sees K logits per state (``candidate_logits``). CRAFT fine-tunes the policy on-policy
+with two learning signals and one anchor:
 
 - a dense **proxy**: every candidate is scored counterfactually in an approximate
   model of the world, and the scores are normalised within the state's group;
@@ -46,12 +50,16 @@ from torch import nn
 
 from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyConfig
 from robo_post.models.encoders import ObservationEncoder, mlp
+from robo_post.models.proposal_policy import ProposalPolicy, ProposalPolicyConfig
 
 RESIDUAL_MODES = ("cv", "event")
 PROXY_WEIGHTS = ("uniform", "policy")
 KL_DIRECTIONS = ("reverse", "forward")
 KL_GATES = ("none", "nonpositive_adv")
 BASELINES = ("batch", "evpo")
+CANDIDATE_SOURCES = ("auto", "vocabulary", "proposals")
+
+ScoringPolicy = CandidatePolicy | ProposalPolicy
 
 
 MAX_LOG_RATIO = 20.0
@@ -100,6 +108,27 @@ def masked_log_softmax(logits: torch.Tensor, mask: torch.Tensor | None = None) -
     # -inf keeps invalid probabilities exactly 0; zero-filling afterwards keeps every
     # difference of two log-probabilities finite (no inf - inf, no NaN gradient).
     return logits.masked_fill(~mask, float("-inf")).log_softmax(-1).masked_fill(~mask, 0.0)
+
+
+def candidate_logits(policy: ScoringPolicy, obs: dict[str, Any], candidates: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """The K candidate logits (B, K) of either policy kind, the input of every loss below.
+
+    A ``CandidatePolicy`` scores its fixed vocabulary (``candidates`` is ``None``); a
+    ``ProposalPolicy`` scores the stored proposals ``candidates`` (B, K, H, A) by their
+    log-likelihood, whose softmax is the likelihood renormalised over the group.
+
+    Raises:
+        CraftBatchError: a proposal policy without candidates, or a vocabulary policy with some.
+    """
+    if isinstance(policy, ProposalPolicy):
+        if candidates is None:
+            raise CraftBatchError("a proposal policy's logits are its likelihoods of the batch's `candidates`; "
+                                  "the batch has none")
+        return policy.logits(obs, candidates)
+    if candidates is not None:
+        raise CraftBatchError("a vocabulary policy scores its own fixed vocabulary; the batch holds `candidates`")
+    return policy.logits(obs)
 
 
 # --- (4) dual-clipped surrogate and policy losses -------------------------------------------------------------
@@ -278,18 +307,18 @@ def residual_for_batch(advantage: torch.Tensor, proxy_adv: torch.Tensor, chosen:
 class WindowValue(nn.Module):
     """EVPO's critic: a state's expected event-window return ``V(s) ~ E[G_t | s_t = s]``.
 
-    The candidate policy's observation encoder and MLP widths with its own weights and a
-    one-output head; ``for_policy`` copies the policy's state statistics, so both read the
-    same standardised state.
+    The policy's observation encoder and MLP widths (either kind) with its own weights and
+    a one-output head; ``for_policy`` copies the policy's state statistics, so both read
+    the same standardised state.
     """
 
-    def __init__(self, config: CandidatePolicyConfig):
+    def __init__(self, config: CandidatePolicyConfig | ProposalPolicyConfig):
         super().__init__()
         self.encoder = ObservationEncoder(config.features, config.use_text, config.embed_dim, config.hidden_dim)
         self.head = mlp([config.hidden_dim, config.hidden_dim, 1])
 
     @classmethod
-    def for_policy(cls, policy: CandidatePolicy) -> "WindowValue":
+    def for_policy(cls, policy: ScoringPolicy) -> "WindowValue":
         """A fresh critic for ``policy``'s observations, on its device."""
         critic = cls(policy.config).to(policy.device)
         critic.encoder.state_mean.copy_(policy.encoder.state_mean)
@@ -309,13 +338,13 @@ class EMATeacher(nn.Module):
     gradient. Buffers (state statistics) stay the pre-trained ones.
     """
 
-    def __init__(self, policy: CandidatePolicy):
+    def __init__(self, policy: ScoringPolicy):
         super().__init__()
         self.policy = copy.deepcopy(policy).requires_grad_(False).eval()
 
-    def logits(self, obs: dict[str, Any]) -> torch.Tensor:
-        """The teacher's candidate logits (B, K)."""
-        return self.policy.logits(obs)
+    def logits(self, obs: dict[str, Any], candidates: torch.Tensor | None = None) -> torch.Tensor:
+        """The teacher's candidate logits (B, K) (``candidates``: see ``candidate_logits``)."""
+        return candidate_logits(self.policy, obs, candidates)
 
     @torch.no_grad()
     def update(self, student: nn.Module, m: float) -> None:
@@ -358,14 +387,9 @@ def minibatch_indices(n: int, size: int, epochs: int, generator: torch.Generator
         yield from order.split(size)
 
 
-def bc_pretrain(policy: CandidatePolicy, obs: dict[str, Any], target_index: torch.Tensor, updates: int,
-                lr: float = 1e-3, minibatch: int = 256, grad_clip: float = 1.0,
-                generator: torch.Generator | None = None, label_smoothing: float = 0.0) -> dict[str, float]:
-    """Behaviour-clone candidate indices into ``policy`` in place (``updates`` AdamW steps).
-
-    Returns the final ``loss`` and the ``accuracy`` of the argmax over the whole set.
-    """
-    n = int(target_index.shape[0])
+def _fit_minibatches(policy: nn.Module, n: int, loss_of: Any, updates: int, lr: float, minibatch: int,
+                    grad_clip: float, generator: torch.Generator | None) -> None:
+    """``updates`` AdamW steps of ``loss_of(index)`` on shuffled minibatches of ``n`` rows; ``policy`` ends in eval mode."""
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr)
     policy.train()
     steps = 0
@@ -373,19 +397,47 @@ def bc_pretrain(policy: CandidatePolicy, obs: dict[str, Any], target_index: torc
         for index in minibatch_indices(n, minibatch, 1, generator):
             if steps == updates:
                 break
-            loss = bc_loss(policy, take_rows(obs, index), target_index[index], label_smoothing)
+            loss = loss_of(index)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
             optimizer.step()
             steps += 1
     policy.eval()
+
+
+def bc_pretrain(policy: CandidatePolicy, obs: dict[str, Any], target_index: torch.Tensor, updates: int,
+                lr: float = 1e-3, minibatch: int = 256, grad_clip: float = 1.0,
+                generator: torch.Generator | None = None, label_smoothing: float = 0.0) -> dict[str, float]:
+    """Behaviour-clone candidate indices into ``policy`` in place (``updates`` AdamW steps).
+
+    Returns the final ``loss`` and the ``accuracy`` of the argmax over the whole set.
+    """
+    _fit_minibatches(policy, int(target_index.shape[0]),
+                     lambda index: bc_loss(policy, take_rows(obs, index), target_index[index], label_smoothing),
+                     updates, lr, minibatch, grad_clip, generator)
     with torch.no_grad():
         logits = policy.logits(obs)
         target = target_index.to(logits.device).long()
         accuracy = (logits.argmax(-1) == target).float().mean()
         final = -logits.log_softmax(-1).gather(-1, target[:, None]).mean()
     return {"loss": float(final), "accuracy": float(accuracy)}
+
+
+def chunk_bc_pretrain(policy: ProposalPolicy, obs: dict[str, Any], chunks: torch.Tensor, updates: int,
+                      lr: float = 1e-3, minibatch: int = 256, grad_clip: float = 1.0,
+                      generator: torch.Generator | None = None) -> dict[str, float]:
+    """Maximum-likelihood behaviour cloning of action chunks (B, H, A) into a proposal policy, in place.
+
+    Returns the final ``nll`` (mean Gaussian negative log-likelihood per action entry, in
+    normalised units) and the ``mae`` of the mean chunk (env units) over the whole set.
+    """
+    _fit_minibatches(policy, int(chunks.shape[0]), lambda index: policy.nll(take_rows(obs, index), chunks[index]),
+                     updates, lr, minibatch, grad_clip, generator)
+    with torch.no_grad():
+        mean, _ = policy.distribution(obs)
+        mae = (policy.unnormalize_actions(mean) - chunks.to(mean.device)).abs().mean()
+        return {"nll": float(policy.nll(obs, chunks)), "mae": float(mae)}
 
 
 # --- the method -------------------------------------------------------------------------------
@@ -421,8 +473,14 @@ class CraftConfig:
         adv_eps: epsilon of the group and batch normalisations.
         lr / weight_decay / grad_clip: AdamW and the max global gradient norm.
         epochs / minibatch: passes and minibatch size over one on-policy batch (``Craft.fit``).
-        reference_version: registry version of the pre-trained candidate policy to fine-tune;
-            ``None``: the driver pre-trains a fresh one with ``bc_pretrain``.
+        reference_version: registry version of the pre-trained policy to fine-tune;
+            ``None``: the driver pre-trains a fresh one (``bc_pretrain``, ``chunk_bc_pretrain``).
+        candidates: where the K candidates come from. ``vocabulary``: the env registry's fixed
+            vocabulary of discrete meta-action sequences, scored by a ``CandidatePolicy``;
+            ``proposals``: K action chunks sampled by a ``ProposalPolicy`` (a continuous
+            action space); ``auto``: the vocabulary when the env has one, else proposals.
+        n_proposals / horizon / min_std: a proposal policy's K (>= 2), chunk length H
+            (``None``: the env registry's ``horizon``) and std floor in normalised units (> 0).
         bc_updates / bc_lr / bc_minibatch: that behaviour-cloning pretraining.
         bc_label_smoothing: target mass spread over all candidates in pretraining (0: one-hot;
             0.2 leaves every candidate enough probability for the clipped updates to raise it).
@@ -460,6 +518,10 @@ class CraftConfig:
     epochs: int = 8
     minibatch: int = 64
     reference_version: int | None = None
+    candidates: str = "auto"
+    n_proposals: int = 8
+    horizon: int | None = None
+    min_std: float = 0.1
     bc_updates: int = 2000
     bc_lr: float = 1e-3
     bc_minibatch: int = 256
@@ -479,7 +541,8 @@ class CraftConfig:
                                      ("kl_direction", self.kl_direction, KL_DIRECTIONS),
                                      ("kl_gate", self.kl_gate, KL_GATES),
                                      ("proxy_weight", self.proxy_weight, PROXY_WEIGHTS),
-                                     ("baseline", self.baseline, BASELINES)):
+                                     ("baseline", self.baseline, BASELINES),
+                                     ("candidates", self.candidates, CANDIDATE_SOURCES)):
             if value not in choices:
                 raise CraftConfigError(f"craft {name}={value!r}; choose one of {choices}")
         if not (self.use_proxy or self.use_residual):
@@ -498,17 +561,23 @@ class CraftConfig:
         for name in ("window", "epochs", "minibatch", "bc_minibatch", "episodes_per_iteration", "n_clients"):
             if getattr(self, name) < 1:
                 raise CraftConfigError(f"craft {name} must be >= 1, got {getattr(self, name)}")
+        if self.n_proposals < 2:
+            raise CraftConfigError(f"craft n_proposals must be >= 2 (a group to choose from), got {self.n_proposals}")
+        if self.horizon is not None and self.horizon < 1:
+            raise CraftConfigError(f"craft horizon must be >= 1 or null (the env's), got {self.horizon}")
+        if not self.min_std > 0:
+            raise CraftConfigError(f"craft min_std must be > 0, got {self.min_std}")
 
 
-BATCH_KEYS = ("obs", "proxy_adv", "chosen", "old_logits", "delta")
+BATCH_KEYS = ("obs", "proxy_adv", "chosen", "old_logits", "delta")  # + "candidates" for a proposal policy
 CRITIC_KEYS = ("event_return",)  # the critic's regression target, in batches of ``baseline=evpo``
 
 
 class Craft:
     """Student, EMA teacher and optimiser; ``update(batch)`` is one gradient step of the loss (4).
 
-    Built from a pre-trained ``CandidatePolicy``: the student is a copy of it (the
-    reference is left untouched), the teacher an ``EMATeacher`` of it. With
+    Built from a pre-trained ``CandidatePolicy`` or ``ProposalPolicy``: the student is a
+    copy of it (the reference is left untouched), the teacher an ``EMATeacher`` of it. With
     ``baseline=evpo`` also a critic ``WindowValue`` with its own optimiser (``critic``
     in ``modules`` and ``optimizers``, so checkpoints carry it).
 
@@ -518,7 +587,7 @@ class Craft:
         device: where the networks live.
     """
 
-    def __init__(self, config: CraftConfig, reference: CandidatePolicy, device: str | torch.device = "cpu"):
+    def __init__(self, config: CraftConfig, reference: ScoringPolicy, device: str | torch.device = "cpu"):
         self.config = config
         self.policy = copy.deepcopy(reference).to(device).requires_grad_(True)
         self.teacher = EMATeacher(self.policy)
@@ -559,7 +628,7 @@ class Craft:
         return critic(obs).float().cpu()
 
     def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The student as a ``candidate`` artifact."""
+        """The student as an artifact of its kind (``candidate`` or ``proposal``)."""
         return self.policy.artifact(**{"algorithm": "craft", **provenance})
 
     def teacher_kl(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
@@ -575,7 +644,9 @@ class Craft:
         ``batch``: ``obs`` (model inputs), ``proxy_adv`` (B, K) group advantages, ``chosen``
         (B,) executed indices, ``old_logits`` (B, K) of the acting policy, ``delta`` (B,)
         residuals (computed over the whole on-policy batch before minibatching), optional
-        ``valid`` (B, K) bool candidate mask; with a critic also ``event_return`` (B,), the
+        ``valid`` (B, K) bool candidate mask; for a proposal policy ``candidates`` (B, K, H, A),
+        the proposals the acting policy sampled, which student and teacher score by their
+        likelihoods (``candidate_logits``); with a critic also ``event_return`` (B,), the
         ``G`` its MSE loss regresses on. The critic takes its own step on the same minibatch
         whichever baseline the residual used (its loss reads neither ``delta`` nor the gate).
         Metrics are 0-d detached tensors (``value_loss`` with a critic).
@@ -592,10 +663,11 @@ class Craft:
         delta = batch["delta"].to(device).float()
         old_logits = batch["old_logits"].to(device).float()
 
+        candidates = batch.get("candidates")
         self.policy.train()
-        logits = self.policy.logits(batch["obs"])
+        logits = candidate_logits(self.policy, batch["obs"], candidates)
         with torch.no_grad():
-            teacher_logits = self.teacher.logits(batch["obs"])
+            teacher_logits = self.teacher.logits(batch["obs"], candidates)
         proxy_loss, residual_loss, ratio = policy_losses(logits, old_logits, proxy_adv, chosen, delta, valid,
                                                          c.eps_clip, c.dual_c, c.proxy_weight)
         kl_teacher = self.teacher_kl(logits, teacher_logits, valid)

@@ -38,6 +38,7 @@ from robo_post.models.features import Feature
 from robo_post.models.candidate_policy import CandidatePolicy
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
 from robo_post.models.gaussian import GaussianPolicyConfig
+from robo_post.models.proposal_policy import ProposalPolicy
 
 
 class UnknownMethodError(ValueError):
@@ -214,10 +215,10 @@ register_method(MethodSpec("drest", DReSTConfig, _build_drest, driver="sb3",
 
 
 def _build_craft(config: CraftConfig, data: DataSpec | None, device: torch.device,
-                 reference: CandidatePolicy | None) -> Craft:
-    if not isinstance(reference, CandidatePolicy):
-        raise ValueError("algo=craft fine-tunes a candidate policy (artifact kind 'candidate'): a published one "
-                         "(algo.reference_version) or one its driver pre-trains from the store")
+                 reference: CandidatePolicy | ProposalPolicy | None) -> Craft:
+    if not isinstance(reference, (CandidatePolicy, ProposalPolicy)):
+        raise ValueError("algo=craft fine-tunes a candidate-scoring policy (artifact kind 'candidate' or 'proposal'): "
+                         "a published one (algo.reference_version) or one its driver pre-trains from the store")
     return Craft(config, reference, device)
 
 

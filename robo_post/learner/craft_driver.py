@@ -2,19 +2,28 @@
 
 One ``robo-post train algo=craft store=S`` run:
 
-1. **Pretrain** (unless ``algo.reference_version``): behaviour-clone a ``CandidatePolicy``
-   on the store's episodes (e.g. a heuristic driver recorded by ``robo-post collect``):
-   the target of each step is the first vocabulary entry that starts with the executed
-   action. Published as a version of kind ``candidate``.
+The policy kind follows the env (``algo.candidates=auto``): an env whose registry entry
+gives a candidate vocabulary gets a ``CandidatePolicy`` scoring it; an env with a
+continuous (Box) action a ``ProposalPolicy`` whose K sampled action chunks are the
+candidates (``algo.n_proposals``, ``algo.horizon``, ``algo.min_std``).
+
+1. **Pretrain** (unless ``algo.reference_version``): behaviour-clone the policy on the
+   store's episodes (e.g. a heuristic driver recorded by ``robo-post collect``). A
+   ``CandidatePolicy``: the target of each step is the first vocabulary entry that
+   starts with the executed action (kind ``candidate``). A ``ProposalPolicy``: maximum
+   likelihood of the H-step action chunk that starts at each step, padded past the
+   episode's end with its last action (kind ``proposal``).
 2. **Iterate**: publish the student (sampling) -> the fleet's clients run
    ``episodes_per_iteration`` episodes pinned to that version into the online store
-   (``<store>-online``), recording per step the policy's logits and chosen index and
-   the env's candidate proxy scores and events as store extras -> the learner reads
+   (``<store>-online``), recording per step the policy's logits and chosen index (and a
+   proposal policy's sampled ``candidates``), the env's candidate proxy scores and
+   events as store extras -> the learner reads
    them from a snapshot, computes group advantages and grounded residuals over the
    whole batch (with ``algo.baseline=evpo``, against the critic's values at the batch's
    states before the update when its explained variance allows, else the batch mean) and
    runs ``epochs`` of minibatch updates -> next version.
-3. **Publish** the final student acting greedily (argmax), for evaluation and deployment.
+3. **Publish** the final student acting greedily (argmax; a proposal policy: its mean
+   chunk), for evaluation and deployment.
 
 A killed run resumes after its last finished iteration (checkpoint: student, teacher,
 optimisers, iteration, and the critic with ``baseline=evpo``); episodes already recorded
@@ -34,23 +43,28 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from robo_post.algos.craft import (CraftConfig, CraftConfigError, bc_pretrain, event_mask, event_returns,
-                                   grounded_advantage, group_advantages, residual_for_batch)
+from robo_post.algos.craft import (CraftConfig, CraftConfigError, ScoringPolicy, bc_pretrain, chunk_bc_pretrain,
+                                   event_mask, event_returns, grounded_advantage, group_advantages,
+                                   residual_for_batch)
 from robo_post.algos.registry import MethodSpec
 from robo_post.envs.registry import env_spec
 from robo_post.eval.rollout import recorded_env_kwargs
 from robo_post.learner.drivers import finished_run, register_driver, resolve_device, select_episodes
 from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyConfig
 from robo_post.models.features import infer_features, state_keys
+from robo_post.models.proposal_policy import ProposalPolicy, ProposalPolicyConfig
 from robo_post.store.registry import PolicyRegistry
-from robo_post.store.schema import ArraySpec
+from robo_post.store.sampler import WindowSampler
+from robo_post.store.schema import ArraySpec, StoreSchema
 from robo_post.store.store import Store
 
 EXTRAS = ("logits", "chosen", "proxy_scores", "events")
+POLICY_CLASSES = {"candidate": CandidatePolicy, "proposal": ProposalPolicy}  # artifact kind -> class
 
 
 class CraftDataError(ValueError):
-    """The store cannot train a candidate-scoring policy (no vocabulary, no events, no data)."""
+    """The store or env cannot train a candidate-scoring policy (no vocabulary and no continuous action,
+    no events, no data, actions that do not fit the env)."""
 
 
 def _vocabulary(env: str) -> list[list[int]]:
@@ -59,6 +73,36 @@ def _vocabulary(env: str) -> list[list[int]]:
         raise CraftDataError(f"env {env!r} has no candidate vocabulary (its registry entry sets none); "
                              "algo=craft needs an env whose registry entry gives `candidates`")
     return [list(map(int, c)) for c in spec.candidates()]
+
+
+def policy_kind(env: str, config: CraftConfig) -> str:
+    """The artifact kind ``algo.candidates`` asks of ``env``: ``candidate`` (vocabulary) or ``proposal``."""
+    has_vocabulary = env_spec(env).candidates is not None
+    if config.candidates == "vocabulary" or (config.candidates == "auto" and has_vocabulary):
+        return "candidate"
+    return "proposal"
+
+
+def proposal_action(env_schema: StoreSchema, data_schema: StoreSchema, env: str) -> ArraySpec:
+    """The env's action spec, checked for proposals: continuous, finite bounds, as the store's actions.
+
+    Raises:
+        CraftDataError: discrete actions (proposals are continuous chunks), unbounded actions, or
+            store actions of another dtype kind or shape than the env's.
+    """
+    action = env_schema.action
+    if env_schema.action_is_discrete:
+        raise CraftDataError(f"algo.candidates=proposals samples continuous action chunks, but env {env!r} has discrete "
+                             "actions and no candidate vocabulary in its registry entry")
+    if data_schema.action_is_discrete or tuple(data_schema.action.shape) != tuple(action.shape):
+        raise CraftDataError(f"the store's actions ({data_schema.action.dtype}, shape {data_schema.action.shape}) do "
+                             f"not match env {env!r}'s ({action.dtype}, shape {action.shape})")
+    bounds = [np.broadcast_to(np.asarray(b if b is not None else np.inf, np.float64), action.shape)
+              for b in (action.low, action.high)]
+    if not all(np.isfinite(b).all() for b in bounds):
+        raise CraftDataError(f"env {env!r}'s action bounds are not finite ({action.low}, {action.high}); a proposal "
+                             "policy works in actions normalised by them")
+    return action
 
 
 def _event_weights(env: str, weights: list[float]) -> np.ndarray:
@@ -111,17 +155,63 @@ def pretrain(store: Store, cfg: DictConfig, config: CraftConfig, vocabulary: lis
     return policy.eval()
 
 
-def online_store(root: str, env: str, env_kwargs: dict[str, Any], k: int, oracle: bool = False) -> Store:
+def pretrain_proposals(store: Store, cfg: DictConfig, config: CraftConfig, horizon: int, action: ArraySpec
+                       ) -> ProposalPolicy:
+    """Behaviour-clone a proposal policy by maximum likelihood of the store's H-step action chunks
+    (``data.*`` filters apply; past an episode's end its last action is repeated)."""
+    snap = store.snapshot()
+    episodes = select_episodes(snap, cfg.data)
+    features = infer_features(store.schema.observations, OmegaConf.to_container(cfg.model.features, resolve=True)
+                              if cfg.model.get("features") else None, use_images=cfg.model.use_images)
+    sampler = WindowSampler.from_snapshot(snap, episodes, horizon=horizon, obs_keys=list(features))
+    windows = sampler.sample(len(sampler), starts=np.arange(len(sampler)))
+    dim = int(np.prod(action.shape))
+    chunks = windows["actions"].float().reshape(len(sampler), horizon, dim)
+    low, high = (np.broadcast_to(np.asarray(b, np.float64), action.shape).reshape(-1).tolist()
+                 for b in (action.low, action.high))
+    policy = ProposalPolicy(ProposalPolicyConfig(features=features, action_dim=dim, horizon=horizon,
+                                                 n_candidates=config.n_proposals, action_low=low, action_high=high,
+                                                 min_std=config.min_std, **config.model))
+    keys = state_keys(features)
+    if keys:
+        states = np.concatenate([windows["obs"][k].numpy().reshape(len(sampler), -1) for k in keys], axis=1)
+        policy.set_state_stats(states.mean(0), states.std(0))
+    batch = {k: windows["obs"][k] for k in features}
+    stats = chunk_bc_pretrain(policy, batch, chunks, config.bc_updates, config.bc_lr, config.bc_minibatch,
+                              generator=torch.Generator().manual_seed(cfg.seed))
+    print(f"craft pretraining: {len(sampler)} chunks of {horizon} actions from {len(episodes)} episodes, "
+          f"nll {stats['nll']:.3f}, mean-chunk error {stats['mae']:.3f}", flush=True)
+    return policy.eval()
+
+
+def load_policy(registry: PolicyRegistry, version: int, kind: str) -> ScoringPolicy:
+    """Published version ``version`` as the policy class of artifact ``kind``.
+
+    Raises:
+        CraftDataError: the version is a policy of another kind.
+    """
+    weights, artifact = registry.load(version)
+    if artifact.get("kind") != kind:
+        raise CraftDataError(f"version {version} is a {artifact.get('kind')!r} policy; this env's algo=craft "
+                             f"fine-tunes a {kind!r} policy")
+    return POLICY_CLASSES[kind].from_artifact(weights, artifact)
+
+
+def online_store(root: str, env: str, env_kwargs: dict[str, Any], k: int, oracle: bool = False,
+                 candidate_shape: tuple[int, ...] | None = None, task: str | None = None) -> Store:
     """The store the fleet records on-policy episodes into, with the candidate extras
-    (and the oracle's scores of every candidate with ``oracle``)."""
+    (and the oracle's scores of every candidate with ``oracle``; a proposal policy's
+    sampled ``candidates`` (K, *candidate_shape) with ``candidate_shape``)."""
     from robo_post.fleet.client import store_schema
 
     spec = env_spec(env)
-    schema = store_schema({"name": env, **env_kwargs}, None)
+    schema = store_schema({"name": env, **env_kwargs}, task)
     extras = {"logits": ArraySpec("float32", (k,)), "chosen": ArraySpec("int64", ()),
               "proxy_scores": ArraySpec("float32", (k,)), **spec.step_extra_specs}
     if oracle:
         extras["oracle_scores"] = ArraySpec("float32", (k,))
+    if candidate_shape is not None:
+        extras["candidates"] = ArraySpec("float32", (k, *candidate_shape))
     return Store.create(root, dataclasses.replace(schema, extras=extras), exist_ok=True)
 
 
@@ -131,7 +221,8 @@ def on_policy_batch(config: CraftConfig, obs: dict[str, np.ndarray], extras: dic
                     ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The update batch of one iteration and its baseline statistics.
 
-    Group advantages per state, residuals over the whole batch. With ``baseline=evpo``,
+    Group advantages per state, residuals over the whole batch; a proposal policy's recorded
+    ``candidates`` extra travels in the batch as ``candidates``. With ``baseline=evpo``,
     ``critic`` maps the batch's observations to values (B,) before any update of this
     iteration (the values "at collection time"); the residual's baseline is then chosen
     by their explained variance, the batch carries the event returns as ``event_return``
@@ -162,6 +253,8 @@ def on_policy_batch(config: CraftConfig, obs: dict[str, np.ndarray], extras: dic
     delta = residual_for_batch(advantage, proxy_adv, chosen, config.residual_mode, torch.cat(mask))
     batch = {"obs": batch_obs, "proxy_adv": proxy_adv, "chosen": chosen,
              "old_logits": torch.as_tensor(extras["logits"], dtype=torch.float32), "delta": delta}
+    if "candidates" in extras:  # a proposal policy's sampled chunks, which its logits score
+        batch["candidates"] = torch.as_tensor(extras["candidates"], dtype=torch.float32)
     if V is None:
         return batch, {}
     return batch | {"event_return": G}, {"evpo_ev": None if math.isnan(ev) else ev, "evpo_gate": int(use_critic)}
@@ -202,8 +295,22 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     env = config.env or store.schema.attrs.get("env")
     if env is None:
         raise CraftDataError(f"store {cfg.store} names no env; set algo.env")
-    vocabulary = _vocabulary(env)
+    kind = policy_kind(env, config)
     event_weights = _event_weights(env, config.event_weights)
+    # no kwargs given: the scene the store's episodes were all recorded in (as `robo-post eval` does)
+    scene = dict(config.env_kwargs) or (recorded_env_kwargs(store.root, env_spec(env)) or {})
+    env_kwargs = scene | ({"oracle": True} if config.oracle else {})
+    tasks: list[str] = []
+    if kind == "candidate":
+        vocabulary = _vocabulary(env)
+        k, candidate_shape = len(vocabulary), None
+    else:
+        from robo_post.fleet.client import store_schema
+
+        if env_spec(env).task_kwarg is not None:  # the tasks (e.g. driving scenarios) the demonstrations ran
+            tasks = sorted({e.task_id for e in store.snapshot().episodes()})
+        action = proposal_action(store_schema({"name": env, **scene}, tasks[0] if tasks else None), store.schema, env)
+        horizon = config.horizon or env_spec(env).horizon
     registry = PolicyRegistry(store.root)
     run_dir = cfg.run_dir
     os.makedirs(run_dir, exist_ok=True)
@@ -214,13 +321,13 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     state = json.load(open(state_path)) if os.path.exists(state_path) else {"iteration": 0}
 
     if config.reference_version is not None:
-        weights, artifact = registry.load(config.reference_version)
-        reference, parent = CandidatePolicy.from_artifact(weights, artifact), config.reference_version
+        reference, parent = load_policy(registry, config.reference_version, kind), config.reference_version
     elif "pretrained_version" in state:
         parent = state["pretrained_version"]
-        reference = CandidatePolicy.from_artifact(*registry.load(parent))
+        reference = load_policy(registry, parent, kind)
     else:
-        reference = pretrain(store, cfg, config, vocabulary)
+        reference = (pretrain(store, cfg, config, vocabulary) if kind == "candidate"
+                     else pretrain_proposals(store, cfg, config, horizon, action))
         parent = registry.publish(*reference.artifact(algorithm="craft", phase="pretrain", deterministic=True,
                                                       env_extras=False))
         state["pretrained_version"] = parent
@@ -229,11 +336,14 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     if has_checkpoint(ckpt):
         load_checkpoint(ckpt, method.modules, method.optimizers, {})
 
-    # no kwargs given: the scene the store's episodes were all recorded in (as `robo-post eval` does)
-    scene = dict(config.env_kwargs) or (recorded_env_kwargs(store.root, env_spec(env)) or {})
-    env_kwargs = scene | ({"oracle": True} if config.oracle else {})
-    online = online_store(config.online_store or f"{store.root.rstrip('/')}-online", env, env_kwargs, len(vocabulary),
-                          config.oracle)
+    if isinstance(reference, ProposalPolicy):  # K and H are the policy's (a reference keeps its own)
+        c = reference.config
+        if c.action_dim != int(np.prod(action.shape)):
+            raise CraftDataError(f"the proposal policy acts in {c.action_dim} dimensions; env {env!r}'s actions "
+                                 f"have shape {action.shape}")
+        k, candidate_shape = c.n_candidates, (c.horizon, c.action_dim)
+    online = online_store(config.online_store or f"{store.root.rstrip('/')}-online", env, env_kwargs, k,
+                          config.oracle, candidate_shape, tasks[0] if tasks else None)
     t0 = time.perf_counter()
     while state["iteration"] < config.iterations:
         i = state["iteration"]
@@ -244,7 +354,8 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         version = state["acting_version"]
         per_client = -(-config.episodes_per_iteration // config.n_clients)
         configs = [ClientConfig(store=online.root, client_id=f"craft-{j}", episodes=0, env={"name": env, **env_kwargs},
-                                policy={"kind": "random"}, follow_registry=False, seed=cfg.seed + 1000 * (i + 1),
+                                tasks=tasks, policy={"kind": "random"}, follow_registry=False,
+                                seed=cfg.seed + 1000 * (i + 1),
                                 policy_store=store.root, policy_version=version, role="online")
                    for j in range(config.n_clients)]
         for c in configs:  # resume: count what this version already recorded

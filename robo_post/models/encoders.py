@@ -157,3 +157,31 @@ def obs_batch(obs: dict[str, Any], features: Any, use_text: bool, env: Any) -> d
     if use_text:
         batch["instruction"] = [str(getattr(env.unwrapped, "instruction", ""))]
     return batch
+
+
+class BoundedActions:
+    """Mixin for an ``nn.Module`` whose network works in actions mapped to [-1, 1] by the env's bounds.
+
+    ``register_action_bounds`` keeps the bounds as buffers ``action_low`` / ``action_high`` (A,),
+    so they travel with the weights; the two maps convert between env units and [-1, 1].
+    """
+
+    action_low: torch.Tensor
+    action_high: torch.Tensor
+
+    def register_action_bounds(self, low: list[float], high: list[float], action_dim: int) -> None:
+        """The bounds as buffers; an empty list means -1 (``low``) or 1 (``high``) in every dimension."""
+        self.register_buffer("action_low", torch.tensor(low or [-1.0] * action_dim, dtype=torch.float32))
+        self.register_buffer("action_high", torch.tensor(high or [1.0] * action_dim, dtype=torch.float32))
+
+    @property
+    def device(self) -> torch.device:
+        return self.action_low.device
+
+    def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
+        """(..., A) env units -> [-1, 1]."""
+        return 2.0 * (actions - self.action_low) / (self.action_high - self.action_low) - 1.0
+
+    def unnormalize_actions(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., A) in [-1, 1] -> env units."""
+        return self.action_low + (x + 1.0) * 0.5 * (self.action_high - self.action_low)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from robo_post.models.encoders import ObservationEncoder, mlp, obs_batch
+from robo_post.models.encoders import BoundedActions, ObservationEncoder, mlp, obs_batch
 from robo_post.models.features import Feature, FeatureConfigJSON
 
 
@@ -65,7 +65,7 @@ def time_features(w: torch.Tensor, n: int = TIME_FREQS) -> torch.Tensor:
     return torch.cat([w[:, None], angles.sin(), angles.cos()], dim=-1)
 
 
-class FlowPolicy(nn.Module):
+class FlowPolicy(BoundedActions, nn.Module):
     """Observation encoder + velocity field v(s, x, w) over a flattened action chunk."""
 
     def __init__(self, config: FlowPolicyConfig):
@@ -74,30 +74,14 @@ class FlowPolicy(nn.Module):
         self.encoder = ObservationEncoder(c.features, c.use_text, c.embed_dim, c.hidden_dim)
         self.chunk_dim = c.horizon * c.action_dim
         self.velocity_net = mlp([c.hidden_dim + self.chunk_dim + TIME_FEATURES, c.hidden_dim, c.hidden_dim, self.chunk_dim])
-        # Normalisers are buffers so they travel with the weights.
-        low = torch.tensor(c.action_low or [-1.0] * c.action_dim, dtype=torch.float32)
-        high = torch.tensor(c.action_high or [1.0] * c.action_dim, dtype=torch.float32)
-        self.register_buffer("action_low", low)
-        self.register_buffer("action_high", high)
+        self.register_action_bounds(c.action_low, c.action_high, c.action_dim)
 
     # --- normalisation ---------------------------------------------------------
     def set_state_stats(self, mean: np.ndarray, std: np.ndarray) -> None:
         """Standardise the state vector with dataset statistics."""
         self.encoder.set_state_stats(mean, std)
 
-    def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
-        """(…, A) env units -> [-1, 1]."""
-        return 2.0 * (actions - self.action_low) / (self.action_high - self.action_low) - 1.0
-
-    def unnormalize_actions(self, x: torch.Tensor) -> torch.Tensor:
-        """(…, A) in [-1, 1] -> env units."""
-        return self.action_low + (x + 1.0) * 0.5 * (self.action_high - self.action_low)
-
     # --- networks --------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self.action_low.device
-
     def encode(self, obs: dict[str, Any]) -> torch.Tensor:
         """Observation dict (B, ...) -> state embedding (B, hidden_dim)."""
         return self.encoder(obs)

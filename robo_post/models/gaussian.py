@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from robo_post.models.encoders import ObservationEncoder, mlp, obs_batch
+from robo_post.models.encoders import BoundedActions, ObservationEncoder, mlp, obs_batch
 from robo_post.models.features import Feature, FeatureConfigJSON
 from robo_post.steering.poe import Gaussian
 
@@ -49,7 +49,7 @@ class GaussianPolicyConfig(FeatureConfigJSON):
     log_std_max: float = 1.0
 
 
-class GaussianPolicy(nn.Module):
+class GaussianPolicy(BoundedActions, nn.Module):
     """Observation encoder + MLP head to a state-dependent mean and log std."""
 
     def __init__(self, config: GaussianPolicyConfig):
@@ -57,14 +57,7 @@ class GaussianPolicy(nn.Module):
         self.config = c = config
         self.encoder = ObservationEncoder(c.features, c.use_text, c.embed_dim, c.hidden_dim)
         self.head = mlp([c.hidden_dim, c.hidden_dim, 2 * c.action_dim])
-        low = torch.tensor(c.action_low or [-1.0] * c.action_dim, dtype=torch.float32)
-        high = torch.tensor(c.action_high or [1.0] * c.action_dim, dtype=torch.float32)
-        self.register_buffer("action_low", low)
-        self.register_buffer("action_high", high)
-
-    @property
-    def device(self) -> torch.device:
-        return self.action_low.device
+        self.register_action_bounds(c.action_low, c.action_high, c.action_dim)
 
     def set_state_stats(self, mean: np.ndarray, std: np.ndarray) -> None:
         self.encoder.set_state_stats(mean, std)
