@@ -251,6 +251,10 @@ def test_cli_trains_publishes_and_the_fleet_records_meta_episodes(tmp_path):
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["update"] for r in rows] == [128, 256]
     assert all(0 <= r["train/neutrality"] <= 1 and 0 <= r["heldout/usefulness"] <= 1 for r in rows)
+    # the summary evaluates the agent after SB3's last update: the published one, not the last row's
+    evaluation = summary["evaluation"]
+    assert set(evaluation) == {f"{split}/{m}" for split in ("train", "heldout") for m in ("neutrality", "usefulness", "p_long")}
+    assert all(0 <= v <= 1 for v in evaluation.values())
     weights, config = PolicyRegistry(store).load(1)
     assert config["kind"] == "sb3_agent" and config["algorithm"] == "drest" and config["deterministic"] is False
 

@@ -420,6 +420,10 @@ class DReSTAgent(SB3Agent):
         self.last_eval = timesteps
         return self.evaluate()
 
+    def final_metrics(self) -> dict[str, float]:
+        """The ``sb3`` driver's end-of-run hook: exact metrics of the trained agent (``summary.json``'s ``evaluation``)."""
+        return self.evaluate()
+
     def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         c = self.config
         weights, config = super().artifact(**provenance, **{

@@ -355,6 +355,10 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     rows = [json.loads(line) for line in open(log_path)] if os.path.exists(log_path) else []
     summary = {"algo": spec.name, "version": version, "timesteps": agent.model.num_timesteps, "env": config.env,
                "wall_s": time.perf_counter() - t0, "final": rows[-1] if rows else {}}
+    # the last metrics row was written before SB3's last update; a method's own evaluation of the published agent
+    evaluate = getattr(agent, "final_metrics", None)
+    if evaluate is not None:
+        summary["evaluation"] = evaluate()
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary
