@@ -137,11 +137,18 @@ class CandidatePolicyRunner:
         self.last, self.env = {"logits": logits.float().cpu().numpy(), "chosen": np.asarray(k, dtype=np.int64)}, env
         return np.asarray(c.candidates[k][0], dtype=np.int64)
 
+    RESERVED: tuple[str, ...] = ("logits", "chosen")
+    """Extras the runner records itself; the env hook may not return them."""
+
+    def scored_candidates(self) -> Any:
+        """What the env hook scores: the vocabulary."""
+        return self.model.config.candidates
+
     def extras(self) -> dict[str, np.ndarray]:
         """The last decision's ``logits`` (K,) float32, ``chosen`` () int64 and the env hook's entries."""
         hook = getattr(self.env.unwrapped, "candidate_extras", None) if self.env_extras and self.env else None
-        given = {k: np.asarray(v) for k, v in hook(self.model.config.candidates).items()} if hook else {}
-        clash = sorted({"logits", "chosen"} & set(given))
+        given = {k: np.asarray(v) for k, v in hook(self.scored_candidates()).items()} if hook else {}
+        clash = sorted(set(self.RESERVED) & set(given))
         if clash:
             raise CandidateConfigError(f"env candidate_extras returned reserved names {clash}")
         return {**self.last, **given}

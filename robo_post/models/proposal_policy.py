@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from robo_post.models.candidate_policy import CandidatePolicyRunner
 from robo_post.models.encoders import BoundedActions, ObservationEncoder, mlp, obs_batch
 from robo_post.models.features import Feature, FeatureConfigJSON
 
@@ -154,7 +155,7 @@ class ProposalPolicy(BoundedActions, nn.Module):
         return model.to(device).eval()
 
 
-class ProposalPolicyRunner:
+class ProposalPolicyRunner(CandidatePolicyRunner):
     """Fleet ``Policy`` over a proposal policy; executes the chosen proposal's first action.
 
     At each ``act`` the runner samples K proposals (seeded per episode in ``reset``) and
@@ -177,19 +178,6 @@ class ProposalPolicyRunner:
 
     RESERVED = ("candidates", "logits", "chosen")
 
-    def __init__(self, model: ProposalPolicy, deterministic: bool = True, device: str | torch.device = "cpu",
-                 env_extras: bool = True):
-        self.model = model.to(device).eval()
-        self.deterministic = deterministic
-        self.env_extras = env_extras
-        self.generator = torch.Generator(device=device)
-        self.last: dict[str, np.ndarray] = {}
-        self.env: Any = None
-
-    def reset(self, env: Any, seed: int) -> None:
-        self.generator.manual_seed(seed)
-        self.last = {}
-
     @torch.no_grad()
     def act(self, obs: dict[str, Any], env: Any) -> np.ndarray:
         c = self.model.config
@@ -205,11 +193,6 @@ class ProposalPolicyRunner:
         self.env = env
         return chunks[k, 0].copy()
 
-    def extras(self) -> dict[str, np.ndarray]:
-        """The last decision's ``candidates``, ``logits``, ``chosen`` and the env hook's entries."""
-        hook = getattr(self.env.unwrapped, "candidate_extras", None) if self.env_extras and self.env else None
-        given = {k: np.asarray(v) for k, v in hook(self.last["candidates"]).items()} if hook else {}
-        clash = sorted(set(self.RESERVED) & set(given))
-        if clash:
-            raise ProposalConfigError(f"env candidate_extras returned reserved names {clash}")
-        return {**self.last, **given}
+    def scored_candidates(self) -> np.ndarray:
+        """What the env hook scores: the K proposals sampled at the last decision (K, H, A)."""
+        return self.last["candidates"]
