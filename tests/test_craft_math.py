@@ -573,3 +573,19 @@ def test_updates_raise_the_probability_of_the_candidate_with_positive_advantage(
     with torch.no_grad():
         after = craft.policy.logits(batch["obs"]).softmax(-1)[:, 2].mean()
     assert after > before + 0.05
+
+
+def test_target_kl_stops_a_batchs_passes_after_the_first_step_past_it():
+    batch = random_batch(n=64)
+    full = Craft(CraftConfig(lr=1e-2, epochs=4, minibatch=16), small_policy(3)).fit(batch, gen(0))
+    assert int(full["updates"]) == 16  # 4 passes x 4 minibatches
+    # a tiny trust region: the first step already leaves it, so exactly one update is made
+    stopped = Craft(CraftConfig(lr=1e-2, epochs=4, minibatch=16, target_kl=1e-12), small_policy(3)).fit(batch, gen(0))
+    assert int(stopped["updates"]) == 1 and float(stopped["kl_old"]) > 1e-12
+    # a wide one never binds: the same updates as without it, bit for bit
+    wide = Craft(CraftConfig(lr=1e-2, epochs=4, minibatch=16, target_kl=1e9), small_policy(3))
+    again = Craft(CraftConfig(lr=1e-2, epochs=4, minibatch=16), small_policy(3))
+    wide.fit(batch, gen(0)), again.fit(batch, gen(0))
+    assert all(torch.equal(a, b) for a, b in zip(wide.policy.parameters(), again.policy.parameters()))
+    with pytest.raises(CraftConfigError, match="target_kl"):
+        CraftConfig(target_kl=0.0)

@@ -473,6 +473,9 @@ class CraftConfig:
         adv_eps: epsilon of the group and batch normalisations.
         lr / weight_decay / grad_clip: AdamW and the max global gradient norm.
         epochs / minibatch: passes and minibatch size over one on-policy batch (``Craft.fit``).
+        target_kl: stop a batch's passes after the first step whose KL(acting policy || student)
+            over the candidates exceeds this (``None``: always all ``epochs``); a trust region for
+            a proposal policy, whose renormalised likelihoods move fast with its mean.
         reference_version: registry version of the pre-trained policy to fine-tune;
             ``None``: the driver pre-trains a fresh one (``bc_pretrain``, ``chunk_bc_pretrain``).
         candidates: where the K candidates come from. ``vocabulary``: the env registry's fixed
@@ -517,6 +520,7 @@ class CraftConfig:
     grad_clip: float = 1.0
     epochs: int = 8
     minibatch: int = 64
+    target_kl: float | None = None
     reference_version: int | None = None
     candidates: str = "auto"
     n_proposals: int = 8
@@ -561,6 +565,8 @@ class CraftConfig:
         for name in ("window", "epochs", "minibatch", "bc_minibatch", "episodes_per_iteration", "n_clients"):
             if getattr(self, name) < 1:
                 raise CraftConfigError(f"craft {name} must be >= 1, got {getattr(self, name)}")
+        if self.target_kl is not None and not self.target_kl > 0:
+            raise CraftConfigError(f"craft target_kl must be > 0 or null, got {self.target_kl}")
         if self.n_proposals < 2:
             raise CraftConfigError(f"craft n_proposals must be >= 2 (a group to choose from), got {self.n_proposals}")
         if self.horizon is not None and self.horizon < 1:
@@ -719,11 +725,15 @@ class Craft:
         return loss.detach()
 
     def fit(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        """``config.epochs`` shuffled passes of ``update`` over one on-policy batch in minibatches.
+        """``config.epochs`` shuffled passes of ``update`` over one on-policy batch in minibatches;
+        with ``config.target_kl`` they stop after the first step whose KL to the acting policy exceeds it.
 
-        Returns each metric's mean over all the updates (0-d tensors).
+        Returns each metric's mean over the updates made (0-d tensors) and ``updates``, their number.
         """
-        n = int(batch["chosen"].shape[0])
-        history = [self.update(take_rows(batch, index))
-                   for index in minibatch_indices(n, self.config.minibatch, self.config.epochs, generator)]
-        return {k: torch.stack([h[k] for h in history]).mean() for k in history[0]}
+        n, history = int(batch["chosen"].shape[0]), []
+        for index in minibatch_indices(n, self.config.minibatch, self.config.epochs, generator):
+            history.append(self.update(take_rows(batch, index)))
+            if self.config.target_kl is not None and float(history[-1]["kl_old"]) > self.config.target_kl:
+                break  # the student has left the trust region around the policy that collected the batch
+        means = {k: torch.stack([h[k] for h in history]).mean() for k in history[0]}
+        return means | {"updates": torch.tensor(len(history))}

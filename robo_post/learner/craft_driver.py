@@ -371,7 +371,7 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         batch, baseline_stats = on_policy_batch(config, obs, extras, lengths, event_weights,
                                                 method.values if config.baseline == "evpo" else None)
         metrics = {k: float(v) for k, v in method.fit(batch, torch.Generator().manual_seed(cfg.seed + i)).items()}
-        state["updates"] = state.get("updates", 0) + config.epochs * -(-len(batch["chosen"]) // config.minibatch)
+        state["updates"] = state.get("updates", 0) + int(metrics.pop("updates"))
         row = {"update": state["updates"], "iteration": i + 1, "version": version, "time": time.time(), "episodes": len(episodes),
                "steps": int(sum(lengths)), "episode_return": float(np.mean([e.ret for e in episodes])),
                "collision": float(np.mean([bool((e.attrs.get("metrics") or {}).get("collision")) for e in episodes])),
