@@ -1,5 +1,6 @@
 """Helpers shared by test files (importable: pytest puts this folder on sys.path)."""
 
+import json
 import subprocess
 import sys
 
@@ -10,3 +11,8 @@ def run_cli(*args: str, timeout: int = 300, ok: bool = True) -> subprocess.Compl
     if ok:
         assert r.returncode == 0, r.stderr[-3000:]
     return r
+
+
+def summary_of(stdout: str) -> dict:
+    """The JSON summary a `robo-post train` prints after its progress lines."""
+    return json.loads(stdout[stdout.index("{\n"):])

@@ -14,11 +14,7 @@ from robo_post.learner.craft_driver import on_policy_batch, proxy_oracle_correla
 from robo_post.models.candidate_policy import CandidatePolicy
 from robo_post.store.registry import PolicyRegistry
 from robo_post.store.store import Store
-from tests.helpers import run_cli
-
-
-def summary_of(stdout: str) -> dict:
-    return json.loads(stdout[stdout.index("{\n"):])  # after the progress lines
+from tests.helpers import run_cli, summary_of
 
 
 @pytest.fixture(scope="module")

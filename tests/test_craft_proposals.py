@@ -23,7 +23,7 @@ from robo_post.models.proposal_policy import (ProposalConfigError, ProposalPolic
 from robo_post.store.registry import PolicyRegistry
 from robo_post.store.schema import ArraySpec, StoreSchema
 from robo_post.store.store import Store
-from tests.helpers import run_cli
+from tests.helpers import run_cli, summary_of
 
 H, A, K = 3, 2, 4
 LOW, HIGH = [-2.0, 0.0], [2.0, 2.0]  # not [-1, 1], so the normalisation is exercised
@@ -279,10 +279,6 @@ def test_bad_proposal_settings_are_typed_errors():
 
 
 # --- (e) end to end through the CLI ----------------------------------------------------------
-def summary_of(stdout: str) -> dict:
-    return json.loads(stdout[stdout.index("{\n"):])  # after the progress lines
-
-
 @pytest.fixture(scope="module")
 def proposal_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("craft_proposals")
