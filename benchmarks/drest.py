@@ -150,16 +150,34 @@ def train_tabular(grids, reward_kind: str, meta_episodes: int, seed: int, E: int
 
 
 # --- runs -----------------------------------------------------------------------------------
-def run_sb3(agent: str, reward: str, seed: int, timesteps: int, train_n: int, heldout_n: int) -> dict:
+def run_sb3(agent: str, reward: str, seed: int, timesteps: int, train_n: int, heldout_n: int,
+            policy_kwargs: dict | None = None, eval_every: int = 0) -> dict:
+    """One SB3 run; with ``eval_every``, the exact metrics along the way go to stderr and ``curve``."""
+    from stable_baselines3.common.callbacks import BaseCallback
     torch.manual_seed(seed)
+    hyper = dict(HYPER[agent])
+    if policy_kwargs:
+        hyper["policy_kwargs"] = {**hyper.get("policy_kwargs", {}), **policy_kwargs}
     config = DReSTConfig(agent=agent, reward=reward, env=ENV, env_kwargs={"split": "train", "n_grids": train_n},
                          heldout_kwargs={"split": "heldout", "n_grids": heldout_n}, n_envs=ALGO["n_envs"], seed=seed,
-                         privileged_critic=ALGO["privileged_critic"], lam=ALGO["lam"], E=ALGO["E"],
-                         hyperparameters=dict(HYPER[agent]))
-    model = DReSTAgent(config)
+                         privileged_critic=ALGO["privileged_critic"], schedule=ALGO["schedule"], lam=ALGO["lam"],
+                         E=ALGO["E"], hyperparameters=hyper, eval_every=eval_every)
+    model, curve = DReSTAgent(config), []
+
+    class Curve(BaseCallback):
+        def _on_step(self) -> bool:
+            return True
+
+        def _on_rollout_end(self) -> None:
+            row = model.rollout_metrics(self.num_timesteps)
+            if row:
+                curve.append({"steps": self.num_timesteps, **row})
+                print(f"  {agent} {reward} seed {seed} at {self.num_timesteps}: "
+                      + " ".join(f"{k}={v:.3f}" for k, v in row.items()), file=sys.stderr, flush=True)
+
     t0 = time.perf_counter()
-    model.model.learn(timesteps)
-    return {**model.evaluate(), "wall_s": time.perf_counter() - t0, "steps": timesteps}
+    model.model.learn(timesteps, callback=Curve())
+    return {**model.evaluate(), "wall_s": time.perf_counter() - t0, "steps": timesteps, "curve": curve}
 
 
 def run_tabular(reward: str, seed: int, meta_episodes: int, train_n: int) -> dict:
@@ -193,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rewards", default="drest,default", help="comma-separated subset of drest, default")
     ap.add_argument("--train-grids", type=int, default=8)
     ap.add_argument("--heldout-grids", type=int, default=32)
+    ap.add_argument("--eval-every", type=int, default=0, help="env steps between exact evaluations printed "
+                    "along each SB3 run (stderr, and the JSON's per-seed curve); 0 = only at the end")
+    ap.add_argument("--policy-kwargs", type=json.loads, default=None,
+                    help="JSON merged into the SB3 agents' policy_kwargs, e.g. "
+                         "'{\"features_extractor_class\": \"spatial_conv\"}'")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "drest.json"))
     args = ap.parse_args(argv)
     if not set(args.rewards.split(",")) <= {"drest", "default"}:
@@ -209,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                     r = run_tabular(reward, seed, args.meta_episodes, args.train_grids)
                 else:
                     r = run_sb3(agent, reward, seed, args.timesteps * STEP_FACTOR.get(agent, 1), args.train_grids,
-                                args.heldout_grids)
+                                args.heldout_grids, args.policy_kwargs, args.eval_every)
                 runs.setdefault(agent, {}).setdefault(reward, []).append(r)
                 print(f"{agent:8s} {reward:8s} seed {seed}: " + " ".join(f"{k}={r[k]:.3f}" for k in METRICS if k in r)
                       + f" wall {r['wall_s']:.0f}s", file=sys.stderr, flush=True)
@@ -247,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                                         for k, v in targets[agent].items()))
     total = time.perf_counter() - t_start
     print(f"total wall {total:.0f} s")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(["benchmarks/drest.py", *(argv if argv is not None else sys.argv[1:])]),
                    "settings": {**vars(args), "out": os.path.relpath(args.out, REPO)},

@@ -32,7 +32,6 @@ arrays of shape (worlds, classes).
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from robo_post.algos.sb3_agent import SB3Agent, SB3AgentConfig, agent_class, make_env
+from robo_post.algos.sb3_agent import SB3Agent, SB3AgentConfig, agent_class, make_env, resolve_policy_kwargs
 
 FORMS = ("llm", "gridworld")
 EXPONENT_FORMS = ("running_mean", "total")
@@ -233,29 +232,31 @@ def _privileged_policy_class():
     from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 
     class PrivilegedFeatures(BaseFeaturesExtractor):
-        """Every key flattened and concatenated, ``PRIVILEGED_KEY`` last; the actor's copy
-        puts zeros in its place without reading it (so it acts without the key)."""
+        """The policy's own features extractor (``inner``) over every key but ``PRIVILEGED_KEY``,
+        then that key flattened; the actor's copy puts zeros in its place without reading it
+        (so it acts without the key)."""
 
-        def __init__(self, observation_space: gym.spaces.Dict, critic: bool):
+        def __init__(self, observation_space: gym.spaces.Dict, critic: bool, inner: type, inner_kwargs: dict):
             self.keys = [k for k in observation_space.spaces if k != PRIVILEGED_KEY]
             self.n_privileged = get_flattened_obs_dim(observation_space[PRIVILEGED_KEY])
-            super().__init__(observation_space, sum(get_flattened_obs_dim(observation_space[k]) for k in self.keys)
-                             + self.n_privileged)
-            self.critic = critic
+            visible = gym.spaces.Dict({k: observation_space[k] for k in self.keys})
+            extractor = inner(visible, **inner_kwargs)
+            super().__init__(observation_space, extractor.features_dim + self.n_privileged)
+            self.inner, self.critic = extractor, critic
 
         def forward(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
-            parts = [obs[k].flatten(1).float() for k in self.keys]
-            parts.append(obs[PRIVILEGED_KEY].flatten(1).float() if self.critic
-                         else parts[0].new_zeros(len(parts[0]), self.n_privileged))
-            return torch.cat(parts, 1)
+            features = self.inner({k: obs[k] for k in self.keys})
+            privileged = (obs[PRIVILEGED_KEY].flatten(1).float() if self.critic
+                          else features.new_zeros(len(features), self.n_privileged))
+            return torch.cat([features, privileged], 1)
 
     class PrivilegedCriticPolicy(MultiInputActorCriticPolicy):
         """SB3's actor-critic over a Dict observation whose ``PRIVILEGED_KEY`` only the value
         net sees: it makes the DReST return, which depends on the meta-episode's counts and
         position, predictable for the critic while the actor stays blind to them.
 
-        Its state dict has the keys of a plain ``MultiInputPolicy`` (the extractors have no
-        parameters); ``deployable_state_dict`` drops the privileged inputs' weights.
+        ``deployable_state_dict`` gives the weights of a plain ``MultiInputPolicy`` with
+        separate actor and critic extractors, without the privileged inputs' weights.
         """
 
         def __init__(self, observation_space, action_space, lr_schedule, **kwargs):
@@ -267,17 +268,20 @@ def _privileged_policy_class():
 
         def _build(self, lr_schedule) -> None:
             # Called by ActorCriticPolicy.__init__ before any layer that reads the features exists.
-            self.features_extractor = self.pi_features_extractor = PrivilegedFeatures(self.observation_space, False)
-            self.vf_features_extractor = PrivilegedFeatures(self.observation_space, True)
+            space, inner = self.observation_space, (self.features_extractor_class, self.features_extractor_kwargs)
+            self.features_extractor = self.pi_features_extractor = PrivilegedFeatures(space, False, *inner)
+            self.vf_features_extractor = PrivilegedFeatures(space, True, *inner)
             self.features_dim = self.features_extractor.features_dim
             super()._build(lr_schedule)
 
         def deployable_state_dict(self) -> dict[str, torch.Tensor]:
             """The weights of a plain ``MultiInputPolicy`` over the observation without the
-            privileged key: the first layer of each head loses the privileged inputs' columns.
-            Acting is unchanged (the actor's privileged inputs are always 0)."""
+            privileged key (``share_features_extractor=False``): each extractor is its inner one,
+            and the first layer of each head loses the privileged inputs' columns. Acting is
+            unchanged (the actor's privileged inputs are always 0)."""
             n = self.features_extractor.n_privileged
-            state = {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}
+            state = {k.replace("features_extractor.inner.", "features_extractor."): v.detach().cpu().clone()
+                     for k, v in self.state_dict().items()}
             for net, head in (("policy_net", "action_net"), ("value_net", "value_net")):
                 first = next((name for name, module in getattr(self.mlp_extractor, net).named_children()
                               if isinstance(module, torch.nn.Linear)), None)
@@ -391,8 +395,7 @@ class DReSTAgent(SB3Agent):
                                   **config.hyperparameters}
         if config.schedule not in SCHEDULES:
             raise DReSTConfigError(f"drest schedule {config.schedule!r}; choose one of {SCHEDULES}")
-        # A copy: SB3's A2C writes its optimiser class into policy_kwargs, which must stay JSON for the artifact.
-        hyper, cls = copy.deepcopy(config.hyperparameters), agent_class(config.agent)
+        hyper, cls = resolve_policy_kwargs(config.hyperparameters), agent_class(config.agent)
         if config.schedule == "linear":
             defaults = inspect.signature(cls).parameters
             hyper["learning_rate"] = LinearSchedule(float(hyper.get("learning_rate", defaults["learning_rate"].default)))
@@ -432,4 +435,7 @@ class DReSTAgent(SB3Agent):
             "privileged_critic": c.privileged_critic})
         if c.privileged_critic:  # deployed as a plain policy of the mini-episode env
             weights = self.model.policy.deployable_state_dict()
+            kwargs = config["hyperparameters"].get("policy_kwargs") or {}
+            config["hyperparameters"] = {**config["hyperparameters"],
+                                         "policy_kwargs": {**kwargs, "share_features_extractor": False}}
         return weights, config

@@ -32,7 +32,8 @@ class SB3AgentConfig:
         timesteps: environment steps to train for.
         n_envs: parallel envs in SB3's vectorised env.
         policy: SB3 policy name.
-        hyperparameters: keywords of the SB3 algorithm (``learning_rate``, ``n_steps``, ``policy_kwargs``, ...).
+        hyperparameters: keywords of the SB3 algorithm (``learning_rate``, ``n_steps``, ``policy_kwargs``, ...);
+            ``policy_kwargs.features_extractor_class`` may name one of ours (``spatial_conv``).
         deterministic: act with the distribution's mode when deployed.
         seed: seed of the agent and its envs (``None``: the job's ``seed``).
     """
@@ -57,6 +58,14 @@ def agent_class(name: str) -> type:
     if not (isinstance(cls, type) and hasattr(cls, "load")):
         raise ValueError(f"unknown stable-baselines3 agent {name!r}; e.g. PPO, A2C, SAC, TD3, DQN")
     return cls
+
+
+def resolve_policy_kwargs(hyperparameters: dict[str, Any]) -> dict[str, Any]:
+    """SB3 keywords with a feature extractor named in ``policy_kwargs`` replaced by its class
+    (``robo_post.models.sb3_features``; imported here so that this module needs no SB3 to load)."""
+    from robo_post.models.sb3_features import resolve_policy_kwargs as resolve
+
+    return resolve(hyperparameters)
 
 
 def make_env(config: SB3AgentConfig, seed: int | None = None):
@@ -88,7 +97,7 @@ class SB3Agent:
         self.venv = DummyVecEnv([lambda: Monitor(make_env(config)) for _ in range(n)])  # Monitor: episode returns
         self.venv.seed(seed)
         self.model = agent_class(config.agent)(config.policy, self.venv, seed=seed, device=str(device), verbose=0,
-                                               **config.hyperparameters)
+                                               **resolve_policy_kwargs(config.hyperparameters))
 
     @property
     def policy(self) -> torch.nn.Module:

@@ -1,0 +1,71 @@
+"""Named SB3 feature extractors: ``spatial_conv`` keeps where things are, resolves from JSON
+config, and a DReST agent trained with it publishes a plain policy that acts the same."""
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from robo_post.algos.drest import PRIVILEGED_KEY, DReSTAgent, DReSTConfig
+from robo_post.algos.sb3_agent import SB3Agent
+from robo_post.models.sb3_features import SpatialConv, resolve_policy_kwargs
+
+ENV = "robo_post/ShutdownGrid-v0"
+
+
+def test_spatial_conv_planes_and_shift_equivariance():
+    torch.manual_seed(0)
+    space = gym.spaces.Dict({"grid": gym.spaces.Box(0, 1, (2, 3, 5, 5)), "extra": gym.spaces.Box(0, 1, (4,))})
+    conv = SpatialConv(space, channels=(6, 7))
+    assert conv.features_dim == 7 * 25 + 4
+    assert conv.branches["grid"][0].in_channels == 6  # (2, 3) leading axes -> 6 planes
+    x = torch.zeros(2, 2, 3, 5, 5)
+    x[0, 1, 2, 1, 1] = 1.0  # one mark on plane (1, 2) ...
+    x[1, 1, 2, 2, 2] = 1.0  # ... and the same mark one cell down and right
+    extra = torch.arange(8.0).reshape(2, 4)
+    out = conv({"grid": x, "extra": extra})
+    # Keys in the space's (sorted) order: "extra" first, then the grid's maps.
+    assert torch.equal(out[:, :4], extra)
+    maps = out[:, 4:].reshape(2, 7, 5, 5)
+    # Two 3x3 layers with zero padding: interior cells (whose windows never read padding)
+    # move with the mark; a reshape that mixed planes and cells would break this.
+    torch.testing.assert_close(maps[1, :, 2:4, 2:4], maps[0, :, 1:3, 1:3])
+    assert not torch.allclose(maps[1, :, 1:3, 1:3], maps[0, :, 1:3, 1:3])
+
+
+def test_names_resolve_and_bad_settings_are_typed_errors():
+    hyper = {"n_steps": 8, "policy_kwargs": {"features_extractor_class": "spatial_conv", "net_arch": [8]}}
+    resolved = resolve_policy_kwargs(hyper)
+    assert resolved["policy_kwargs"]["features_extractor_class"] is SpatialConv
+    assert hyper["policy_kwargs"]["features_extractor_class"] == "spatial_conv"  # the config stays JSON
+    with pytest.raises(ValueError, match="unknown features_extractor_class 'cnn'.*spatial_conv"):
+        resolve_policy_kwargs({"policy_kwargs": {"features_extractor_class": "cnn"}})
+    with pytest.raises(ValueError, match="kernel must be odd"):
+        SpatialConv(gym.spaces.Box(0, 1, (1, 5, 5)), kernel=2)
+    with pytest.raises(ValueError, match="3 or more axes"):
+        SpatialConv(gym.spaces.Dict({"x": gym.spaces.Box(0, 1, (4,))}))
+
+
+@pytest.mark.parametrize("privileged", [True, False])
+def test_drest_agent_with_spatial_conv_publishes_a_plain_policy_that_acts_the_same(privileged):
+    config = DReSTConfig(agent="PPO", env=ENV, env_kwargs={"split": "train", "n_grids": 2}, n_envs=2, E=4, seed=0,
+                         privileged_critic=privileged,
+                         hyperparameters={"n_steps": 32, "batch_size": 32,
+                                          "policy_kwargs": {"net_arch": [16], "features_extractor_class": "spatial_conv",
+                                                            "features_extractor_kwargs": {"channels": [4, 4]}}})
+    agent = DReSTAgent(config)
+    before = {k: v.clone() for k, v in agent.model.policy.state_dict().items()}
+    agent.model.learn(64)
+    conv = "pi_features_extractor.inner.branches.observation.0.weight" if privileged else \
+        "pi_features_extractor.branches.observation.0.weight"
+    assert not torch.equal(before[conv], agent.model.policy.state_dict()[conv])  # the convolutions train
+    obs = {k: torch.as_tensor(v) for k, v in agent.venv.reset().items()}
+    weights, artifact = agent.artifact()
+    assert artifact["hyperparameters"]["policy_kwargs"]["features_extractor_class"] == "spatial_conv"
+    deployed = SB3Agent.from_artifact(weights, artifact)
+    with torch.no_grad():
+        probs = agent.model.policy.get_distribution(obs).distribution.probs
+        plain = deployed.model.policy.get_distribution({"observation": obs["observation"]}).distribution.probs
+    torch.testing.assert_close(plain, probs)
+    assert (PRIVILEGED_KEY in obs) == privileged
+    assert np.isfinite(agent.evaluate()["train/usefulness"])
