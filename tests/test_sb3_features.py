@@ -1,6 +1,8 @@
 """Named SB3 feature extractors: ``spatial_conv`` keeps where things are, resolves from JSON
 config, and a DReST agent trained with it publishes a plain policy that acts the same."""
 
+import os
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -69,3 +71,36 @@ def test_drest_agent_with_spatial_conv_publishes_a_plain_policy_that_acts_the_sa
     torch.testing.assert_close(plain, probs)
     assert (PRIVILEGED_KEY in obs) == privileged
     assert np.isfinite(agent.evaluate()["train/usefulness"])
+
+
+def test_cli_trains_checkpoints_and_publishes_an_agent_with_a_shared_conv_extractor(tmp_path):
+    from safetensors.torch import load_file
+
+    from robo_post.learner.checkpoint import load_checkpoint
+    from robo_post.store import PolicyRegistry
+
+    from helpers import run_cli
+
+    store, run_dir = str(tmp_path / "store"), str(tmp_path / "run")
+    common = ["algo=sb3", f"algo.env={ENV}", "+algo.hyperparameters.n_steps=64", "+algo.hyperparameters.batch_size=64",
+              "+algo.hyperparameters.policy_kwargs.features_extractor_class=spatial_conv",
+              "+algo.hyperparameters.policy_kwargs.features_extractor_kwargs.channels=[4]", "show=false"]
+    run_cli("train", *common, "algo.timesteps=128", "checkpoint_every=64", f"store={store}", f"run_dir={run_dir}")
+    weights, artifact = PolicyRegistry(store).load(1)
+    assert artifact["hyperparameters"]["policy_kwargs"]["features_extractor_class"] == "spatial_conv"
+    # The checkpoint holds the extractor SB3 registers under three names as three copies (safetensors
+    # stores no aliases); restored into a fresh agent, it is one module again, equal to the published one.
+    saved = load_file(os.path.join(run_dir, "checkpoint", "tensors.safetensors"))
+    conv = "branches.observation.0.weight"
+    assert all(f"module.policy.{p}features_extractor.{conv}" in saved for p in ("", "pi_", "vf_"))
+    fresh = SB3Agent.from_artifact({k: torch.zeros_like(v) for k, v in weights.items()}, artifact)
+    load_checkpoint(os.path.join(run_dir, "checkpoint"), fresh.modules, {}, {})
+    policy = fresh.model.policy
+    assert policy.pi_features_extractor is policy.vf_features_extractor
+    torch.testing.assert_close(policy.features_extractor.branches.observation[0].weight,
+                               weights[f"features_extractor.{conv}"])
+    # A space without a grid is refused with the reason, before any training.
+    r = run_cli("train", "algo=sb3", "algo.env=CartPole-v1", "algo.timesteps=64",
+                "+algo.hyperparameters.policy_kwargs.features_extractor_class=spatial_conv", "show=false",
+                f"store={tmp_path / 'cartpole'}", f"run_dir={tmp_path / 'cartpole_run'}", ok=False)
+    assert r.returncode != 0 and "spatial_conv needs an observation key with 3 or more axes" in r.stderr

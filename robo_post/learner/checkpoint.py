@@ -52,9 +52,16 @@ def save_checkpoint(
 ) -> None:
     """Atomically write a checkpoint directory at ``path``."""
     tensors: dict[str, torch.Tensor] = {}
+    stored: set[int] = set()
     for name, module in modules.items():
         for k, v in module.state_dict().items():
-            tensors[f"module.{name}.{k}"] = v.detach().cpu().contiguous()
+            v = v.detach().cpu().contiguous()
+            # safetensors stores no aliases: a module registered under two names (SB3's
+            # shared feature extractor) is written twice, and loads back shared.
+            if v.untyped_storage().data_ptr() in stored:
+                v = v.clone()
+            stored.add(v.untyped_storage().data_ptr())
+            tensors[f"module.{name}.{k}"] = v
     meta: dict[str, Any] = {}
     for name, opt in optimizers.items():
         _flatten_optimizer(f"optim.{name}", opt, tensors, meta)
