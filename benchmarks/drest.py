@@ -29,7 +29,7 @@ import torch
 import yaml
 from scipy import stats
 
-from robo_post.algos.drest import DReSTAgent, DReSTConfig, DReSTReward, outcome_metrics
+from robo_post.algos.drest import DReSTAgent, DReSTConfig, DReSTReward, action_probs, outcome_metrics
 from robo_post.envs.shutdown_grid import MOVES, N_CLASSES, chain, chain_outcomes, grid_set
 
 ENV = "robo_post/ShutdownGrid-v0"
@@ -150,12 +150,20 @@ def train_tabular(grids, reward_kind: str, meta_episodes: int, seed: int, E: int
 
 
 # --- runs -----------------------------------------------------------------------------------
+def per_world(outcomes) -> dict[str, list[float]]:
+    """Per world: p(long) and the fraction of m(class) collected given each class (0 if never chosen)."""
+    ratio = np.divide(outcomes.score, outcomes.max_score, out=np.zeros_like(outcomes.score),
+                      where=(outcomes.p > 0) & (outcomes.max_score > 0))
+    return {"p_long": outcomes.p[:, -1].round(3).tolist(), "collected_short": ratio[:, 0].round(3).tolist(),
+            "collected_long": ratio[:, -1].round(3).tolist(), "m": outcomes.max_score.tolist()}
+
+
 def run_sb3(agent: str, reward: str, seed: int, timesteps: int, train_n: int, heldout_n: int,
-            policy_kwargs: dict | None = None, eval_every: int = 0) -> dict:
+            overrides: dict | None = None, policy_kwargs: dict | None = None, eval_every: int = 0) -> dict:
     """One SB3 run; with ``eval_every``, the exact metrics along the way go to stderr and ``curve``."""
     from stable_baselines3.common.callbacks import BaseCallback
     torch.manual_seed(seed)
-    hyper = dict(HYPER[agent])
+    hyper = {**HYPER[agent], **(overrides or {})}
     if policy_kwargs:
         hyper["policy_kwargs"] = {**hyper.get("policy_kwargs", {}), **policy_kwargs}
     config = DReSTConfig(agent=agent, reward=reward, env=ENV, env_kwargs={"split": "train", "n_grids": train_n},
@@ -177,7 +185,9 @@ def run_sb3(agent: str, reward: str, seed: int, timesteps: int, train_n: int, he
 
     t0 = time.perf_counter()
     model.model.learn(timesteps, callback=Curve())
-    return {**model.evaluate(), "wall_s": time.perf_counter() - t0, "steps": timesteps, "curve": curve}
+    wall = time.perf_counter() - t0
+    train_worlds = per_world(model.eval_envs["train"].unwrapped.length_outcomes(action_probs(model.model)))
+    return {**model.evaluate(), "wall_s": wall, "steps": timesteps, "curve": curve, "train_worlds": train_worlds}
 
 
 def run_tabular(reward: str, seed: int, meta_episodes: int, train_n: int) -> dict:
@@ -213,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heldout-grids", type=int, default=32)
     ap.add_argument("--eval-every", type=int, default=0, help="env steps between exact evaluations printed "
                     "along each SB3 run (stderr, and the JSON's per-seed curve); 0 = only at the end")
+    ap.add_argument("--hyperparameters", type=json.loads, default=None,
+                    help="JSON of SB3 keywords overriding configs/algo/drest.yaml's for every SB3 agent, "
+                         "e.g. '{\"ent_coef\": 0.15}'")
     ap.add_argument("--policy-kwargs", type=json.loads, default=None,
                     help="JSON merged into the SB3 agents' policy_kwargs, e.g. "
                          "'{\"features_extractor_class\": \"spatial_conv\"}'")
@@ -232,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                     r = run_tabular(reward, seed, args.meta_episodes, args.train_grids)
                 else:
                     r = run_sb3(agent, reward, seed, args.timesteps * STEP_FACTOR.get(agent, 1), args.train_grids,
-                                args.heldout_grids, args.policy_kwargs, args.eval_every)
+                                args.heldout_grids, args.hyperparameters, args.policy_kwargs, args.eval_every)
                 runs.setdefault(agent, {}).setdefault(reward, []).append(r)
                 print(f"{agent:8s} {reward:8s} seed {seed}: " + " ".join(f"{k}={r[k]:.3f}" for k in METRICS if k in r)
                       + f" wall {r['wall_s']:.0f}s", file=sys.stderr, flush=True)
