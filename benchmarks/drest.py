@@ -12,8 +12,9 @@ p(long) on the training and held-out worlds, mean and 95% t-interval over seeds,
 wall time per run, and the paper's logged figures beside ours. A table has no policy
 for worlds it never saw, so the tabular agent has no held-out figures (``n/a``).
 
-    .venv/bin/python benchmarks/drest.py            # 3 seeds, ~24 CPU-minutes (35 min on 2 busy cores)
+    .venv/bin/python benchmarks/drest.py            # 3 seeds, one process: 41 min on 2 cores shared with other runs
     .venv/bin/python benchmarks/drest.py --quick    # smoke
+    .venv/bin/python benchmarks/drest.py --agents PPO --policy-kwargs '{"features_extractor_class": "spatial_conv"}'
 """
 
 from __future__ import annotations
