@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -160,17 +162,21 @@ def per_world(outcomes) -> dict[str, list[float]]:
 
 
 def run_sb3(agent: str, reward: str, seed: int, timesteps: int, train_n: int, heldout_n: int,
-            overrides: dict | None = None, policy_kwargs: dict | None = None, eval_every: int = 0) -> dict:
-    """One SB3 run; with ``eval_every``, the exact metrics along the way go to stderr and ``curve``."""
+            overrides: dict | None = None, policy_kwargs: dict | None = None, eval_every: int = 0,
+            algo: dict | None = None) -> dict:
+    """One SB3 run; with ``eval_every``, the exact metrics along the way go to stderr and ``curve``.
+    ``algo`` overrides keys of the config's ``algo`` section (``lam``, ``E``, ``n_envs``, ...)."""
     from stable_baselines3.common.callbacks import BaseCallback
     torch.manual_seed(seed)
-    hyper = {**HYPER[agent], **(overrides or {})}
+    algo = {**ALGO, **(algo or {})}
+    hyper = {**algo["agent_hyperparameters"][agent], **(overrides or {})}
     if policy_kwargs:
         hyper["policy_kwargs"] = {**hyper.get("policy_kwargs", {}), **policy_kwargs}
     config = DReSTConfig(agent=agent, reward=reward, env=ENV, env_kwargs={"split": "train", "n_grids": train_n},
-                         heldout_kwargs={"split": "heldout", "n_grids": heldout_n}, n_envs=ALGO["n_envs"], seed=seed,
-                         privileged_critic=ALGO["privileged_critic"], schedule=ALGO["schedule"], lam=ALGO["lam"],
-                         E=ALGO["E"], hyperparameters=hyper, eval_every=eval_every)
+                         heldout_kwargs={"split": "heldout", "n_grids": heldout_n}, n_envs=algo["n_envs"], seed=seed,
+                         privileged_critic=algo["privileged_critic"], schedule=algo["schedule"], lam=algo["lam"],
+                         E=algo["E"], form=algo["form"], exponent_form=algo["exponent_form"],
+                         order_averaged=algo["order_averaged"], hyperparameters=hyper, eval_every=eval_every)
     model, curve = DReSTAgent(config), []
 
     class Curve(BaseCallback):
@@ -207,6 +213,52 @@ def interval(values: list[float]) -> tuple[float, float]:
     return float(v.mean()), half
 
 
+def run_one(agent: str, reward: str, seed: int, args: argparse.Namespace) -> dict:
+    """One (agent, reward, seed) run of the benchmark's settings."""
+    if agent == "tabular":
+        r = run_tabular(reward, seed, args.meta_episodes, args.train_grids)
+    else:
+        r = run_sb3(agent, reward, seed, args.timesteps * STEP_FACTOR.get(agent, 1), args.train_grids,
+                    args.heldout_grids, args.hyperparameters, args.policy_kwargs, args.eval_every, args.algo)
+    print(f"{agent:8s} {reward:8s} seed {seed}: " + " ".join(f"{k}={r[k]:.3f}" for k in METRICS if k in r)
+          + f" wall {r['wall_s']:.0f}s", file=sys.stderr, flush=True)
+    return r
+
+
+def run_in_processes(plan: list[tuple[str, str, int]], args: argparse.Namespace) -> dict[tuple, dict]:
+    """Each run as this script in a child process, ``args.jobs`` at a time; a child writes its run to a
+    JSON file that is read back here (no pickle). Progress goes to this process's stderr."""
+    options = ["--timesteps", str(args.timesteps), "--meta-episodes", str(args.meta_episodes),
+               "--train-grids", str(args.train_grids), "--heldout-grids", str(args.heldout_grids),
+               "--eval-every", str(args.eval_every)]
+    for flag, value in (("--hyperparameters", args.hyperparameters), ("--policy-kwargs", args.policy_kwargs),
+                        ("--algo", args.algo)):
+        if value is not None:
+            options += [flag, json.dumps(value)]
+    results, running, todo = {}, {}, list(plan)
+    with tempfile.TemporaryDirectory() as tmp:
+        while todo or running:
+            while todo and len(running) < args.jobs:
+                agent, reward, seed = key = todo.pop(0)
+                out = os.path.join(tmp, f"{agent}_{reward}_{seed}.json")
+                cmd = [sys.executable, os.path.abspath(__file__), "--agents", agent, "--rewards", reward,
+                       "--seeds", "1", "--first-seed", str(seed), "--out", out, *options]
+                running[key] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL), out)
+            time.sleep(1.0)
+            for key, (proc, out) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[key]
+                if proc.returncode != 0:
+                    for other, _ in running.values():
+                        other.kill()
+                    raise RuntimeError(f"benchmark run {key} failed with exit code {proc.returncode} "
+                                       "(its error is above)")
+                with open(out) as f:
+                    results[key] = json.load(f)["results"][key[0]][key[1]]["seeds"][0]
+    return results
+
+
 METRICS = ("train/neutrality", "train/usefulness", "train/p_long", "heldout/neutrality", "heldout/usefulness",
            "heldout/p_long")
 
@@ -230,26 +282,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy-kwargs", type=json.loads, default=None,
                     help="JSON merged into the SB3 agents' policy_kwargs, e.g. "
                          "'{\"features_extractor_class\": \"spatial_conv\"}'")
+    ap.add_argument("--algo", type=json.loads, default=None,
+                    help="JSON overriding keys of configs/algo/drest.yaml's algo section for the SB3 agents, "
+                         "e.g. '{\"lam\": 0.8}'")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process (results "
+                    "come back as JSON); 2 uses both cores of a 2-core machine")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "drest.json"))
     args = ap.parse_args(argv)
     if not set(args.rewards.split(",")) <= {"drest", "default"}:
         ap.error(f"--rewards {args.rewards!r}: choose from drest, default")
+    if unknown := set(args.algo or {}) - set(ALGO):
+        ap.error(f"--algo keys {sorted(unknown)} are not in {CONFIG}'s algo section")
+    if args.jobs < 1:
+        ap.error(f"--jobs {args.jobs}: needs at least 1")
     if args.quick:
         args.seeds, args.timesteps, args.meta_episodes = 2, 20_000, 2000
     torch.set_num_threads(1)
     t_start = time.perf_counter()
+    plan = [(agent, reward, seed) for agent in args.agents.split(",") for reward in args.rewards.split(",")
+            for seed in range(args.first_seed, args.first_seed + args.seeds)]
+    results = run_in_processes(plan, args) if args.jobs > 1 else {key: run_one(*key, args) for key in plan}
     runs: dict[str, dict[str, list[dict]]] = {}
-    for agent in args.agents.split(","):
-        for reward in args.rewards.split(","):
-            for seed in range(args.first_seed, args.first_seed + args.seeds):
-                if agent == "tabular":
-                    r = run_tabular(reward, seed, args.meta_episodes, args.train_grids)
-                else:
-                    r = run_sb3(agent, reward, seed, args.timesteps * STEP_FACTOR.get(agent, 1), args.train_grids,
-                                args.heldout_grids, args.hyperparameters, args.policy_kwargs, args.eval_every)
-                runs.setdefault(agent, {}).setdefault(reward, []).append(r)
-                print(f"{agent:8s} {reward:8s} seed {seed}: " + " ".join(f"{k}={r[k]:.3f}" for k in METRICS if k in r)
-                      + f" wall {r['wall_s']:.0f}s", file=sys.stderr, flush=True)
+    for agent, reward, seed in plan:
+        runs.setdefault(agent, {}).setdefault(reward, []).append(results[agent, reward, seed])
 
     summary: dict[str, dict] = {}
     header = f"{'agent':8s} {'reward':8s} " + " ".join(f"{m:>20s}" for m in METRICS) + f" {'wall s':>7s}  paper"
@@ -289,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dump({"command": " ".join(["benchmarks/drest.py", *(argv if argv is not None else sys.argv[1:])]),
                    "settings": {**vars(args), "out": os.path.relpath(args.out, REPO)},
                    "hyperparameters": {**HYPER, "tabular": TABULAR, "step_factor": STEP_FACTOR,
-                                       **{k: ALGO[k] for k in ("privileged_critic", "schedule", "n_envs", "lam", "E")}},
+                                       **{k: {**ALGO, **(args.algo or {})}[k]
+                                          for k in ("privileged_critic", "schedule", "n_envs", "lam", "E")}},
                    "results": summary, "targets": targets,
                    "total_wall_s": total}, f, indent=1)
     return 0
