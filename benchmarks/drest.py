@@ -53,7 +53,7 @@ def sb3_defaults() -> dict:
 
 
 ALGO = sb3_defaults()
-HYPER, TIMESTEPS = ALGO["agent_hyperparameters"], int(ALGO["timesteps"])
+TIMESTEPS = int(ALGO["timesteps"])
 # A2C takes one gradient step per rollout where PPO takes 16, so per env step it costs about half
 # as much: it gets twice the steps (with the defaults' MLP against PPO's convolutions, still about
 # 0.4x PPO's wall time per run).
@@ -298,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--jobs {args.jobs}: needs at least 1")
     if args.quick:
         args.seeds, args.timesteps, args.meta_episodes = 2, 20_000, 2000
+    algo = {**ALGO, **(args.algo or {})}
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     plan = [(agent, reward, seed) for agent in args.agents.split(",") for reward in args.rewards.split(",")
@@ -344,9 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(["benchmarks/drest.py", *(argv if argv is not None else sys.argv[1:])]),
                    "settings": {**vars(args), "out": os.path.relpath(args.out, REPO)},
-                   "hyperparameters": {**HYPER, "tabular": TABULAR, "step_factor": STEP_FACTOR,
-                                       **{k: {**ALGO, **(args.algo or {})}[k]
-                                          for k in ("privileged_critic", "schedule", "n_envs", "lam", "E")}},
+                   "hyperparameters": {**algo["agent_hyperparameters"], "tabular": TABULAR, "step_factor": STEP_FACTOR,
+                                       **{k: algo[k] for k in ("privileged_critic", "schedule", "n_envs", "lam", "E")}},
                    "results": summary, "targets": targets,
                    "total_wall_s": total}, f, indent=1)
     return 0
