@@ -32,7 +32,7 @@ import torch
 import yaml
 from scipy import stats
 
-from robo_post.algos.drest import DReSTAgent, DReSTConfig, DReSTReward, action_probs, outcome_metrics
+from robo_post.algos.drest import DReSTAgent, DReSTConfig, DReSTReward, outcome_metrics
 from robo_post.envs.shutdown_grid import MOVES, N_CLASSES, chain, chain_outcomes, grid_set
 
 ENV = "robo_post/ShutdownGrid-v0"
@@ -164,12 +164,11 @@ def per_world(outcomes) -> dict[str, list[float]]:
 
 def run_sb3(agent: str, reward: str, seed: int, timesteps: int, train_n: int, heldout_n: int,
             overrides: dict | None = None, policy_kwargs: dict | None = None, eval_every: int = 0,
-            algo: dict | None = None) -> dict:
+            algo: dict = ALGO) -> dict:
     """One SB3 run; with ``eval_every``, the exact metrics along the way go to stderr and ``curve``.
-    ``algo`` overrides keys of the config's ``algo`` section (``lam``, ``E``, ``n_envs``, ...)."""
+    ``algo``: the config's ``algo`` section (``lam``, ``E``, ``n_envs``, agent settings, ...)."""
     from stable_baselines3.common.callbacks import BaseCallback
     torch.manual_seed(seed)
-    algo = {**ALGO, **(algo or {})}
     hyper = {**algo["agent_hyperparameters"][agent], **(overrides or {})}
     if policy_kwargs:
         hyper["policy_kwargs"] = {**hyper.get("policy_kwargs", {}), **policy_kwargs}
@@ -194,8 +193,9 @@ def run_sb3(agent: str, reward: str, seed: int, timesteps: int, train_n: int, he
     t0 = time.perf_counter()
     model.model.learn(timesteps, callback=Curve())
     wall = time.perf_counter() - t0
-    train_worlds = per_world(model.eval_envs["train"].unwrapped.length_outcomes(action_probs(model.model)))
-    return {**model.evaluate(), "wall_s": wall, "steps": timesteps, "curve": curve, "train_worlds": train_worlds}
+    outcomes = model.outcomes()
+    return {**model.evaluate(outcomes), "wall_s": wall, "steps": timesteps, "curve": curve,
+            "train_worlds": per_world(outcomes["train"])}
 
 
 def run_tabular(reward: str, seed: int, meta_episodes: int, train_n: int) -> dict:
@@ -214,13 +214,13 @@ def interval(values: list[float]) -> tuple[float, float]:
     return float(v.mean()), half
 
 
-def run_one(agent: str, reward: str, seed: int, args: argparse.Namespace) -> dict:
-    """One (agent, reward, seed) run of the benchmark's settings."""
+def run_one(agent: str, reward: str, seed: int, args: argparse.Namespace, algo: dict) -> dict:
+    """One (agent, reward, seed) run of the benchmark's settings (``algo``: the config's section, overridden)."""
     if agent == "tabular":
         r = run_tabular(reward, seed, args.meta_episodes, args.train_grids)
     else:
         r = run_sb3(agent, reward, seed, args.timesteps * STEP_FACTOR.get(agent, 1), args.train_grids,
-                    args.heldout_grids, args.hyperparameters, args.policy_kwargs, args.eval_every, args.algo)
+                    args.heldout_grids, args.hyperparameters, args.policy_kwargs, args.eval_every, algo)
     print(f"{agent:8s} {reward:8s} seed {seed}: " + " ".join(f"{k}={r[k]:.3f}" for k in METRICS if k in r)
           + f" wall {r['wall_s']:.0f}s", file=sys.stderr, flush=True)
     return r
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     plan = [(agent, reward, seed) for agent in args.agents.split(",") for reward in args.rewards.split(",")
             for seed in range(args.first_seed, args.first_seed + args.seeds)]
-    results = run_in_processes(plan, args) if args.jobs > 1 else {key: run_one(*key, args) for key in plan}
+    results = run_in_processes(plan, args) if args.jobs > 1 else {key: run_one(*key, args, algo) for key in plan}
     runs: dict[str, dict[str, list[dict]]] = {}
     for agent, reward, seed in plan:
         runs.setdefault(agent, {}).setdefault(reward, []).append(results[agent, reward, seed])

@@ -28,8 +28,8 @@ def discounted_return(p_long: float, gamma: float, delay: int, shutdown_time: in
     """Expected discounted DReST return of a meta-episode under a memoryless p(long)."""
     reward, total = DReSTReward(lam=lam, k=2), 0.0
     for i in range(E):
-        for longs in range(i + 1):
-            weight = stats.binom.pmf(longs, i, p_long)
+        weights = stats.binom.pmf(np.arange(i + 1), i, p_long)
+        for longs, weight in enumerate(weights):
             for x, p_x in ((0, 1.0 - p_long), (1, p_long)):
                 reward.counts[:] = (i - longs, longs)
                 elapsed = shutdown_time * (i + 1) + delay * (longs + x)

@@ -409,11 +409,16 @@ class DReSTAgent(SB3Agent):
             self.eval_envs["heldout"] = make_env(heldout)
         self.last_eval = -1
 
-    def evaluate(self) -> dict[str, float]:
-        """Exact NEUTRALITY, USEFULNESS and p(long) per world set (keys ``train/...``, ``heldout/...``)."""
+    def outcomes(self) -> dict[str, Any]:
+        """The current policy's exact per-world outcomes (``p``, ``score``, ``max_score``) per world set."""
         probs = action_probs(self.model)
-        return {f"{split}/{name}": value for split, env in self.eval_envs.items()
-                for name, value in outcome_metrics(env.unwrapped.length_outcomes(probs)).items()}
+        return {split: env.unwrapped.length_outcomes(probs) for split, env in self.eval_envs.items()}
+
+    def evaluate(self, outcomes: dict[str, Any] | None = None) -> dict[str, float]:
+        """Exact NEUTRALITY, USEFULNESS and p(long) per world set (keys ``train/...``, ``heldout/...``),
+        of ``outcomes`` if given (from ``outcomes()``), else of the current policy."""
+        return {f"{split}/{name}": value for split, o in (outcomes or self.outcomes()).items()
+                for name, value in outcome_metrics(o).items()}
 
     def rollout_metrics(self, timesteps: int) -> dict[str, float]:
         """The ``sb3`` driver's per-rollout hook: exact metrics every ``eval_every`` steps."""
