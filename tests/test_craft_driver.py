@@ -64,6 +64,19 @@ def test_a_finished_run_is_not_trained_again(craft_run):
     assert again == summary and PolicyRegistry(store).versions() == [1, 2, 3]  # nothing published again
 
 
+def test_a_run_that_stopped_early_is_not_taken_for_finished(craft_run, tmp_path):
+    store, summary, args = craft_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(args[3].split("=", 1)[1], run_dir)  # a finished run, summary.json included
+    # the same run re-pointed at a store of another schema fails after it has started
+    failing = [*args[:3], f"run_dir={run_dir}", *args[4:], f"algo.online_store={store}"]
+    for _ in range(2):  # and fails again: the first attempt's config beside the old summary is no finished run
+        r = run_cli(*failing, ok=False)
+        assert r.returncode != 0 and "different schema" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert not (run_dir / "summary.json").exists()
+    assert PolicyRegistry(store).versions()[-1] == summary["version"]  # nothing published
+
+
 def test_on_policy_batch_windows_stop_at_episode_ends():
     config = CraftConfig(window=3, gamma_event=0.5, residual_mode="event")
     k = 4

@@ -9,7 +9,8 @@ import torch
 
 from robo_post.algos.craft import (Craft, CraftBatchError, CraftConfig, CraftConfigError, EMATeacher, WindowValue,
                                    bc_pretrain, categorical_kl, dual_clip_surrogate, event_mask, event_returns,
-                                   evpo_advantages, explained_variance, grounded_advantage, group_advantages,
+                                   batch_scaled_advantages, evpo_advantages, explained_variance, grounded_advantage,
+                                   group_advantages,
                                    policy_losses, residual, residual_for_batch, scale_advantages)
 from robo_post.learner.checkpoint import load_checkpoint, save_checkpoint
 from robo_post.models.candidate_policy import (CandidateConfigError, CandidatePolicy, CandidatePolicyConfig,
@@ -50,6 +51,29 @@ def test_group_advantages_constant_group_is_zero_and_masked_entries_are_left_out
     assert torch.equal(adv[1, 3:], torch.zeros(3))
     with pytest.raises(CraftBatchError, match="no valid candidate"):
         group_advantages(scores, mask=torch.zeros_like(mask))
+
+
+def test_batch_scaled_advantages_centre_each_state_on_one_batch_scale():
+    # state 0: a crash among near-equal candidates; state 1: candidates a little speed apart
+    scores = torch.tensor([[0.40, 0.41, -1.0, 0.39], [0.30, 0.31, 0.32, 0.33], [0.2, 0.2, 0.2, 0.2]],
+                          dtype=torch.float64)
+    adv = batch_scaled_advantages(scores, eps=0.0)
+    centred = scores - scores.mean(-1, keepdim=True)
+    assert torch.allclose(adv, centred / centred.pow(2).mean().sqrt(), atol=1e-12)
+    assert torch.allclose(adv.sum(-1), torch.zeros(3, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(adv.pow(2).mean(), torch.tensor(1.0, dtype=torch.float64))  # unit std over the batch
+    assert torch.equal(adv[2], torch.zeros(4, dtype=torch.float64))  # a constant group stays exactly 0
+    assert adv[0].abs().max() > 10 * adv[1].abs().max()  # the crash state keeps its larger spread
+    assert group_advantages(scores)[1].abs().max() > group_advantages(scores)[0, :2].abs().max()  # z-scores do not
+    assert torch.allclose(batch_scaled_advantages(2.5 * scores - 7.0), batch_scaled_advantages(scores), atol=1e-4)
+    mask = torch.tensor([[True, True, False, True]] * 3)
+    masked = batch_scaled_advantages(scores, eps=0.0, mask=mask)
+    assert torch.equal(masked[:, 2], torch.zeros(3, dtype=torch.float64))
+    assert torch.allclose(masked[mask].pow(2).mean(), torch.tensor(1.0, dtype=torch.float64))
+    with pytest.raises(CraftBatchError, match="no valid candidate"):
+        batch_scaled_advantages(scores, mask=torch.zeros_like(mask))
+    with pytest.raises(CraftConfigError, match="proxy_norm"):
+        CraftConfig(proxy_norm="state")
 
 
 # --- 3. dense proxy gradient --------------------------------------------------------------

@@ -75,8 +75,26 @@ class CraftBatchError(ValueError):
 
 
 # --- (1) group-normalised proxy advantage -------------------------------------------------
+def _centred_groups(scores: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(r~_k - mean_j r~_j)`` over each state's valid candidates (0 where invalid), the valid
+    mask as floats and the count of valid candidates per state (B, 1).
+
+    Raises:
+        CraftBatchError: a state has no valid candidate.
+    """
+    valid = torch.ones_like(scores, dtype=torch.bool) if mask is None else mask.to(torch.bool)
+    if not bool(valid.any(-1).all()):
+        raise CraftBatchError("proxy advantages: a state has no valid candidate (mask row all False)")
+    w = valid.to(scores.dtype)
+    n = w.sum(-1, keepdim=True)
+    # shifting by a member first is exact for a constant group (a rounded mean is not: its
+    # tiny deviations over a tiny std would give advantages far from 0)
+    shifted = (scores - scores.masked_fill(~valid, float("-inf")).amax(-1, keepdim=True)) * w
+    return (shifted - shifted.sum(-1, keepdim=True) / n) * w, w, n
+
+
 def group_advantages(scores: torch.Tensor, eps: float = 1e-5, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-state z-scores of the K candidates' counterfactual scores (B, K).
+    """Per-state z-scores of the K candidates' counterfactual scores (B, K): ``proxy_norm=group``.
 
     ``A~_k = (r~_k - mean_j r~_j) / (std_j r~_j + eps)`` with the population std over the
     state's valid candidates (``mask`` (B, K) bool; all valid when ``None``). Invalid
@@ -85,23 +103,37 @@ def group_advantages(scores: torch.Tensor, eps: float = 1e-5, mask: torch.Tensor
     Raises:
         CraftBatchError: a state has no valid candidate.
     """
-    valid = torch.ones_like(scores, dtype=torch.bool) if mask is None else mask.to(torch.bool)
-    if not bool(valid.any(-1).all()):
-        raise CraftBatchError("group_advantages: a state has no valid candidate (mask row all False)")
-    w = valid.to(scores.dtype)
-    n = w.sum(-1, keepdim=True)
-    # shifting by a member first is exact for a constant group (a rounded mean is not: its
-    # tiny deviations over a tiny std would give advantages far from 0)
-    shifted = (scores - scores.masked_fill(~valid, float("-inf")).amax(-1, keepdim=True)) * w
-    centred = (shifted - shifted.sum(-1, keepdim=True) / n) * w
+    centred, _, n = _centred_groups(scores, mask)
     std = (centred.pow(2).sum(-1, keepdim=True) / n).sqrt()
     return centred / (std + eps)
+
+
+def batch_scaled_advantages(scores: torch.Tensor, eps: float = 1e-5, mask: torch.Tensor | None = None
+                            ) -> torch.Tensor:
+    """Per-state centred scores on one scale for the whole batch (B, K): ``proxy_norm=batch``.
+
+    ``A~_k = (r~_k - mean_j r~_j) / (std_B + eps)``, ``std_B`` the population std of all
+    valid centred entries of the batch. Each state's advantages still sum to 0 and the batch
+    is still invariant to ``r~ -> a r~ + b`` (a > 0), but every state keeps its own spread:
+    one where a candidate crashes weighs more than one whose candidates differ by a little
+    speed, which the per-state z-score of ``group_advantages`` makes equally loud.
+
+    Raises:
+        CraftBatchError: a state has no valid candidate.
+    """
+    centred, w, _ = _centred_groups(scores, mask)
+    std = (centred.pow(2).sum() / w.sum()).sqrt()
+    return centred / (std + eps)
+
+
+PROXY_NORMS = {"group": group_advantages, "batch": batch_scaled_advantages}
+"""``proxy_norm`` option -> how a batch's counterfactual scores become proxy advantages."""
 
 
 def masked_log_softmax(logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """``log pi(k|s)`` over the valid candidates (B, K); invalid entries read 0 (mask them out of any sum).
 
-    Each row needs at least one valid candidate (``group_advantages`` checks the batch).
+    Each row needs at least one valid candidate (the proxy advantages check the batch).
     """
     if mask is None:
         return logits.log_softmax(-1)
@@ -465,6 +497,9 @@ class CraftConfig:
             ``delta^``, each when its term is used) is <= 0, so the student may move freely
             where its own choice proved better and is held to the teacher elsewhere; the
             KL term stays a mean over all states (gated states count 0).
+        proxy_norm: how counterfactual scores become proxy advantages: ``group`` (RIFT's
+            per-state z-score, ``group_advantages``) or ``batch`` (per-state centring over one
+            scale for the batch, ``batch_scaled_advantages``: states keep their own spread).
         proxy_weight: ``uniform`` (RIFT's mean over all candidates) or
             ``policy`` (candidates weighted by ``pi_old``, the exact proxy term of the
             decomposition (2)); see ``policy_losses``.
@@ -509,6 +544,7 @@ class CraftConfig:
     evpo_threshold: float = 0.0
     kl_direction: str = "reverse"
     kl_gate: str = "none"
+    proxy_norm: str = "group"
     proxy_weight: str = "uniform"
     use_proxy: bool = True
     use_residual: bool = True
@@ -544,6 +580,7 @@ class CraftConfig:
         for name, value, choices in (("residual_mode", self.residual_mode, RESIDUAL_MODES),
                                      ("kl_direction", self.kl_direction, KL_DIRECTIONS),
                                      ("kl_gate", self.kl_gate, KL_GATES),
+                                     ("proxy_norm", self.proxy_norm, tuple(PROXY_NORMS)),
                                      ("proxy_weight", self.proxy_weight, PROXY_WEIGHTS),
                                      ("baseline", self.baseline, BASELINES),
                                      ("candidates", self.candidates, CANDIDATE_SOURCES)):

@@ -43,13 +43,13 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from robo_post.algos.craft import (CraftConfig, CraftConfigError, ScoringPolicy, bc_pretrain, chunk_bc_pretrain,
-                                   event_mask, event_returns, grounded_advantage, group_advantages,
+from robo_post.algos.craft import (PROXY_NORMS, CraftConfig, CraftConfigError, ScoringPolicy, bc_pretrain,
+                                   chunk_bc_pretrain, event_mask, event_returns, grounded_advantage, group_advantages,
                                    residual_for_batch)
 from robo_post.algos.registry import MethodSpec
 from robo_post.envs.registry import env_spec
 from robo_post.eval.rollout import recorded_env_kwargs
-from robo_post.learner.drivers import finished_run, register_driver, resolve_device, select_episodes
+from robo_post.learner.drivers import begin_run, finished_run, register_driver, resolve_device, select_episodes
 from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyConfig
 from robo_post.models.features import infer_features, state_keys
 from robo_post.models.proposal_policy import ProposalPolicy, ProposalPolicyConfig
@@ -221,7 +221,7 @@ def on_policy_batch(config: CraftConfig, obs: dict[str, np.ndarray], extras: dic
                     ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The update batch of one iteration and its baseline statistics.
 
-    Group advantages per state, residuals over the whole batch; a proposal policy's recorded
+    Proxy advantages (``config.proxy_norm``), residuals over the whole batch; a proposal policy's recorded
     ``candidates`` extra travels in the batch as ``candidates``. With ``baseline=evpo``,
     ``critic`` maps the batch's observations to values (B,) before any update of this
     iteration (the values "at collection time"); the residual's baseline is then chosen
@@ -235,7 +235,7 @@ def on_policy_batch(config: CraftConfig, obs: dict[str, np.ndarray], extras: dic
     if config.baseline == "evpo" and critic is None:
         raise CraftConfigError("craft baseline='evpo' needs the critic's values: pass on_policy_batch a critic")
     scores = torch.as_tensor(extras["proxy_scores"], dtype=torch.float32)
-    proxy_adv = group_advantages(scores, config.adv_eps)
+    proxy_adv = PROXY_NORMS[config.proxy_norm](scores, config.adv_eps)
     chosen = torch.as_tensor(extras["chosen"], dtype=torch.long)
     rewards = torch.as_tensor(extras["events"] @ event_weights, dtype=torch.float32)
     # negatively weighted entries are the interaction-critical events of mode `event`'s mask; a
@@ -313,9 +313,7 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         horizon = config.horizon or env_spec(env).horizon
     registry = PolicyRegistry(store.root)
     run_dir = cfg.run_dir
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        f.write(OmegaConf.to_yaml(cfg, resolve=True))
+    begin_run(run_dir, cfg)
     ckpt, log_path = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "metrics.jsonl")
     state_path = os.path.join(run_dir, "craft_state.json")
     state = json.load(open(state_path)) if os.path.exists(state_path) else {"iteration": 0}

@@ -11,6 +11,7 @@ store's policy registry with its provenance. Methods that need another loop
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -191,6 +192,20 @@ def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig) -> di
     return summary
 
 
+def begin_run(run_dir: str, cfg: DictConfig) -> None:
+    """Create ``run_dir`` and record ``cfg`` in its ``config.yaml`` as a run starts.
+
+    A ``summary.json`` an earlier run left there is removed first: with the new config beside
+    it, a run that stops before writing its own summary would otherwise pass ``finished_run``
+    on the next call and hand back the earlier run's results.
+    """
+    os.makedirs(run_dir, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(run_dir, "summary.json"))
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        f.write(OmegaConf.to_yaml(cfg, resolve=True))
+
+
 # --- the off-policy driver ----------------------------------------------------------------
 def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     """`robo-post train` for a method trained on snapshot windows; publishes the result
@@ -222,9 +237,7 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     rngs = {"sampler": sampler.rng} | ({"imitation": imitation.rng} if imitation is not None else {})
 
     run_dir = cfg.run_dir
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        f.write(OmegaConf.to_yaml(cfg, resolve=True))
+    begin_run(run_dir, cfg)
     evaluate = None
     if cfg.eval.every:
         from robo_post.eval.rollout import in_process_success
@@ -300,9 +313,7 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         config.seed = cfg.seed
     agent = spec.build(config, None, resolve_device(cfg.device), None)
     run_dir = cfg.run_dir
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        f.write(OmegaConf.to_yaml(cfg, resolve=True))
+    begin_run(run_dir, cfg)
     ckpt, log_path = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "metrics.jsonl")
     if has_checkpoint(ckpt):
         agent.model.num_timesteps = load_checkpoint(ckpt, agent.modules, agent.optimizers, {})["timesteps"]
