@@ -6,9 +6,13 @@ candidates at every state) and compares, greedily on the benchmark's evaluation 
 
 - **planner**: the proxy's best candidate at every step (counterfactual scoring in
   non-reactive clones at every decision; no learning);
-- **distilled**: the pretrained policy's architecture trained by cross-entropy on the
-  proxy's best candidate at every recorded state (the most direct way to learn the
-  planner's choices, with far more signal per state than the clipped policy gradient);
+- **distilled**: the pretrained policy's architecture trained on every recorded state,
+  by cross-entropy on the proxy's best candidate (``--objective ce``: the most direct way
+  to learn the planner's choices, with far more signal per state than the clipped policy
+  gradient), or by maximising CRAFT's proxy term over all K candidates to convergence,
+  ``sum_k pi_k A~_k`` plus ``--entropy`` times the policy's entropy, with the advantages
+  ``A~`` of ``--objective group`` (per-state z-scores) or ``batch`` (per-state centring on
+  one batch scale; see ``proxy_norm``);
 - **DAgger round r**: the distilled policy's own greedy episodes, scored by the proxy at
   every state, added to the data and the policy retrained (``--dagger`` rounds of
   ``--dagger-episodes`` episodes on seeds disjoint from the evaluation's).
@@ -23,6 +27,7 @@ an optimisation budget of its loss but what the scorer can learn from its observ
 
     python benchmarks/craft_ceiling.py --work runs/bench_craft       # after craft_highway.py
     python benchmarks/craft_ceiling.py --planner-episodes 60 --env-kwargs '{"observed_vehicles": 8}'
+    python benchmarks/craft_ceiling.py --work runs/bench_craft --objective batch --dagger 0
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import time
 import numpy as np
 import torch
 
-from robo_post.algos.craft import bc_pretrain
+from robo_post.algos.craft import PROXY_NORMS, bc_pretrain, fit_minibatches, take_rows
 from robo_post.envs.highway_meta import counterfactual_scores
 from robo_post.envs.registry import env_spec
 from robo_post.fleet.client import store_schema
@@ -82,6 +87,25 @@ class Chooser:
         return self.candidates[self.choose(obs, env)][0]
 
 
+def distill(policy: CandidatePolicy, obs: torch.Tensor, scores: torch.Tensor, objective: str, entropy: float,
+            updates: int) -> float:
+    """Train ``policy`` in place on the states ``obs`` (N, D) and their proxy scores (N, K);
+    returns the share of states where its argmax is the proxy's best candidate."""
+    generator = torch.Generator().manual_seed(0)
+    if objective == "ce":
+        return bc_pretrain(policy, {"state": obs}, scores.argmax(-1), updates, generator=generator)["accuracy"]
+    advantages = PROXY_NORMS[objective](scores)
+
+    def loss(index: torch.Tensor) -> torch.Tensor:
+        log_pi = policy.logits(take_rows({"state": obs}, index)).log_softmax(-1)
+        pi = log_pi.exp()
+        return -(pi * advantages[index]).sum(-1).mean() + entropy * (pi * log_pi).sum(-1).mean()
+
+    fit_minibatches(policy, len(obs), loss, updates, 1e-3, 256, 1.0, generator)
+    with torch.no_grad():
+        return float((policy.logits({"state": obs}).argmax(-1) == scores.argmax(-1)).float().mean())
+
+
 def greedy(policy: CandidatePolicy):
     def choose(obs, env) -> int:
         with torch.no_grad():
@@ -94,6 +118,14 @@ def main() -> None:
     parser.add_argument("--work", default="runs/bench_craft", help="craft_highway.py's work dir")
     parser.add_argument("--eval-episodes", type=int, default=30)
     parser.add_argument("--updates", type=int, default=4000, help="distillation steps per (re)training")
+    parser.add_argument("--objective", choices=("ce", *PROXY_NORMS), default="ce",
+                        help="ce: cross-entropy on the best candidate; group / batch: CRAFT's proxy term with "
+                             "those advantages, to convergence")
+    parser.add_argument("--entropy", type=float, default=0.05, help="entropy bonus of --objective group / batch")
+    parser.add_argument("--init", choices=("pretrained", "fresh"), default="pretrained",
+                        help="with --work: start from the pretrained policy's weights, or from fresh ones with "
+                             "the recorded states' statistics")
+    parser.add_argument("--skip-planner", action="store_true", help="leave out the planner's evaluation")
     parser.add_argument("--dagger", type=int, default=3, help="DAgger rounds")
     parser.add_argument("--dagger-episodes", type=int, default=20)
     parser.add_argument("--planner-episodes", type=int, default=0,
@@ -102,6 +134,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON results (default: <work>/ceiling.json)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    torch.manual_seed(0)  # fresh scorers start from the same weights
     candidates = env_spec("highway_meta").candidates()
     planner = Chooser(lambda o, env: int(np.argmax(counterfactual_scores(env, candidates))))
     eval_seeds = list(range(100, 100 + args.eval_episodes))
@@ -123,23 +156,30 @@ def main() -> None:
         store = os.path.join(args.work, "demos")
         env_kwargs = Store.open(store).snapshot(record=False).episodes()[0].attrs.get("env_kwargs") or {}
 
-        def fresh() -> CandidatePolicy:  # the pretrained policy's architecture and state statistics
-            return CandidatePolicy.from_artifact(*PolicyRegistry(store).load(summary["pretrained_version"]))
-
         obs, scores = recorded_states(args.work)
-        rows["pretrained"] = rollouts(Chooser(greedy(fresh())), eval_seeds, env_kwargs)
+        pretrained = CandidatePolicy.from_artifact(*PolicyRegistry(store).load(summary["pretrained_version"]))
+
+        def fresh() -> CandidatePolicy:  # the pretrained policy, or its architecture with the data's statistics
+            if args.init == "pretrained":
+                return CandidatePolicy.from_artifact(*PolicyRegistry(store).load(summary["pretrained_version"]))
+            policy = CandidatePolicy(pretrained.config)
+            policy.set_state_stats(obs.numpy().mean(0), obs.numpy().std(0))
+            return policy
+
+        rows["pretrained"] = rollouts(Chooser(greedy(pretrained)), eval_seeds, env_kwargs)
     best = scores.argmax(-1)
     print(f"{len(best)} recorded states; share of each candidate as the proxy's best: "
           f"{np.round(np.bincount(best.numpy(), minlength=scores.shape[1]) / len(best), 3).tolist()}", flush=True)
-    t0 = time.perf_counter()
-    rows["planner"] = rollouts(planner, eval_seeds, env_kwargs)
-    rows["planner"]["wall_s"] = time.perf_counter() - t0
+    if not args.skip_planner:
+        t0 = time.perf_counter()
+        rows["planner"] = rollouts(planner, eval_seeds, env_kwargs)
+        rows["planner"]["wall_s"] = time.perf_counter() - t0
     for r in range(args.dagger + 1):
         policy = fresh()
-        fit = bc_pretrain(policy, {"state": obs}, best, args.updates, generator=torch.Generator().manual_seed(0))
+        accuracy = distill(policy, obs, scores, args.objective, args.entropy, args.updates)
         name = "distilled" if r == 0 else f"dagger {r}"
         rows[name] = {**rollouts(Chooser(greedy(policy)), eval_seeds, env_kwargs), "states": len(best),
-                      "train_accuracy": fit["accuracy"]}
+                      "train_accuracy": accuracy}
         print(f"{name}: {rows[name]}", flush=True)
         if r < args.dagger:
             seeds = range(1000 + r * args.dagger_episodes, 1000 + (r + 1) * args.dagger_episodes)

@@ -167,6 +167,8 @@ def main() -> None:
     parser.add_argument("--demo-noise", type=float, default=None,
                         help="std of the demonstrator's action noise (default 0; driving 0.4)")
     parser.add_argument("--duration", type=int, default=75, help="driving: decisions per episode")
+    parser.add_argument("--env-kwargs", default="{}",
+                        help="JSON env kwargs for every collect, run and evaluation (e.g. '{\"lane_features\": true}')")
     parser.add_argument("--train", default="",
                         help="extra space-separated `robo-post train` overrides for every run (e.g. algo.lr=1e-4)")
     parser.add_argument("--seeds", type=int, default=3)
@@ -199,6 +201,7 @@ def main() -> None:
     # highway is the env's default scene: no kwarg, so its commands and stores stay as before.
     env_kwargs = {"duration": args.duration} if driving else {} if args.scenario == "highway" else {
         "scenario": args.scenario}
+    env_kwargs.update(json.loads(args.env_kwargs))
     # Off the highway the policy is cloned from every demo, not only the crash-free ones: the
     # heuristic crashes in most merge episodes, and its actions are the same either way.
     demo_filter = [] if args.scenario in ("highway", "highway-fast") else ["data.success=null"]

@@ -84,8 +84,10 @@ __all__ = [
     "InvalidCandidatesError",
     "InvalidHighwayConfigError",
     "InvalidMetaActionError",
+    "LANE_FEATURES",
     "counterfactual_scores",
     "event_reward",
+    "lane_table",
     "step_events",
 ]
 
@@ -244,6 +246,11 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
         ego_targets: append the ego controller's targets to the observation: its target
             speed over highway-env's ``Vehicle.MAX_SPEED`` and the direction of a lane change
             in progress (-1 left, 0 none, 1 right); two more entries.
+        lane_features: append what the nearest cars ahead and behind do in the ego's lane and
+            the lanes either side (:data:`LANE_FEATURES` per lane, lanes left, own, right) and
+            the ego's speed over ``Vehicle.MAX_SPEED``; 19 more entries. The Kinematics table
+            lists the nearest cars in distance order, so the car that matters (the one ahead
+            in a lane) moves between rows; here it has a fixed place.
         render_mode: ``None`` or ``"rgb_array"``.
         **config: config entries of the scenario's highway-env scene (highway:
             ``vehicles_count``, ``lanes_count``, ``duration`` [s], ...); the
@@ -257,7 +264,8 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
     metadata = {"render_modes": ["rgb_array"], "render_fps": 1}
 
     def __init__(self, scenario: str = "highway", oracle: bool = False, continuation: int = CONTINUATION,
-                 observed_vehicles: int = 5, ego_targets: bool = False, render_mode: str | None = None,
+                 observed_vehicles: int = 5, ego_targets: bool = False, lane_features: bool = False,
+                 render_mode: str | None = None,
                  **config: Any) -> None:
         if scenario not in _SCENES:
             raise InvalidHighwayConfigError(f"unknown scenario {scenario!r}; choose from {SCENARIOS}")
@@ -289,7 +297,9 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
         self.metadata = {**self.metadata, "render_fps": policy_frequency}
         self.duration = round(self._core.config["duration"] * policy_frequency)  # in decisions
         self.ego_targets = bool(ego_targets)
-        size = int(np.prod(self._core.observation_space.shape)) + 2 * self.ego_targets
+        self.lane_features = bool(lane_features)
+        size = (int(np.prod(self._core.observation_space.shape)) + 2 * self.ego_targets
+                + (3 * len(LANE_FEATURES) + 1) * self.lane_features)
         self.observation_space = spaces.Dict({"state": spaces.Box(-1.0, 1.0, (size,), np.float32)})
         self.action_space = spaces.Discrete(len(ACTIONS))
 
@@ -340,6 +350,8 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
             targets = [ego.target_speed / Vehicle.MAX_SPEED,
                        float(np.clip(ego.target_lane_index[2] - ego.lane_index[2], -1, 1))]
             state = np.concatenate([state, np.asarray(targets, np.float32)])
+        if self.lane_features:
+            state = np.concatenate([state, lane_table(self._core)])
         return {"state": state}
 
     def _info(self, core_info: Mapping[str, Any]) -> dict[str, Any]:
@@ -352,6 +364,41 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
             "ttc_front": _time_to_collision(self._core.road, ego),
             "events": step_events(self._core, rewards),
         }
+
+
+LANE_FEATURES: tuple[str, ...] = ("exists", "front_gap", "front_closing", "front_ttc", "rear_gap", "rear_closing")
+"""Per-lane entries of ``lane_features`` (:func:`lane_table`): whether the lane exists; the gap to
+the nearest car ahead over 100 m, the speed it closes at over 20 m/s and the time to reach it over
+10 s; the same gap and closing speed for the nearest car behind. No car: gaps and time 1, speeds 0."""
+
+_GAP_SCALE, _SPEED_SCALE, _TTC_SCALE = 100.0, 20.0, 10.0
+
+
+def lane_table(core: AbstractEnv) -> np.ndarray:
+    """The ``lane_features`` entries of a scene's current state, float32 (19,) in [-1, 1]:
+    :data:`LANE_FEATURES` for the lanes left of the ego, its own and right of it, then the ego's
+    speed over ``Vehicle.MAX_SPEED``."""
+    ego, road = core.vehicle, core.road
+    start, end, own = ego.lane_index
+    n_lanes = len(road.network.graph[start][end])
+    rows = []
+    for offset in (-1, 0, 1):
+        lane = own + offset
+        if not 0 <= lane < n_lanes:
+            rows.append([0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+            continue
+        front, rear = road.neighbour_vehicles(ego, (start, end, lane))
+        row = [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+        if front is not None:
+            gap, closing = _gap_and_closing_speed(ego, front)
+            ttc = max(gap, 0.0) / closing if closing > 0 else np.inf
+            row[1:4] = [gap / _GAP_SCALE, closing / _SPEED_SCALE, ttc / _TTC_SCALE]
+        if rear is not None:
+            gap, closing = _gap_and_closing_speed(rear, ego)
+            row[4:6] = [gap / _GAP_SCALE, closing / _SPEED_SCALE]
+        rows.append(row)
+    table = np.clip(np.asarray(rows, np.float64), -1.0, 1.0).reshape(-1)
+    return np.append(table, np.clip(ego.speed / Vehicle.MAX_SPEED, -1.0, 1.0)).astype(np.float32)
 
 
 def _scene(env: gym.Env | AbstractEnv) -> AbstractEnv:

@@ -425,3 +425,33 @@ def test_ego_targets_append_the_controllers_target_speed_and_lane_change() -> No
     # a lane change in progress: the target lane differs from the current one
     ego.target_lane_index = (*ego.lane_index[:2], ego.lane_index[2] + 1)
     assert env.unwrapped._observation(np.zeros(25))["state"][26] == 1.0
+
+
+def test_lane_features_place_the_cars_ahead_and_behind_per_lane() -> None:
+    base, env = make(vehicles_count=1), make(vehicles_count=1, lane_features=True)
+    assert env.observation_space["state"].shape == (25 + 19,)
+    core = env.unwrapped.core
+    ego = core.vehicle
+    start, end, _ = ego.lane_index
+    lanes = [core.road.network.get_lane((start, end, i)) for i in range(3)]
+    s = 200.0
+    ego.position, ego.heading, ego.lane_index = lanes[1].position(s, 0.0), lanes[1].heading_at(s), (start, end, 1)
+    ego.speed = 25.0
+    core.road.vehicles = [ego]
+    for lane, offset, speed in ((1, 35.0, 20.0), (0, -25.0, 30.0)):  # slower car ahead; faster car behind, left
+        car = IDMVehicle(core.road, lanes[lane].position(s + offset, 0.0), heading=lanes[lane].heading_at(s), speed=speed)
+        core.road.vehicles.append(car)
+    table = env.unwrapped._observation(np.zeros(25))["state"][25:]
+    diagonal = np.hypot(25.0, lanes[0].width_at(s))  # the left car is a lane width to the side
+    expected = [
+        [1.0, 1.0, 0.0, 1.0, (diagonal - 5.0) / 100, 5.0 * 25.0 / diagonal / 20],  # left: only a car behind
+        [1.0, 30.0 / 100, 5.0 / 20, 6.0 / 10, 1.0, 0.0],  # own: 30 m bumper to bumper, closing 5 m/s, 6 s
+        [1.0, 1.0, 0.0, 1.0, 1.0, 0.0],  # right: empty
+    ]
+    np.testing.assert_allclose(table, [*np.ravel(expected), 25.0 / 40.0], atol=1e-5)
+    ego.position, ego.lane_index = lanes[0].position(s, 0.0), (start, end, 0)  # the leftmost lane has no left
+    table = env.unwrapped._observation(np.zeros(25))["state"][25:]
+    np.testing.assert_array_equal(table[:6], np.zeros(6))
+    obs, _ = env.reset(seed=2)  # the Kinematics table in front is unchanged
+    np.testing.assert_array_equal(obs["state"][:25], base.reset(seed=2)[0]["state"])
+    assert env.observation_space.contains(obs)

@@ -419,7 +419,7 @@ def minibatch_indices(n: int, size: int, epochs: int, generator: torch.Generator
         yield from order.split(size)
 
 
-def _fit_minibatches(policy: nn.Module, n: int, loss_of: Any, updates: int, lr: float, minibatch: int,
+def fit_minibatches(policy: nn.Module, n: int, loss_of: Any, updates: int, lr: float, minibatch: int,
                     grad_clip: float, generator: torch.Generator | None) -> None:
     """``updates`` AdamW steps of ``loss_of(index)`` on shuffled minibatches of ``n`` rows; ``policy`` ends in eval mode."""
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr)
@@ -445,7 +445,7 @@ def bc_pretrain(policy: CandidatePolicy, obs: dict[str, Any], target_index: torc
 
     Returns the final ``loss`` and the ``accuracy`` of the argmax over the whole set.
     """
-    _fit_minibatches(policy, int(target_index.shape[0]),
+    fit_minibatches(policy, int(target_index.shape[0]),
                      lambda index: bc_loss(policy, take_rows(obs, index), target_index[index], label_smoothing),
                      updates, lr, minibatch, grad_clip, generator)
     with torch.no_grad():
@@ -464,7 +464,7 @@ def chunk_bc_pretrain(policy: ProposalPolicy, obs: dict[str, Any], chunks: torch
     Returns the final ``nll`` (mean Gaussian negative log-likelihood per action entry, in
     normalised units) and the ``mae`` of the mean chunk (env units) over the whole set.
     """
-    _fit_minibatches(policy, int(chunks.shape[0]), lambda index: policy.nll(take_rows(obs, index), chunks[index]),
+    fit_minibatches(policy, int(chunks.shape[0]), lambda index: policy.nll(take_rows(obs, index), chunks[index]),
                      updates, lr, minibatch, grad_clip, generator)
     with torch.no_grad():
         mean, _ = policy.distribution(obs)
