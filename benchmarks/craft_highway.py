@@ -59,8 +59,11 @@ ARMS = {
 
 
 def cli(*args: str) -> str:
-    return subprocess.run([sys.executable, "-m", "robo_post.cli", *args], check=True, capture_output=True,
-                          text=True).stdout
+    """``robo-post ARGS``'s stdout; a failure stops the benchmark with the command and its error."""
+    run = subprocess.run([sys.executable, "-m", "robo_post.cli", *args], capture_output=True, text=True)
+    if run.returncode != 0:
+        sys.exit(f"robo-post {' '.join(args)} failed ({run.returncode}):\n{run.stderr[-3000:]}")
+    return run.stdout
 
 
 def summary_of(out: str) -> dict:
