@@ -33,6 +33,7 @@ an optimisation budget of its loss but what the scorer can learn from its observ
 from __future__ import annotations
 
 import argparse
+import copy
 import glob
 import json
 import os
@@ -161,7 +162,7 @@ def main() -> None:
 
         def fresh() -> CandidatePolicy:  # the pretrained policy, or its architecture with the data's statistics
             if args.init == "pretrained":
-                return CandidatePolicy.from_artifact(*PolicyRegistry(store).load(summary["pretrained_version"]))
+                return copy.deepcopy(pretrained)
             policy = CandidatePolicy(pretrained.config)
             policy.set_state_stats(obs.numpy().mean(0), obs.numpy().std(0))
             return policy

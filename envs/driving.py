@@ -159,10 +159,12 @@ def _time_to_collision(road: Road, ego: Vehicle) -> float:
     front, _ = road.neighbour_vehicles(ego, ego.lane_index)
     if front is None:
         return float("inf")
-    gap, closing = _gap_and_closing_speed(ego, front)
-    if closing <= 0.0:
-        return float("inf")
-    return max(gap, 0.0) / closing
+    return _closing_time(*_gap_and_closing_speed(ego, front))
+
+
+def _closing_time(gap: float, closing: float) -> float:
+    """Seconds until a gap [m] closing at ``closing`` [m/s] is gone; ``inf`` if it is not closing."""
+    return max(gap, 0.0) / closing if closing > 0.0 else float("inf")
 
 
 def _coast(vehicle: Vehicle, action: dict | str | None = None) -> None:

@@ -62,7 +62,7 @@ from highway_env.envs.roundabout_env import RoundaboutEnv
 from highway_env.road.lane import AbstractLane
 from highway_env.vehicle.kinematics import Vehicle
 
-from robo_post.envs.driving import (TTC_THRESHOLD, _gap_and_closing_speed, _time_to_collision, _Unobserved,
+from robo_post.envs.driving import (TTC_THRESHOLD, _closing_time, _gap_and_closing_speed, _time_to_collision, _Unobserved,
                                     make_non_reactive)
 
 __all__ = [
@@ -391,8 +391,7 @@ def lane_table(core: AbstractEnv) -> np.ndarray:
         row = [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
         if front is not None:
             gap, closing = _gap_and_closing_speed(ego, front)
-            ttc = max(gap, 0.0) / closing if closing > 0 else np.inf
-            row[1:4] = [gap / _GAP_SCALE, closing / _SPEED_SCALE, ttc / _TTC_SCALE]
+            row[1:4] = [gap / _GAP_SCALE, closing / _SPEED_SCALE, _closing_time(gap, closing) / _TTC_SCALE]
         if rear is not None:
             gap, closing = _gap_and_closing_speed(rear, ego)
             row[4:6] = [gap / _GAP_SCALE, closing / _SPEED_SCALE]

@@ -446,8 +446,8 @@ def bc_pretrain(policy: CandidatePolicy, obs: dict[str, Any], target_index: torc
     Returns the final ``loss`` and the ``accuracy`` of the argmax over the whole set.
     """
     fit_minibatches(policy, int(target_index.shape[0]),
-                     lambda index: bc_loss(policy, take_rows(obs, index), target_index[index], label_smoothing),
-                     updates, lr, minibatch, grad_clip, generator)
+                    lambda index: bc_loss(policy, take_rows(obs, index), target_index[index], label_smoothing),
+                    updates, lr, minibatch, grad_clip, generator)
     with torch.no_grad():
         logits = policy.logits(obs)
         target = target_index.to(logits.device).long()
@@ -465,7 +465,7 @@ def chunk_bc_pretrain(policy: ProposalPolicy, obs: dict[str, Any], chunks: torch
     normalised units) and the ``mae`` of the mean chunk (env units) over the whole set.
     """
     fit_minibatches(policy, int(chunks.shape[0]), lambda index: policy.nll(take_rows(obs, index), chunks[index]),
-                     updates, lr, minibatch, grad_clip, generator)
+                    updates, lr, minibatch, grad_clip, generator)
     with torch.no_grad():
         mean, _ = policy.distribution(obs)
         mae = (policy.unnormalize_actions(mean) - chunks.to(mean.device)).abs().mean()
