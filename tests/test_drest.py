@@ -316,6 +316,33 @@ def test_privileged_critic_reads_the_counts_and_the_actor_does_not():
     assert artifact["privileged_critic"] is True and artifact["policy"] == "MultiInputPolicy"
 
 
+@pytest.mark.parametrize("ortho_init, saturated", [(None, False), (True, True)])
+def test_configured_a2c_starts_with_an_unsaturated_actor(ortho_init, saturated):
+    """A2C's configured network (convolutions, then tanh layers) on grid observations: with SB3's
+    orthogonal init (gain sqrt 2 on the extractor) most of the actor's first tanh layer starts
+    saturated, so it gets almost no gradient; the configured init leaves none saturated."""
+    import torch
+    import yaml
+
+    with open(os.path.join(os.path.dirname(__file__), os.pardir, "configs", "algo", "drest.yaml")) as f:
+        hyper = yaml.safe_load(f)["algo"]["agent_hyperparameters"]["A2C"]
+    if ortho_init is not None:
+        hyper = {**hyper, "policy_kwargs": {**hyper["policy_kwargs"], "ortho_init": ortho_init}}
+    torch.manual_seed(0)
+    agent = DReSTAgent(DReSTConfig(agent="A2C", env=ENV, env_kwargs={"split": "train", "n_grids": 8}, n_envs=4, E=4,
+                                   seed=0, hyperparameters=hyper))
+    rng, obs, batch = np.random.default_rng(0), agent.venv.reset(), []
+    for _ in range(32):
+        batch.append(obs)
+        obs, *_ = agent.venv.step(rng.integers(4, size=agent.venv.num_envs))
+    obs = {k: torch.as_tensor(np.concatenate([o[k] for o in batch])) for k in batch[0]}
+    policy = agent.model.policy
+    with torch.no_grad():
+        first = policy.mlp_extractor.policy_net[0](policy.pi_features_extractor(obs))
+    share = float((first.tanh().abs() > 0.99).float().mean())
+    assert share > 0.3 if saturated else share < 0.01
+
+
 def test_linear_schedule_anneals_learning_rate_and_entropy_to_zero():
     config = DReSTConfig(agent="PPO", env=ENV, env_kwargs={"split": "train", "n_grids": 2}, n_envs=2, E=4, seed=0,
                          schedule="linear", hyperparameters={"n_steps": 32, "batch_size": 32, "learning_rate": 1e-3,
