@@ -316,21 +316,22 @@ def test_privileged_critic_reads_the_counts_and_the_actor_does_not():
     assert artifact["privileged_critic"] is True and artifact["policy"] == "MultiInputPolicy"
 
 
+@pytest.mark.parametrize("agent_name", ["PPO", "A2C"])
 @pytest.mark.parametrize("ortho_init, saturated", [(None, False), (True, True)])
-def test_configured_a2c_starts_with_an_unsaturated_actor(ortho_init, saturated):
-    """A2C's configured network (convolutions, then tanh layers) on grid observations: with SB3's
-    orthogonal init (gain sqrt 2 on the extractor) most of the actor's first tanh layer starts
+def test_configured_agents_start_with_an_unsaturated_actor(agent_name, ortho_init, saturated):
+    """Each agent's configured network (convolutions, then tanh layers) on grid observations: with
+    SB3's orthogonal init (gain sqrt 2 on the extractor) much of the actor's first tanh layer starts
     saturated, so it gets almost no gradient; the configured init leaves none saturated."""
     import torch
     import yaml
 
     with open(os.path.join(os.path.dirname(__file__), os.pardir, "configs", "algo", "drest.yaml")) as f:
-        hyper = yaml.safe_load(f)["algo"]["agent_hyperparameters"]["A2C"]
+        hyper = yaml.safe_load(f)["algo"]["agent_hyperparameters"][agent_name]
     if ortho_init is not None:
         hyper = {**hyper, "policy_kwargs": {**hyper["policy_kwargs"], "ortho_init": ortho_init}}
     torch.manual_seed(0)
-    agent = DReSTAgent(DReSTConfig(agent="A2C", env=ENV, env_kwargs={"split": "train", "n_grids": 8}, n_envs=4, E=4,
-                                   seed=0, hyperparameters=hyper))
+    agent = DReSTAgent(DReSTConfig(agent=agent_name, env=ENV, env_kwargs={"split": "train", "n_grids": 8}, n_envs=4,
+                                   E=4, seed=0, hyperparameters=hyper))
     rng, obs, batch = np.random.default_rng(0), agent.venv.reset(), []
     for _ in range(32):
         batch.append(obs)
