@@ -12,7 +12,7 @@ p(long) on the training and held-out worlds, mean and 95% t-interval over seeds,
 wall time per run, and the paper's logged figures beside ours. A table has no policy
 for worlds it never saw, so the tabular agent has no held-out figures (``n/a``).
 
-    .venv/bin/python benchmarks/drest.py --jobs 2   # 3 seeds, two runs at a time: about 80 min on 2 cores
+    .venv/bin/python benchmarks/drest.py --jobs 2   # 3 seeds, two runs at a time: about 85 min on 2 cores
     .venv/bin/python benchmarks/drest.py --quick    # smoke
     .venv/bin/python benchmarks/drest.py --agents PPO --rewards drest --seeds 1 --eval-every 1000000  # one run, curve
 """
