@@ -35,6 +35,7 @@ Crash counts a collision or leaving the road.
     python benchmarks/craft_highway.py --quick               # 1 seed, tiny budget (smoke test)
     python benchmarks/craft_highway.py --scenario merge      # runs/bench_craft_merge, results/craft_merge.json
     python benchmarks/craft_highway.py --env driving         # runs/bench_craft_driving, results/craft_driving.json
+    python benchmarks/craft_highway.py --drivers             # fixed drivers only, on the evaluation seeds
 """
 
 from __future__ import annotations
@@ -157,6 +158,29 @@ def interval(values: list[float]) -> str:
     return f"{v.mean():.2f} [{v.mean() - half:.2f}, {v.mean() + half:.2f}]"
 
 
+class FixedDriver:
+    """A scripted meta-action driver as a fleet-style policy for :func:`rollouts`."""
+
+    def __init__(self, choose):
+        self.choose = choose
+
+    def reset(self, env, seed) -> None:
+        pass
+
+    def act(self, obs, env) -> int:
+        return int(self.choose(env))
+
+
+def fixed_drivers(seeds: list[int], env_kwargs: dict) -> dict[str, dict]:
+    """Return, crash rate and mean speed of the scripted references on the evaluation seeds: the
+    heuristic the policies are cloned from, the same driver keeping right when it can, always SLOWER."""
+    from robo_post.envs.highway_meta import SLOWER, HeuristicDriver
+
+    drivers = {"heuristic": HeuristicDriver(), "heuristic, keep right": HeuristicDriver(keep_right=True),
+               "always SLOWER": lambda env: SLOWER}
+    return {name: rollouts(FixedDriver(d), seeds, env_kwargs) for name, d in drivers.items()}
+
+
 def main() -> None:
     from robo_post.envs.driving import SCENARIOS as DRIVING_SCENARIOS
     from robo_post.envs.highway_meta import SCENARIOS
@@ -183,6 +207,8 @@ def main() -> None:
                         help="greedy CRAFT episodes (seed 0) whose states are scored by proxy and oracle")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--drivers", action="store_true",
+                        help="only evaluate the scripted drivers (heuristic, heuristic keeping right, always SLOWER)")
     parser.add_argument("--work", default=None,
                         help="work dir (default runs/bench_craft, runs/bench_craft_<scenario> off the highway)")
     parser.add_argument("--out", default=None, help="results file (default results/craft_<scenario>.json)")
@@ -215,6 +241,12 @@ def main() -> None:
     if arms is None:
         parser.error(f"--arms {args.arms!r}: choose from {', '.join(ARMS)}")
     eval_seeds = list(range(100, 100 + args.eval_episodes))
+    if args.drivers:
+        if driving:
+            parser.error("--drivers needs --env highway_meta (the scripted meta-action drivers)")
+        for name, r in fixed_drivers(eval_seeds, env_kwargs).items():
+            print(f"{name:<24} return {r['return']:6.2f}  crash rate {r['crash']:.2f}  mean speed {r['speed']:.2f}")
+        return
     store = os.path.join(args.work, "demos")
     t_all = time.perf_counter()
     if not os.path.exists(os.path.join(store, "store.json")):

@@ -498,6 +498,12 @@ class HeuristicDriver:
     """A mediocre scripted driver: SLOWER when the car ahead in the ego's lane is less
     than :attr:`MIN_GAP` m away (bumper to bumper), else IDLE; it never changes lanes.
 
+    With ``keep_right`` it first moves one lane right whenever that lane exists and is
+    free (the nearest car ahead in it at least :attr:`RIGHT_FRONT_GAP` m away, the nearest
+    behind at least :attr:`RIGHT_REAR_GAP` m): a fixed reference for what keeping right,
+    which highway-env pays for, adds to the braking driver. It is not the driver the
+    policies are cloned from.
+
     With probability ``noise`` it instead takes a uniformly random meta-action (lane
     changes included), drawn from its own seeded generator. Reads privileged state
     from ``env.unwrapped.core`` and never modifies it.
@@ -510,11 +516,13 @@ class HeuristicDriver:
     """
 
     MIN_GAP = 20.0  # [m]
+    RIGHT_FRONT_GAP = 25.0  # [m]
+    RIGHT_REAR_GAP = 15.0  # [m]
 
-    def __init__(self, noise: float = 0.0, seed: int | None = None) -> None:
+    def __init__(self, noise: float = 0.0, seed: int | None = None, keep_right: bool = False) -> None:
         if not 0.0 <= noise <= 1.0:
             raise ValueError(f"noise is a probability in [0, 1], got {noise}")
-        self.noise = noise
+        self.noise, self.keep_right = noise, keep_right
         self._rng = np.random.default_rng(seed)
 
     def __call__(self, env: gym.Env) -> np.int64:
@@ -523,7 +531,18 @@ class HeuristicDriver:
             return np.int64(self._rng.integers(len(ACTIONS)))
         core = _scene(env)
         ego = core.vehicle
+        if self.keep_right and self._right_lane_free(core):
+            return np.int64(LANE_RIGHT)
         front, _ = core.road.neighbour_vehicles(ego)
         if front is not None and _gap_and_closing_speed(ego, front)[0] < self.MIN_GAP:
             return np.int64(SLOWER)
         return np.int64(IDLE)
+
+    def _right_lane_free(self, core: AbstractEnv) -> bool:
+        ego = core.vehicle
+        start, end, own = ego.lane_index
+        if own + 1 >= len(core.road.network.graph[start][end]):
+            return False
+        front, rear = core.road.neighbour_vehicles(ego, (start, end, own + 1))
+        return ((front is None or _gap_and_closing_speed(ego, front)[0] >= self.RIGHT_FRONT_GAP)
+                and (rear is None or _gap_and_closing_speed(rear, ego)[0] >= self.RIGHT_REAR_GAP))

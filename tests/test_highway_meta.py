@@ -341,6 +341,38 @@ def test_heuristic_driver() -> None:
     assert runs[0] == runs[1] != runs[2] and set(runs[0]) == set(range(5))
 
 
+def test_keep_right_driver_moves_right_only_into_a_free_lane() -> None:
+    env = make(vehicles_count=1)
+    core = env.unwrapped.core
+    start, end, _ = core.vehicle.lane_index
+    n_lanes = len(core.road.network.graph[start][end])
+    keep_right, plain = HeuristicDriver(keep_right=True), HeuristicDriver()
+
+    def place(lane_id: int, right_lane_car: float | None) -> None:
+        """The ego alone at 25 m/s in ``lane_id``, one car at that offset [m] in the lane to its right."""
+        lane = core.road.network.get_lane((start, end, lane_id))
+        ego = core.vehicle
+        ego.position, ego.heading, ego.speed = lane.position(100.0, 0.0), lane.heading_at(100.0), 25.0
+        ego.lane_index = ego.target_lane_index = (start, end, lane_id)
+        core.road.vehicles = [ego]
+        if right_lane_car is not None:
+            right = core.road.network.get_lane((start, end, lane_id + 1))
+            car = IDMVehicle(core.road, right.position(100.0 + right_lane_car, 0.0), heading=right.heading_at(100.0),
+                             speed=25.0)
+            car.check_collisions = False
+            core.road.vehicles.append(car)
+
+    place(0, None)
+    assert keep_right(env) == LANE_RIGHT and plain(env) == IDLE
+    for offset in (15.0, -10.0):  # a car 10 m ahead or 15 m behind, centre to centre: not free
+        place(0, offset)
+        assert keep_right(env) == IDLE
+    place(0, 40.0)
+    assert keep_right(env) == LANE_RIGHT
+    place(n_lanes - 1, None)  # already in the rightmost lane
+    assert keep_right(env) == IDLE
+
+
 # scenario -> (kwargs, where the ego is staged along its lane [m], its speed [m/s]): straight
 # stretches of the main road (merge) and of the south entry (roundabout).
 STAGES = {"merge": ({"scenario": "merge"}, 60.0, 25.0), "roundabout": ({"scenario": "roundabout"}, 60.0, 8.0)}
