@@ -496,7 +496,8 @@ def counterfactual_scores(
 
 class HeuristicDriver:
     """A mediocre scripted driver: SLOWER when the car ahead in the ego's lane is less
-    than :attr:`MIN_GAP` m away (bumper to bumper), else IDLE; it never changes lanes.
+    than :attr:`MIN_GAP` m away (bumper to bumper), else IDLE; it never changes lanes
+    unless ``keep_right``.
 
     With ``keep_right`` it first moves one lane right whenever that lane exists and is
     free (the nearest car ahead in it at least :attr:`RIGHT_FRONT_GAP` m away, the nearest
