@@ -364,7 +364,7 @@ def test_keep_right_driver_moves_right_only_into_a_free_lane() -> None:
 
     place(0, None)
     assert keep_right(env) == LANE_RIGHT and plain(env) == IDLE
-    for offset in (15.0, -10.0):  # a car 10 m ahead or 15 m behind, centre to centre: not free
+    for offset in (15.0, -10.0):  # centre to centre: gaps of 10 m ahead, 5 m behind: not free
         place(0, offset)
         assert keep_right(env) == IDLE
     place(0, 40.0)
