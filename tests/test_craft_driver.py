@@ -99,6 +99,10 @@ def test_on_policy_batch_windows_stop_at_episode_ends():
     G = torch.tensor([0.4 + 0.2 - 0.25, 0.4 - 0.5, -1.0, 0.4 + 0.1, 0.2])
     z = (G - G.mean()) / G.std(unbiased=False)
     assert torch.allclose(cv["delta"], z - batch["proxy_adv"][:, 0], atol=1e-4)
+    # residual only (no proxy term): nothing to correct, the residual is z(G) itself
+    alone, _ = on_policy_batch(CraftConfig(window=3, gamma_event=0.5, use_proxy=False), obs, extras, [3, 2],
+                               np.array([-1.0, -0.3, 0.4]))
+    assert torch.allclose(alone["delta"], z, atol=1e-4)
 
 
 def test_evpo_on_policy_batch_gates_on_the_critic_values_at_the_batch_states():

@@ -250,7 +250,10 @@ def on_policy_batch(config: CraftConfig, obs: dict[str, np.ndarray], extras: dic
     batch_obs = {k: torch.as_tensor(v) for k, v in obs.items()}
     V = critic(batch_obs) if config.baseline == "evpo" else None
     advantage, ev, use_critic = grounded_advantage(G, V, config.evpo_threshold, config.adv_eps)
-    delta = residual_for_batch(advantage, proxy_adv, chosen, config.residual_mode, torch.cat(mask))
+    # without the proxy term there is no proxy for the residual to correct: mode cv is then plain
+    # REINFORCE on the grounded advantage (the residual-only ablation), not z(G) - A~[k*]
+    corrected = proxy_adv if config.use_proxy else torch.zeros_like(proxy_adv)
+    delta = residual_for_batch(advantage, corrected, chosen, config.residual_mode, torch.cat(mask))
     batch = {"obs": batch_obs, "proxy_adv": proxy_adv, "chosen": chosen,
              "old_logits": torch.as_tensor(extras["logits"], dtype=torch.float32), "delta": delta}
     if "candidates" in extras:  # a proposal policy's sampled chunks, which its logits score
