@@ -88,6 +88,9 @@ def test_dense_proxy_gradient_matches_the_hand_formula():
 
 
 # --- 4. decomposition ---------------------------------------------------------------------
+K_BANDIT = 4
+
+
 def bandit():
     """One state, K=4 candidates with pi = (1/8, 1/8, 1/4, 1/2): a batch of 8 rows holding each k*
     in proportion to pi makes a batch mean an exact expectation over k* ~ pi."""
@@ -125,6 +128,35 @@ def test_proxy_plus_residual_equals_the_full_advantage_gradient():
     proxy_only = grad_of(lambda th: -policy_losses(th.expand(8, -1), th.detach().expand(8, -1), proxy_adv, chosen,
                                                    delta, proxy_weight="policy")[0], theta0)
     assert not torch.allclose(proxy_only, full, atol=1e-2)
+
+
+@pytest.mark.parametrize("proxy_weight,lambda_res", [("uniform", 4.0), ("uniform", 1.0), ("policy", 1.0),
+                                                       ("policy", 4.0)])
+def test_expected_update_weighs_each_proxy_advantage_by_w_minus_lambda_pi(proxy_weight, lambda_res):
+    # k* ~ pi and z(G) = 0 everywhere: the proxy and the cv residual's -A~[k*] are all that is left
+    pi, _, chosen = bandit()
+    theta0 = pi.log()
+    proxy_adv = group_advantages(torch.tensor([[0.9, -1.0, 1.2, 0.1]], dtype=torch.float64)).expand(8, -1)
+    delta = residual_for_batch(torch.zeros(8, dtype=torch.float64), proxy_adv, chosen, "cv")
+
+    def objective(theta):
+        logits = theta.expand(8, -1)
+        proxy, res, _ = policy_losses(logits, theta.detach().expand(8, -1), proxy_adv, chosen, delta,
+                                      proxy_weight=proxy_weight)
+        return -(proxy + lambda_res * res)
+
+    w = torch.full_like(pi, 1 / K_BANDIT) if proxy_weight == "uniform" else pi
+    c = w - lambda_res * pi
+    # d log pi_k / d theta_j = 1[j = k] - pi_j
+    by_hand = sum(c[k] * proxy_adv[0, k] * (torch.eye(K_BANDIT, dtype=torch.float64)[k] - pi)
+                  for k in range(K_BANDIT))
+    g = grad_of(objective, theta0)
+    assert torch.allclose(g, by_hand, atol=1e-10)
+    if proxy_weight == "policy" and lambda_res == 1.0:
+        assert torch.allclose(g, torch.zeros_like(g), atol=1e-10)  # the proxy cancels: a control variate
+    if (proxy_weight, lambda_res) == ("uniform", 4.0):
+        # candidate 2 (pi 1/4) has the best proxy advantage, yet its logit is pushed down
+        assert proxy_adv[0].argmax() == 2 and g[2] < 0
 
 
 def test_residual_is_zero_when_the_proxy_is_the_true_advantage():

@@ -483,7 +483,12 @@ class CraftConfig:
         beta_sd: weight of the student-teacher KL.
         lambda_res: weight of the residual loss (4 measured against 1, at which the proxy's
             pull towards speed, and the crashes that follow it, stayed uncorrected; docs/results.md).
-        residual_mode: ``cv`` (control variate ``z(G) - A~_{k*}``) or ``event`` (``m z(G)``).
+            In mode ``cv`` the expected weight of ``A~_k`` in the update is ``w_k - lambda_res pi_k``
+            (``w_k``: ``1/K`` uniform, ``pi_k`` policy): 0 for ``policy`` at 1 (REINFORCE on ``z(G)``,
+            the proxy a control variate), negative for every candidate with ``pi_k > 1/(lambda_res K)``
+            at the default ``uniform`` and 4 (docs/craft.md, "What the update follows on average").
+        residual_mode: ``cv`` (control variate ``z(G) - A~_{k*}``) or ``event`` (``m z(G)``);
+            with ``use_proxy`` off there is no proxy to correct: mode ``cv`` uses ``z(G)`` itself.
         baseline: the grounded advantage's baseline. ``batch``: the batch mean (``z(G)``,
             value-free). ``evpo``: a learned critic ``WindowValue`` of ``G``, used in place of
             the batch mean in an update only when its batch explained variance exceeds
