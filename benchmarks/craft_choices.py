@@ -20,32 +20,31 @@ import argparse
 
 import numpy as np
 import torch
+from highway_env.road.lane import AbstractLane
 
 from robo_post.algos.craft import group_advantages
 from robo_post.envs.highway_meta import ACTIONS, CANDIDATES, LANE_RIGHT
+from robo_post.learner.craft_driver import load_episodes
 from robo_post.store.store import Store
 
-LANE_WIDTH = 4.0  # [m] highway-env's default; the fast highway's lanes are at y = 0, 4, 8
-Y_SCALE = 12.0  # [m] the observation's y normalisation (see robo_post.envs.highway_meta)
-RIGHTMOST = 2  # the fast highway has three lanes
+Y_SCALE = 3 * AbstractLane.DEFAULT_WIDTH  # [m] the observation's y range (robo_post.envs.highway_meta)
+RIGHTMOST = 2  # the fast highway has three lanes, at y = 0, 1 and 2 lane widths
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("store", help="an on-policy store of craft_highway.py (<work>/s<seed>/<arm>-online)")
     args = parser.parse_args()
-    snap = Store.open(args.store).snapshot()
+    snap = Store.open(args.store).snapshot(record=False)  # reading only: leave the store as it is
     episodes = snap.episodes()
     right = [k for k, c in enumerate(CANDIDATES) if c[0] == LANE_RIGHT]
     firsts = np.array([c[0] for c in CANDIDATES])
     print(f"{'version':>7}{'states':>7}{'crashes':>8}  executed first action "
           f"({', '.join(ACTIONS)})  | off the right lane: p(right) A~(right) best right  executed right")
     for version in sorted({e.policy_version for e in episodes}):
-        loaded = [snap.load(e) for e in episodes if e.policy_version == version]
-        state = np.concatenate([d["obs"]["state"][:-1] for d in loaded])
-        extras = {k: np.concatenate([d["extras"][k] for d in loaded]) for k in ("logits", "proxy_scores", "chosen",
-                                                                                  "events")}
-        lane = np.rint(state[:, 2] * Y_SCALE / LANE_WIDTH).astype(int)  # ego row's y
+        obs, _, extras, _ = load_episodes(snap, [e for e in episodes if e.policy_version == version])
+        state = obs["state"]
+        lane = np.rint(state[:, 2] * Y_SCALE / AbstractLane.DEFAULT_WIDTH).astype(int)  # the ego row's y
         off = lane < RIGHTMOST
         p = torch.softmax(torch.as_tensor(extras["logits"]), -1).numpy()
         adv = group_advantages(torch.as_tensor(extras["proxy_scores"])).numpy()

@@ -118,7 +118,7 @@ def _event_weights(env: str, weights: list[float]) -> np.ndarray:
     return np.asarray(weights, dtype=np.float32)
 
 
-def _load(snap, episodes) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, np.ndarray], list[int]]:
+def load_episodes(snap, episodes) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, np.ndarray], list[int]]:
     """Observations (without the final one), actions and extras of ``episodes``, concatenated, and their lengths."""
     loaded = [snap.load(e) for e in episodes]
     obs = {k: np.concatenate([d["obs"][k][:-1] for d in loaded]) for k in loaded[0]["obs"]}
@@ -131,7 +131,7 @@ def pretrain(store: Store, cfg: DictConfig, config: CraftConfig, vocabulary: lis
     """Behaviour-clone candidate indices from the store's episodes (``data.*`` filters apply)."""
     snap = store.snapshot()
     episodes = select_episodes(snap, cfg.data)
-    obs, actions, _, _ = _load(snap, episodes)
+    obs, actions, _, _ = load_episodes(snap, episodes)
     first = {}
     for k, c in enumerate(vocabulary):
         first.setdefault(c[0], k)  # the first entry that starts with each action
@@ -368,7 +368,7 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
             raise FleetError(f"craft clients did not finish (logs in {online.root}/fleet/): {failed}")
         snap = online.snapshot()
         episodes = snap.episodes(policy_version=version)
-        obs, _, extras, lengths = _load(snap, episodes)
+        obs, _, extras, lengths = load_episodes(snap, episodes)
         batch, baseline_stats = on_policy_batch(config, obs, extras, lengths, event_weights,
                                                 method.values if config.baseline == "evpo" else None)
         metrics = {k: float(v) for k, v in method.fit(batch, torch.Generator().manual_seed(cfg.seed + i)).items()}
