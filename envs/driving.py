@@ -162,6 +162,15 @@ def _time_to_collision(road: Road, ego: Vehicle) -> float:
     return _closing_time(*_gap_and_closing_speed(ego, front))
 
 
+def off_right(road: Road, lane_index: LaneIndex) -> float:
+    """How far a lane lies from the rightmost lane of its road segment, as a share of the
+    lanes that could lie between: 0 in the rightmost lane or on a one-lane segment, 1 in
+    the leftmost (the keep-right rule's violation, the ``off_right`` event)."""
+    start, end, lane = lane_index
+    lanes = len(road.network.graph[start][end])
+    return 0.0 if lanes < 2 else float(lanes - 1 - lane) / (lanes - 1)
+
+
 def _closing_time(gap: float, closing: float) -> float:
     """Seconds until a gap [m] closing at ``closing`` [m/s] is gone; ``inf`` if it is not closing."""
     return max(gap, 0.0) / closing if closing > 0.0 else float("inf")
@@ -205,9 +214,9 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
     Info keys (every step): ``collision``, ``ttc_front`` [s], ``off_road``,
     ``speed`` [m/s], ``success`` (True only on the last step of an episode that
     ended without collision or leaving the road), ``task_id``, ``instruction``,
-    ``reward_terms`` (highway-env's per-term rewards), ``events`` (three floats:
-    collision or off-road, TTC breach, progress; the order and meaning of
-    ``highway_meta.EVENTS``, with leaving the road counted as a crash).
+    ``reward_terms`` (highway-env's per-term rewards), ``events`` (four floats:
+    collision or off-road, TTC breach, progress, off the rightmost lane; the order and
+    meaning of ``highway_meta.EVENTS``, with leaving the road counted as a crash).
 
     Args:
         scenario: one of :data:`SCENARIOS`.
@@ -397,7 +406,7 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
         off_road = not ego.on_road
         rewards = core_info["rewards"]
         return {
-            # a tuple, so infos still compare with ==; the registry's step_extras records it as float32 (3,)
+            # a tuple, so infos still compare with ==; the registry's step_extras records it as float32 (4,)
             "events": tuple(float(e) for e in _events(self._core, rewards)),
             "collision": collision,
             "ttc_front": _time_to_collision(self._core.road, ego),
@@ -411,12 +420,14 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
 
 
 def _events(core: AbstractEnv, rewards: dict[str, float]) -> np.ndarray:
-    """The step's events, float32 (3,): collision or off-road, TTC breach, progress (the scene's
-    ``high_speed_reward`` clipped to [0, 1]; 0 where a scene lacks it), as ``highway_meta.EVENTS``."""
+    """The step's events, float32 (4,): collision or off-road, TTC breach, progress (the scene's
+    ``high_speed_reward`` clipped to [0, 1]; 0 where a scene lacks it), off the rightmost lane
+    (:func:`off_right` of the lane the ego is in), as ``highway_meta.EVENTS``."""
     ego = core.vehicle
     ttc = _time_to_collision(core.road, ego)
     progress = float(np.clip(rewards.get("high_speed_reward", 0.0), 0.0, 1.0))
-    return np.array([float(ego.crashed or not ego.on_road), float(ttc < TTC_THRESHOLD), progress], dtype=np.float32)
+    return np.array([float(ego.crashed or not ego.on_road), float(ttc < TTC_THRESHOLD), progress,
+                     off_right(core.road, ego.lane_index)], dtype=np.float32)
 
 
 class _Unobserved:
@@ -478,7 +489,7 @@ def chunk_scores(
         raise CandidateChunkError(f"weights must name exactly {sorted(PROXY_WEIGHTS)}, got {sorted(weights)}")
     if continuation < 0:
         raise CandidateChunkError(f"continuation must be >= 0 steps, got {continuation}")
-    w = np.array([weights["collision"], weights["ttc"], weights["speed"]])  # the order of the events vector
+    w = np.array([weights["collision"], weights["ttc"], weights["speed"], 0.0])  # the order of the events vector
     scores = np.zeros(len(chunks))
     for k, chunk in enumerate(np.clip(chunks, -1.0, 1.0)):
         twin = env.clone(reactive).core

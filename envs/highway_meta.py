@@ -63,7 +63,7 @@ from highway_env.road.lane import AbstractLane
 from highway_env.vehicle.kinematics import Vehicle
 
 from robo_post.envs.driving import (TTC_THRESHOLD, _closing_time, _gap_and_closing_speed, _time_to_collision, _Unobserved,
-                                    make_non_reactive)
+                                    make_non_reactive, off_right)
 
 __all__ = [
     "FASTER",
@@ -107,17 +107,21 @@ then idling, overtaking left or right, braking twice)."""
 CONTINUATION = 0
 """Default IDLE steps scored after each candidate in :meth:`HighwayMetaEnv.candidate_extras`."""
 
-EVENTS: tuple[str, ...] = ("crash", "ttc_breach", "progress")
+EVENTS: tuple[str, ...] = ("crash", "ttc_breach", "progress", "off_right")
 """Entries of the per-step ``info["events"]`` vector: ``crash`` and ``ttc_breach`` are 1.0 if
 they happened, else 0.0; ``progress`` is the scene's ``high_speed_reward`` term of the step
 clipped to [0, 1] (highway and merge: 0 at or below 20 m/s, 1 at 30 m/s; roundabout: the
 ego's target-speed index over 2), the optional progress signal of the grounded residual.
 For a scene that reports no such term it is highway-env's definition of it: the ego's
-forward speed mapped from the scene's ``reward_speed_range`` to [0, 1], clipped."""
+forward speed mapped from the scene's ``reward_speed_range`` to [0, 1], clipped.
+``off_right`` is the keep-right rule's violation: how far the lane the ego drives in, or
+is changing to, lies from the rightmost lane of its road segment (0 there, 1 in the
+leftmost; highway-env numbers lanes from left to right; ``1 - right_lane_reward`` on the
+highway)."""
 
-EVENT_WEIGHTS: tuple[float, ...] = (-1.0, -0.3, 0.0)
-"""Default reward of each entry of :data:`EVENTS` (see :func:`event_reward`): progress is
-off by default, so the residual sees interaction-critical events only."""
+EVENT_WEIGHTS: tuple[float, ...] = (-1.0, -0.3, 0.0, 0.0)
+"""Default reward of each entry of :data:`EVENTS` (see :func:`event_reward`): progress and
+the lane rule are off by default, so the residual sees interaction-critical events only."""
 
 PROXY_WEIGHTS: Mapping[str, float] = types.MappingProxyType(
     {"high_speed": 0.4, "right_lane": 0.1, "collision": -1.0, "ttc": -0.3}
@@ -197,7 +201,7 @@ def _progress(core: AbstractEnv, rewards: Mapping[str, float]) -> float:
 
 
 def step_events(core: AbstractEnv, rewards: Mapping[str, float]) -> np.ndarray:
-    """The :data:`EVENTS` vector of a highway-env scene's current state, float32 (3,);
+    """The :data:`EVENTS` vector of a highway-env scene's current state, float32 (4,);
     ``rewards`` are the step's reward terms (``info["rewards"]``).
 
     Raises:
@@ -206,12 +210,15 @@ def step_events(core: AbstractEnv, rewards: Mapping[str, float]) -> np.ndarray:
     """
     ego = core.vehicle
     ttc = _time_to_collision(core.road, ego)
-    return np.array([float(ego.crashed), float(ttc < TTC_THRESHOLD), _progress(core, rewards)], dtype=np.float32)
+    # the lane the ego is changing to, as highway-env's right_lane_reward reads it
+    return np.array([float(ego.crashed), float(ttc < TTC_THRESHOLD), _progress(core, rewards),
+                     off_right(core.road, ego.target_lane_index)], dtype=np.float32)
 
 
 def event_reward(events: np.ndarray | Sequence[float], weights: Sequence[float] = EVENT_WEIGHTS
                  ) -> float | np.ndarray:
-    """Event reward: ``events @ weights`` for one (3,) vector (a float) or a (T, 3) batch (T,).
+    """Event reward: ``events @ weights`` for one (E,) vector (a float) or a (T, E) batch (T,),
+    E the number of weights (4 for :data:`EVENTS`).
 
     Raises:
         InvalidCandidatesError: the last axis of ``events`` does not match ``weights``.
@@ -232,7 +239,7 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
     ``truncated`` when the episode time (``duration`` s) is up. Info keys on every
     step: ``crashed``, ``speed`` [m/s], ``rewards`` (the scene's highway-env reward
     terms), ``ttc_front`` [s] (``inf``: nobody ahead in the lane, or not closing in),
-    ``events`` (float32 (3,), :data:`EVENTS`).
+    ``events`` (float32 (4,), :data:`EVENTS`).
 
     Args:
         scenario: one of :data:`SCENARIOS`.

@@ -19,6 +19,7 @@ from robo_post.envs import env_spec
 from robo_post.envs.highway_meta import (
     CANDIDATES,
     EVENT_WEIGHTS,
+    EVENTS,
     FASTER,
     IDLE,
     LANE_LEFT,
@@ -107,7 +108,7 @@ def test_spaces_info_and_config() -> None:
     for action in (FASTER, IDLE, LANE_LEFT):
         obs, reward, terminated, truncated, info = env.step(np.int64(action))
         assert env.observation_space.contains(obs) and 0.0 <= reward <= 1.0
-        assert INFO_KEYS <= info.keys() and info["events"].dtype == np.float32 and info["events"].shape == (3,)
+        assert INFO_KEYS <= info.keys() and info["events"].dtype == np.float32 and info["events"].shape == (len(EVENTS),)
         assert set(info["rewards"]) == {"collision_reward", "right_lane_reward", "high_speed_reward",
                                         "on_road_reward"}
         np.testing.assert_array_equal(info["events"], step_events(core, info["rewards"]))
@@ -150,7 +151,7 @@ def test_other_scenes_share_the_interface(scenario: str) -> None:
     for action in (LANE_LEFT, IDLE, LANE_RIGHT, FASTER, SLOWER):
         obs, reward, terminated, truncated, info = env.step(np.int64(action))
         assert env.observation_space.contains(obs) and obs["state"].shape == (25,)
-        assert INFO_KEYS <= info.keys() and info["events"].dtype == np.float32 and info["events"].shape == (3,)
+        assert INFO_KEYS <= info.keys() and info["events"].dtype == np.float32 and info["events"].shape == (len(EVENTS),)
         assert 0.0 <= info["events"][2] <= 1.0
         assert info["events"][2] == pytest.approx(np.clip(info["rewards"]["high_speed_reward"], 0.0, 1.0))
         assert info["speed"] == core.vehicle.speed
@@ -212,22 +213,40 @@ def test_events_from_constructed_scenes() -> None:
     core = env.unwrapped.core
     progress = {"high_speed_reward": 0.5}
     stage(env, [(60.0, 25.0)])  # same speed far ahead: no breach
-    np.testing.assert_array_equal(step_events(core, progress), [0.0, 0.0, 0.5])
+    np.testing.assert_array_equal(step_events(core, progress)[:3], [0.0, 0.0, 0.5])
     stage(env, [(15.0, 10.0)])  # gap 10 m closing at 15 m/s: TTC 0.67 s
-    np.testing.assert_array_equal(step_events(core, progress), [0.0, 1.0, 0.5])
+    np.testing.assert_array_equal(step_events(core, progress)[:3], [0.0, 1.0, 0.5])
     stage(env, [(-10.0, 40.0)])  # fast car behind: only the car ahead counts
-    np.testing.assert_array_equal(step_events(core, progress), [0.0, 0.0, 0.5])
+    np.testing.assert_array_equal(step_events(core, progress)[:3], [0.0, 0.0, 0.5])
     stage(env, [(6.0, 0.0)])  # parked car 1 m ahead: the next step hits it
     _, _, terminated, _, info = env.step(IDLE)
     assert terminated and info["crashed"] and info["events"][0] == 1.0
     assert info["events"][2] == pytest.approx(info["rewards"]["high_speed_reward"])
-    assert event_reward(info["events"]) == pytest.approx(-1.0 - 0.3 * info["events"][1])  # progress weighs 0
-    assert event_reward([1.0, 1.0, 1.0]) == pytest.approx(-1.3)
+    # progress and the lane rule weigh 0 by default
+    assert event_reward(info["events"]) == pytest.approx(-1.0 - 0.3 * info["events"][1])
+    assert event_reward([1.0, 1.0, 1.0, 1.0]) == pytest.approx(-1.3)
     assert event_reward([0, 1, 0.5], (-2.0, -0.5, 0.4)) == pytest.approx(-0.3)
-    np.testing.assert_allclose(event_reward(np.array([[0, 0, 1], [0, 1, 0], [1, 0, 0]])), [0.0, -0.3, -1.0])
+    np.testing.assert_allclose(event_reward(np.array([[0, 0, 1, 1], [0, 1, 0, 0], [1, 0, 0, 0.5]])), [0.0, -0.3, -1.0])
     with pytest.raises(InvalidCandidatesError):
         event_reward([1.0, 0.0])
-    assert EVENT_WEIGHTS == (-1.0, -0.3, 0.0) and TTC_THRESHOLD == 1.5
+    assert EVENT_WEIGHTS == (-1.0, -0.3, 0.0, 0.0) and TTC_THRESHOLD == 1.5
+
+
+def test_off_right_counts_the_lanes_to_the_right_of_the_one_the_ego_heads_for() -> None:
+    env = make(vehicles_count=1)
+    core = env.unwrapped.core
+    ego = core.vehicle
+    start, end, _ = ego.lane_index
+    stage(env, [])
+    for lane, share in ((0, 1.0), (1, 0.5), (2, 0.0)):  # highway-fast: 3 lanes, numbered from the left
+        ego.lane_index = ego.target_lane_index = (start, end, lane)
+        assert step_events(core, {})[3] == share
+    ego.lane_index = ego.target_lane_index = (start, end, 0)
+    ego.position = core.road.network.get_lane(ego.lane_index).position(
+        core.road.network.get_lane(ego.lane_index).local_coordinates(ego.position)[0], 0.0)
+    _, _, _, _, info = env.step(LANE_RIGHT)  # changing lane: the lane it heads for counts, as for right_lane_reward
+    assert info["events"][3] == 0.5 == 1.0 - info["rewards"]["right_lane_reward"]
+    assert event_reward([0, 0, 0, 0.5], (-1.0, -0.3, 0.0, -0.4)) == pytest.approx(-0.2)
 
 
 @pytest.mark.parametrize(("scenario", "seed"), [("highway", 3), ("merge", 3), ("roundabout", 6)])

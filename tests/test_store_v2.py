@@ -18,6 +18,7 @@ from robo_post.store import (
     ArraySpec,
     EpisodeValidationError,
     Store,
+    StoreError,
     StoreSchema,
     WindowSampler,
     infer_role,
@@ -283,3 +284,23 @@ def test_store_written_by_the_previous_release_opens_validates_and_samples(tmp_p
     assert Store.open(root).schema.schema_version == 1
     assert [e.role for e in store.snapshot().episodes(client="lab")] == ["other", "other", "deploy"]
     assert validate_store(root) == (15, [])
+
+
+def test_reopening_with_another_layout_names_each_difference_and_changes_nothing(tmp_path):
+    root = str(tmp_path / "s")
+    store = Store.create(root, EXTRAS)
+    with store.writer("c") as w:
+        w.write_episode({"x": np.zeros((3, 2), np.float32)}, np.zeros((2, 1), np.float32),
+                        extras={"logits": np.zeros((2, 3), np.float32), "mode": np.zeros(2, np.int32)})
+    before = tree_hash(root)
+    wider = StoreSchema(EXTRAS.observations, EXTRAS.action,
+                        extras={"logits": ArraySpec("float32", (4,)), "events": ArraySpec("float32", (4,))})
+    with pytest.raises(StoreError) as err:
+        Store.create(root, wider, exist_ok=True)
+    message = str(err.value)
+    assert "extras['events']: absent != float32 (4,)" in message
+    assert "extras['logits']: float32 (3,) != float32 (4,)" in message
+    assert "extras['mode']: int32 () in [0, 2] != absent" in message
+    assert "observations" not in message and "action" not in message
+    assert EXTRAS.layout_differences(StoreSchema(EXTRAS.observations, EXTRAS.action, extras=dict(EXTRAS.extras))) == []
+    assert tree_hash(root) == before and len(Store.open(root).snapshot()) == 1

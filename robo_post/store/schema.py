@@ -214,13 +214,25 @@ class StoreSchema:
             "attrs": self.attrs,
         }
 
-    def same_layout(self, other: "StoreSchema") -> bool:
-        """True if episodes of one fit the other: equal but for ``schema_version`` (a
-        version 1 store takes episodes of an equal version 2 schema)."""
+    def layout_differences(self, other: "StoreSchema") -> list[str]:
+        """What keeps episodes of one from fitting the other, one line per differing entry
+        (``"extras['events']: float32 (3,) != float32 (4,)"``, this schema's entry first);
+        empty when they fit.
+        ``schema_version`` does not count (a version 1 store takes episodes of an equal
+        version 2 schema)."""
         mine, theirs = self.to_json(), other.to_json()
-        mine.pop("schema_version")
-        theirs.pop("schema_version")
-        return mine == theirs
+        lines = []
+        for section in ("observations", "action", "extras", "step_columns", "attrs"):
+            a, b = mine[section], theirs[section]
+            if a == b:
+                continue
+            if section in ("observations", "extras", "attrs"):
+                for key in sorted(set(a) | set(b)):
+                    if a.get(key) != b.get(key):
+                        lines.append(f"{section}[{key!r}]: {_describe(a.get(key))} != {_describe(b.get(key))}")
+            else:
+                lines.append(f"{section}: {_describe(a)} != {_describe(b)}")
+        return lines
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "StoreSchema":
@@ -332,3 +344,15 @@ def stack_field(name: str, values: list, spec: ArraySpec) -> np.ndarray:
                 raise EpisodeValidationError(name, f"shape {np.shape(v)}, schema says {spec.shape}", i) from None
         raise
     return arr
+
+
+def _describe(entry: Any) -> str:
+    """An array spec's JSON as ``float32 (3,)`` (its bounds when set), anything else as is; ``absent`` for None."""
+    if entry is None:
+        return "absent"
+    if isinstance(entry, dict) and {"dtype", "shape"} <= set(entry):
+        text = f"{entry['dtype']} {tuple(entry['shape'])}"
+        if entry.get("low") is not None or entry.get("high") is not None:
+            text += f" in [{entry.get('low')}, {entry.get('high')}]"
+        return text
+    return repr(entry)

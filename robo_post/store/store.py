@@ -107,8 +107,10 @@ class Store:
             if not exist_ok:
                 raise StoreError(f"a store already exists at {root}")
             store = cls.open(root)
-            if not store.schema.same_layout(schema):
-                raise StoreError(f"store at {root} has a different schema than requested")
+            differences = store.schema.layout_differences(schema)
+            if differences:
+                raise StoreError(f"store at {root} has a different schema than requested (stored != requested): "
+                                 + "; ".join(differences))
             return store
         for sub in ("shards", "snapshots", "policies"):
             os.makedirs(os.path.join(root, sub), exist_ok=True)
