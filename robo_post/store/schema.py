@@ -217,22 +217,16 @@ class StoreSchema:
     def layout_differences(self, other: "StoreSchema") -> list[str]:
         """What keeps episodes of one from fitting the other, one line per differing entry
         (``"extras['events']: float32 (3,) != float32 (4,)"``, this schema's entry first);
-        empty when they fit.
-        ``schema_version`` does not count (a version 1 store takes episodes of an equal
-        version 2 schema)."""
-        mine, theirs = self.to_json(), other.to_json()
-        lines = []
-        for section in ("observations", "action", "extras", "step_columns", "attrs"):
-            a, b = mine[section], theirs[section]
-            if a == b:
-                continue
-            if section in ("observations", "extras", "attrs"):
-                for key in sorted(set(a) | set(b)):
-                    if a.get(key) != b.get(key):
-                        lines.append(f"{section}[{key!r}]: {_describe(a.get(key))} != {_describe(b.get(key))}")
-            else:
-                lines.append(f"{section}: {_describe(a)} != {_describe(b)}")
-        return lines
+        empty when they fit. ``schema_version`` does not count (a version 1 store takes
+        episodes of an equal version 2 schema)."""
+        def entries(d: dict[str, Any]) -> dict[str, Any]:
+            return {"action": d["action"],
+                    **{f"{section}[{key!r}]": value for section in ("observations", "extras", "attrs")
+                       for key, value in d[section].items()}}
+
+        mine, theirs = entries(self.to_json()), entries(other.to_json())
+        return [f"{name}: {_describe(mine.get(name))} != {_describe(theirs.get(name))}"
+                for name in sorted(mine.keys() | theirs.keys()) if mine.get(name) != theirs.get(name)]
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "StoreSchema":
