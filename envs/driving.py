@@ -214,9 +214,9 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
     Info keys (every step): ``collision``, ``ttc_front`` [s], ``off_road``,
     ``speed`` [m/s], ``success`` (True only on the last step of an episode that
     ended without collision or leaving the road), ``task_id``, ``instruction``,
-    ``reward_terms`` (highway-env's per-term rewards), ``events`` (four floats:
-    collision or off-road, TTC breach, progress, off the rightmost lane; the order and
-    meaning of ``highway_meta.EVENTS``, with leaving the road counted as a crash).
+    ``reward_terms`` (highway-env's per-term rewards), ``events`` (five floats:
+    collision or off-road, TTC breach, progress, off the rightmost lane, blocked (always 0);
+    the order and meaning of ``highway_meta.EVENTS``, with leaving the road counted as a crash).
 
     Args:
         scenario: one of :data:`SCENARIOS`.
@@ -406,7 +406,7 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
         off_road = not ego.on_road
         rewards = core_info["rewards"]
         return {
-            # a tuple, so infos still compare with ==; the registry's step_extras records it as float32 (4,)
+            # a tuple, so infos still compare with ==; the registry's step_extras records it as float32 (5,)
             "events": tuple(float(e) for e in _events(self._core, rewards)),
             "collision": collision,
             "ttc_front": _time_to_collision(self._core.road, ego),
@@ -420,14 +420,15 @@ class DrivingEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
 
 
 def _events(core: AbstractEnv, rewards: dict[str, float]) -> np.ndarray:
-    """The step's events, float32 (4,): collision or off-road, TTC breach, progress (the scene's
+    """The step's events, float32 (5,): collision or off-road, TTC breach, progress (the scene's
     ``high_speed_reward`` clipped to [0, 1]; 0 where a scene lacks it), off the rightmost lane
-    (:func:`off_right` of the lane the ego is in), as ``highway_meta.EVENTS``."""
+    (:func:`off_right` of the lane the ego is in) and blocked, as ``highway_meta.EVENTS``;
+    blocked is always 0 here: a continuous ego can brake to a stop behind any car."""
     ego = core.vehicle
     ttc = _time_to_collision(core.road, ego)
     progress = float(np.clip(rewards.get("high_speed_reward", 0.0), 0.0, 1.0))
     return np.array([float(ego.crashed or not ego.on_road), float(ttc < TTC_THRESHOLD), progress,
-                     off_right(core.road, ego.lane_index)], dtype=np.float32)
+                     off_right(core.road, ego.lane_index), 0.0], dtype=np.float32)
 
 
 class _Unobserved:
@@ -489,7 +490,8 @@ def chunk_scores(
         raise CandidateChunkError(f"weights must name exactly {sorted(PROXY_WEIGHTS)}, got {sorted(weights)}")
     if continuation < 0:
         raise CandidateChunkError(f"continuation must be >= 0 steps, got {continuation}")
-    w = np.array([weights["collision"], weights["ttc"], weights["speed"], 0.0])  # the order of the events vector
+    # the order of the events vector; the continuous proxy scores no lane rule (and nothing is ever blocked)
+    w = np.array([weights["collision"], weights["ttc"], weights["speed"], 0.0, 0.0])
     scores = np.zeros(len(chunks))
     for k, chunk in enumerate(np.clip(chunks, -1.0, 1.0)):
         twin = env.clone(reactive).core

@@ -60,6 +60,8 @@ from highway_env.envs.highway_env import HighwayEnvFast
 from highway_env.envs.merge_env import MergeEnv
 from highway_env.envs.roundabout_env import RoundaboutEnv
 from highway_env.road.lane import AbstractLane
+from highway_env.road.road import Road
+from highway_env.vehicle.controller import MDPVehicle
 from highway_env.vehicle.kinematics import Vehicle
 
 from robo_post.envs.driving import (TTC_THRESHOLD, _closing_time, _gap_and_closing_speed, _time_to_collision, _Unobserved,
@@ -72,6 +74,7 @@ __all__ = [
     "LANE_RIGHT",
     "SLOWER",
     "ACTIONS",
+    "BLOCKED_HORIZON",
     "CANDIDATES",
     "CONTINUATION",
     "EVENTS",
@@ -85,6 +88,7 @@ __all__ = [
     "InvalidHighwayConfigError",
     "InvalidMetaActionError",
     "LANE_FEATURES",
+    "blocked",
     "counterfactual_scores",
     "event_reward",
     "lane_table",
@@ -107,7 +111,7 @@ then idling, overtaking left or right, braking twice)."""
 CONTINUATION = 0
 """Default IDLE steps scored after each candidate in :meth:`HighwayMetaEnv.candidate_extras`."""
 
-EVENTS: tuple[str, ...] = ("crash", "ttc_breach", "progress", "off_right")
+EVENTS: tuple[str, ...] = ("crash", "ttc_breach", "progress", "off_right", "blocked")
 """Entries of the per-step ``info["events"]`` vector: ``crash`` and ``ttc_breach`` are 1.0 if
 they happened, else 0.0; ``progress`` is the scene's ``high_speed_reward`` term of the step
 clipped to [0, 1] (highway and merge: 0 at or below 20 m/s, 1 at 30 m/s; roundabout: the
@@ -117,11 +121,17 @@ forward speed mapped from the scene's ``reward_speed_range`` to [0, 1], clipped.
 ``off_right`` is the keep-right rule's violation: how far the lane the ego drives in, or
 is changing to, lies from the rightmost lane of its road segment (0 there, 1 in the
 leftmost; highway-env numbers lanes from left to right; ``1 - right_lane_reward`` on the
-highway)."""
+highway). ``blocked`` is 1.0 when braking can no longer keep the ego off the car ahead (see
+:func:`blocked`): only a lane change gets out."""
 
-EVENT_WEIGHTS: tuple[float, ...] = (-1.0, -0.3, 0.0, 0.0)
-"""Default reward of each entry of :data:`EVENTS` (see :func:`event_reward`): progress and
-the lane rule are off by default, so the residual sees interaction-critical events only."""
+EVENT_WEIGHTS: tuple[float, ...] = (-1.0, -0.3, 0.0, 0.0, 0.0)
+"""Default reward of each entry of :data:`EVENTS` (see :func:`event_reward`): progress, the
+lane rule and being blocked are off by default, so the residual sees the spec's
+interaction-critical events (crash, TTC breach) only."""
+
+BLOCKED_HORIZON = 10.0
+"""Seconds within which the ego, held at its lowest target speed, would reach the slower car
+ahead: a step like that is ``blocked`` (see :func:`blocked`)."""
 
 PROXY_WEIGHTS: Mapping[str, float] = types.MappingProxyType(
     {"high_speed": 0.4, "right_lane": 0.1, "collision": -1.0, "ttc": -0.3}
@@ -200,8 +210,25 @@ def _progress(core: AbstractEnv, rewards: Mapping[str, float]) -> float:
     return float(np.clip(scaled, 0.0, 1.0))
 
 
+def blocked(road: Road, ego: MDPVehicle) -> float:
+    """1.0 if the ego is blocked: it already holds the lowest of its target speeds and, at that
+    speed, would still reach the car ahead in its lane within :data:`BLOCKED_HORIZON` s, because
+    that car is slower still; else 0.0.
+
+    SLOWER cannot take the ego below its lowest target speed (20 m/s on the highway), so behind
+    a car slower than that the gap keeps closing whatever it does in its lane, seconds before
+    the time-to-collision breach (under 1.5 s) and the rear-end crash that follow.
+    """
+    lowest = float(ego.target_speeds[0])
+    front, _ = road.neighbour_vehicles(ego, ego.lane_index)
+    if front is None or ego.target_speed > lowest:
+        return 0.0
+    gap, _ = _gap_and_closing_speed(ego, front)
+    return float(_closing_time(gap, lowest - front.speed) < BLOCKED_HORIZON)
+
+
 def step_events(core: AbstractEnv, rewards: Mapping[str, float]) -> np.ndarray:
-    """The :data:`EVENTS` vector of a highway-env scene's current state, float32 (4,);
+    """The :data:`EVENTS` vector of a highway-env scene's current state, float32 (5,);
     ``rewards`` are the step's reward terms (``info["rewards"]``).
 
     Raises:
@@ -212,7 +239,7 @@ def step_events(core: AbstractEnv, rewards: Mapping[str, float]) -> np.ndarray:
     ttc = _time_to_collision(core.road, ego)
     # the lane the ego is changing to, as highway-env's right_lane_reward reads it
     return np.array([float(ego.crashed), float(ttc < TTC_THRESHOLD), _progress(core, rewards),
-                     off_right(core.road, ego.target_lane_index)], dtype=np.float32)
+                     off_right(core.road, ego.target_lane_index), blocked(core.road, ego)], dtype=np.float32)
 
 
 def event_reward(events: np.ndarray | Sequence[float], weights: Sequence[float] = EVENT_WEIGHTS
@@ -239,7 +266,7 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
     ``truncated`` when the episode time (``duration`` s) is up. Info keys on every
     step: ``crashed``, ``speed`` [m/s], ``rewards`` (the scene's highway-env reward
     terms), ``ttc_front`` [s] (``inf``: nobody ahead in the lane, or not closing in),
-    ``events`` (float32 (4,), :data:`EVENTS`).
+    ``events`` (float32 (5,), :data:`EVENTS`).
 
     Args:
         scenario: one of :data:`SCENARIOS`.

@@ -421,9 +421,9 @@ register_env(EnvSpec(
     language=True,  # one fixed instruction per scenario
     # recorded only into stores that declare extras (algo=craft's online store); plain driving stores are unchanged
     step_extras=lambda info: {"events": np.asarray(info["events"], dtype=np.float32)},
-    # collision or off-road, TTC breach, progress, off the rightmost lane: highway_meta.EVENTS' order,
-    # so one set of event weights fits both
-    step_extra_specs={"events": ArraySpec("float32", (4,))},
+    # collision or off-road, TTC breach, progress, off the rightmost lane, blocked (never, with continuous
+    # speed): highway_meta.EVENTS' order, so one set of event weights fits both
+    step_extra_specs={"events": ArraySpec("float32", (5,))},
 ))
 
 
@@ -537,7 +537,7 @@ register_env(EnvSpec(
     metrics=_highway_meta_metrics,
     candidates=lambda: importlib.import_module("robo_post.envs.highway_meta").CANDIDATES,
     step_extras=lambda info: {"events": np.asarray(info["events"], dtype=np.float32)},
-    step_extra_specs={"events": ArraySpec("float32", (4,))},  # highway_meta.EVENTS
+    step_extra_specs={"events": ArraySpec("float32", (5,))},  # highway_meta.EVENTS
     # One decision per second; a candidate future spans 3 decisions, of which only the first runs.
     horizon=3,
     execute_steps=1,

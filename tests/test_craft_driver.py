@@ -50,7 +50,7 @@ def test_the_fleet_records_what_the_update_needs_and_acts_on_policy(craft_run):
     with torch.no_grad():
         logits = policy.logits({k: torch.as_tensor(v[:-1]) for k, v in data["obs"].items()})
     assert np.allclose(logits.numpy(), ex["logits"], atol=1e-5)
-    assert ex["events"].shape == (len(data["action"]), 4) and set(np.unique(ex["events"][:, :2])) <= {0.0, 1.0}
+    assert ex["events"].shape == (len(data["action"]), 5) and set(np.unique(ex["events"][:, :2])) <= {0.0, 1.0}
     assert np.isfinite(ex["proxy_scores"]).all() and np.isfinite(ex["oracle_scores"]).all()
     final = registry.load(summary["version"])[1]
     assert final["phase"] == "final" and final["deterministic"] is True and final["env_extras"] is False
@@ -173,7 +173,7 @@ def test_bad_craft_settings_are_one_line_errors_before_any_work(craft_run, tmp_p
     store, _, _ = craft_run
     bad = run_cli("train", "algo=craft", f"store={store}", f"run_dir={tmp_path / 'r'}", "algo.event_weights=[1]",
                   "show=false", ok=False)
-    assert bad.returncode == 1 and "has 1 weights; env 'highway_meta' reports 4 events" in bad.stderr
+    assert bad.returncode == 1 and "has 1 weights; env 'highway_meta' reports 5 events" in bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "r").exists()
     bad = run_cli("train", "algo=craft", f"store={store}", f"run_dir={tmp_path / 'r'}", "algo.baseline=foo",
                   "show=false", ok=False)

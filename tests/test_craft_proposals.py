@@ -188,10 +188,11 @@ def test_chunk_scores_leave_the_live_env_untouched_and_are_deterministic():
 def test_driving_events_and_step_extras_follow_highway_meta():
     env = DrivingEnv("highway-fast", duration=30)
     _, info = env.reset(seed=0)
-    assert driving.TTC_THRESHOLD == highway_meta.TTC_THRESHOLD and len(highway_meta.EVENTS) == 4
+    assert driving.TTC_THRESHOLD == highway_meta.TTC_THRESHOLD and len(highway_meta.EVENTS) == 5
     spec = env_spec("driving")
     events = spec.step_extras(info)["events"]  # what a store declaring the extra records
-    assert events.dtype == np.float32 and events.shape == (4,) and tuple(events) == info["events"]
+    assert events.dtype == np.float32 and events.shape == (5,) and tuple(events) == info["events"]
+    assert info["events"][4] == 0.0  # a continuous ego brakes to a stop behind any car: never blocked
     assert info["events"][2] == pytest.approx(float(np.clip(info["reward_terms"]["high_speed_reward"], 0, 1)))
     for _ in range(30):  # full steering: off the road, which counts as the crash entry
         *_, terminated, _, info = env.step(np.array([0.0, 1.0], np.float32))
@@ -254,9 +255,9 @@ def test_evpo_critic_and_checkpoints_work_for_a_proposal_policy(tmp_path):
 def test_on_policy_batch_carries_the_candidates():
     extras = {"proxy_scores": np.random.default_rng(0).normal(size=(4, K)).astype(np.float32),
               "chosen": np.array([0, 1, 2, 3]), "logits": np.zeros((4, K), np.float32),
-              "events": np.zeros((4, 4), np.float32), "candidates": np.ones((4, K, H, A), np.float32)}
+              "events": np.zeros((4, 5), np.float32), "candidates": np.ones((4, K, H, A), np.float32)}
     batch, _ = on_policy_batch(CraftConfig(), {"state": np.zeros((4, 3), np.float32)}, extras, [4],
-                               np.array([-1.0, -0.3, 0.0, 0.0]))
+                               np.array([-1.0, -0.3, 0.0, 0.0, 0.0]))
     assert batch["candidates"].shape == (4, K, H, A) and batch["candidates"].dtype == torch.float32
 
 
@@ -306,7 +307,7 @@ def test_craft_fine_tunes_a_proposal_policy_through_the_fleet(proposal_run):
     horizon = env_spec("driving").horizon
     assert {k: v.shape for k, v in ex.items()} == {
         "candidates": (T, 4, horizon, 2), "logits": (T, 4), "chosen": (T,), "proxy_scores": (T, 4),
-        "oracle_scores": (T, 4), "events": (T, 4)}
+        "oracle_scores": (T, 4), "events": (T, 5)}
     # the recorded action is the first action of the recorded choice among the recorded proposals...
     assert np.array_equal(data["action"], ex["candidates"][np.arange(T), ex["chosen"], 0])
     # ...and the recorded logits are the acting version's likelihoods of them (on-policy)

@@ -17,6 +17,7 @@ from highway_env.vehicle.behavior import IDMVehicle
 
 from robo_post.envs import env_spec
 from robo_post.envs.highway_meta import (
+    BLOCKED_HORIZON,
     CANDIDATES,
     EVENT_WEIGHTS,
     EVENTS,
@@ -33,6 +34,7 @@ from robo_post.envs.highway_meta import (
     InvalidCandidatesError,
     InvalidHighwayConfigError,
     InvalidMetaActionError,
+    blocked,
     counterfactual_scores,
     event_reward,
     step_events,
@@ -222,14 +224,14 @@ def test_events_from_constructed_scenes() -> None:
     _, _, terminated, _, info = env.step(IDLE)
     assert terminated and info["crashed"] and info["events"][0] == 1.0
     assert info["events"][2] == pytest.approx(info["rewards"]["high_speed_reward"])
-    # progress and the lane rule weigh 0 by default
+    # progress, the lane rule and being blocked weigh 0 by default
     assert event_reward(info["events"]) == pytest.approx(-1.0 - 0.3 * info["events"][1])
-    assert event_reward([1.0, 1.0, 1.0, 1.0]) == pytest.approx(-1.3)
+    assert event_reward([1.0, 1.0, 1.0, 1.0, 1.0]) == pytest.approx(-1.3)
     assert event_reward([0, 1, 0.5], (-2.0, -0.5, 0.4)) == pytest.approx(-0.3)
-    np.testing.assert_allclose(event_reward(np.array([[0, 0, 1, 1], [0, 1, 0, 0], [1, 0, 0, 0.5]])), [0.0, -0.3, -1.0])
+    np.testing.assert_allclose(event_reward(np.array([[0, 0, 1, 1, 1], [0, 1, 0, 0, 0], [1, 0, 0, 0.5, 0]])), [0.0, -0.3, -1.0])
     with pytest.raises(InvalidCandidatesError):
         event_reward([1.0, 0.0])
-    assert EVENT_WEIGHTS == (-1.0, -0.3, 0.0, 0.0) and TTC_THRESHOLD == 1.5
+    assert EVENT_WEIGHTS == (-1.0, -0.3, 0.0, 0.0, 0.0) and TTC_THRESHOLD == 1.5
 
 
 def test_off_right_counts_the_lanes_to_the_right_of_the_one_the_ego_heads_for() -> None:
@@ -247,6 +249,26 @@ def test_off_right_counts_the_lanes_to_the_right_of_the_one_the_ego_heads_for() 
     _, _, _, _, info = env.step(LANE_RIGHT)  # changing lane: the lane it heads for counts, as for right_lane_reward
     assert info["events"][3] == 0.5 == 1.0 - info["rewards"]["right_lane_reward"]
     assert event_reward([0, 0, 0, 0.5], (-1.0, -0.3, 0.0, -0.4)) == pytest.approx(-0.2)
+
+
+def test_blocked_only_behind_a_car_slower_than_the_lowest_target_speed_once_the_ego_holds_it() -> None:
+    env = make(vehicles_count=1)
+    core = env.unwrapped.core
+    ego = core.vehicle
+    assert ego.target_speeds[0] == 20.0 and BLOCKED_HORIZON == 10.0
+    # 25 m bumper to bumper (30 m centre to centre) behind a car at 18 m/s: at 20 m/s the ego
+    # reaches it in 12.5 s, beyond the horizon; at 15 m, in 7.5 s: blocked.
+    for offset, ego_speed, front_speed, expected in ((30.0, 20.0, 18.0, 0.0), (20.0, 20.0, 18.0, 1.0),
+                                                     (20.0, 25.0, 18.0, 0.0),  # it can still brake
+                                                     (20.0, 20.0, 20.0, 0.0),  # not closing at 20 m/s
+                                                     (-20.0, 20.0, 18.0, 0.0)):  # behind it: nobody ahead
+        stage(env, [(offset, front_speed)], ego_speed=ego_speed)
+        assert blocked(core.road, ego) == expected == step_events(core, {"high_speed_reward": 0.0})[4]
+    stage(env, [(20.0, 18.0)], ego_speed=25.0)
+    _, _, _, _, info = env.step(SLOWER)  # braking to its lowest target speed does not get it out
+    assert ego.target_speed == 20.0 and info["events"][4] == 1.0
+    _, _, _, _, info = env.step(LANE_LEFT)  # a lane change does
+    assert info["events"][4] == 0.0 and event_reward(info["events"], (0, 0, 0, 0, -0.3)) == 0.0
 
 
 @pytest.mark.parametrize(("scenario", "seed"), [("highway", 3), ("merge", 3), ("roundabout", 6)])

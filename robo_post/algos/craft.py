@@ -535,7 +535,7 @@ class CraftConfig:
             bias (the proxy-oracle advantage correlation; doubles the counterfactual cost).
         online_store: where the fleet records on-policy episodes (``None``: ``<store>-online``).
         event_weights: reward of each entry of the env's per-step ``events`` (crash, TTC breach,
-            progress, off the rightmost lane); negatively weighted entries are the interaction-critical events of
+            progress, off the rightmost lane, blocked); negatively weighted entries are the interaction-critical events of
             ``residual_mode=event``'s mask.
     """
 
@@ -579,7 +579,7 @@ class CraftConfig:
     n_clients: int = 2
     oracle: bool = False
     online_store: str | None = None
-    event_weights: list[float] = field(default_factory=lambda: [-1.0, -0.3, 0.0, 0.0])
+    event_weights: list[float] = field(default_factory=lambda: [-1.0, -0.3, 0.0, 0.0, 0.0])
 
     def __post_init__(self):
         for name, value, choices in (("residual_mode", self.residual_mode, RESIDUAL_MODES),
