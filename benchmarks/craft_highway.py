@@ -36,6 +36,7 @@ Crash counts a collision or leaving the road.
     python benchmarks/craft_highway.py --scenario merge      # runs/bench_craft_merge, results/craft_merge.json
     python benchmarks/craft_highway.py --env driving         # runs/bench_craft_driving, results/craft_driving.json
     python benchmarks/craft_highway.py --drivers             # fixed drivers only, on the evaluation seeds
+    python benchmarks/craft_highway.py --reuse --eval-episodes 50   # the finished runs again, on 50 seeds
 """
 
 from __future__ import annotations
@@ -69,6 +70,16 @@ def cli(*args: str) -> str:
 
 def summary_of(out: str) -> dict:
     return json.loads(out[out.index("{\n"):])
+
+
+def finished(run_dir: str, reuse: bool) -> dict | None:
+    """With ``--reuse``, the summary of a training run that already finished in ``run_dir`` (its
+    ``summary.json``: version, learner wall time), so it is evaluated again instead of retrained."""
+    path = os.path.join(run_dir, "summary.json")
+    if not (reuse and os.path.exists(path)):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def make_env(env_name: str, task: str | None, env_kwargs: dict):
@@ -206,6 +217,9 @@ def main() -> None:
     parser.add_argument("--oracle-episodes", type=int, default=3,
                         help="greedy CRAFT episodes (seed 0) whose states are scored by proxy and oracle")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
+    parser.add_argument("--reuse", action="store_true",
+                        help="evaluate the runs already finished in --work (e.g. on more --eval-episodes) instead of "
+                             "training them again; the others are trained")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--drivers", action="store_true",
                         help="only evaluate the scripted drivers (heuristic, heuristic keeping right, always SLOWER)")
@@ -257,23 +271,27 @@ def main() -> None:
     for seed in range(args.seeds):
         base = ["train", "algo=craft", f"store={store}", f"seed={seed}", "show=false", "torch_threads=1",
                 *[f"+algo.env_kwargs.{k}={v}" for k, v in env_kwargs.items()], *demo_filter, *args.train.split()]
-        pre = summary_of(cli(*base, f"run_dir={args.work}/s{seed}/pretrain", "algo.iterations=0",
-                             f"algo.online_store={args.work}/s{seed}/pretrain-online"))
+        pre = finished(f"{args.work}/s{seed}/pretrain", args.reuse) or summary_of(cli(
+            *base, f"run_dir={args.work}/s{seed}/pretrain", "algo.iterations=0",
+            f"algo.online_store={args.work}/s{seed}/pretrain-online"))
         reference = pre["pretrained_version"]
         results["pretrained"].append({**evaluate(store, reference, eval_seeds, env_kwargs, args.env, task),
                                       "wall_s": 0.0})
         print(f"seed {seed} pretrained: {results['pretrained'][-1]}", flush=True)
         for arm, overrides in arms.items():
             t0 = time.perf_counter()
-            out = summary_of(cli(*base, f"run_dir={args.work}/s{seed}/{arm}", f"algo.reference_version={reference}",
-                                 f"algo.iterations={args.iterations}", f"algo.episodes_per_iteration={args.episodes}",
-                                 f"algo.online_store={args.work}/s{seed}/{arm}-online", *overrides))
-            wall = time.perf_counter() - t0
+            out = finished(f"{args.work}/s{seed}/{arm}", args.reuse)
+            if out is None:
+                out = summary_of(cli(*base, f"run_dir={args.work}/s{seed}/{arm}", f"algo.reference_version={reference}",
+                                     f"algo.iterations={args.iterations}", f"algo.episodes_per_iteration={args.episodes}",
+                                     f"algo.online_store={args.work}/s{seed}/{arm}-online", *overrides))
+                out["wall_s"] = time.perf_counter() - t0
+            wall = out["wall_s"]
             rows = [json.loads(line) for line in open(f"{args.work}/s{seed}/{arm}/metrics.jsonl")]
             corr = (oracle_correlation(store, out["version"], eval_seeds[:args.oracle_episodes], env_kwargs, args.env,
                                        task) if arm == "craft" and seed == 0 else None)
             results[arm].append({**evaluate(store, out["version"], eval_seeds, env_kwargs, args.env, task),
-                                 "wall_s": wall,
+                                 "version": out["version"], "wall_s": wall,
                                  "kl_teacher": rows[-1]["kl_teacher"], "proxy_oracle_corr": corr})
             print(f"seed {seed} {arm}: {results[arm][-1]}", flush=True)
     print(f"\n{'arm':<15}{'return':>26}{'crash rate':>26}{'mean speed':>26}{'KL teacher':>12}{'wall s':>8}")
