@@ -279,19 +279,18 @@ def main() -> None:
                                       "wall_s": 0.0})
         print(f"seed {seed} pretrained: {results['pretrained'][-1]}", flush=True)
         for arm, overrides in arms.items():
-            t0 = time.perf_counter()
             out = finished(f"{args.work}/s{seed}/{arm}", args.reuse)
             if out is None:
+                t0 = time.perf_counter()
                 out = summary_of(cli(*base, f"run_dir={args.work}/s{seed}/{arm}", f"algo.reference_version={reference}",
                                      f"algo.iterations={args.iterations}", f"algo.episodes_per_iteration={args.episodes}",
                                      f"algo.online_store={args.work}/s{seed}/{arm}-online", *overrides))
                 out["wall_s"] = time.perf_counter() - t0
-            wall = out["wall_s"]
             rows = [json.loads(line) for line in open(f"{args.work}/s{seed}/{arm}/metrics.jsonl")]
             corr = (oracle_correlation(store, out["version"], eval_seeds[:args.oracle_episodes], env_kwargs, args.env,
                                        task) if arm == "craft" and seed == 0 else None)
             results[arm].append({**evaluate(store, out["version"], eval_seeds, env_kwargs, args.env, task),
-                                 "version": out["version"], "wall_s": wall,
+                                 "version": out["version"], "wall_s": out["wall_s"],
                                  "kl_teacher": rows[-1]["kl_teacher"], "proxy_oracle_corr": corr})
             print(f"seed {seed} {arm}: {results[arm][-1]}", flush=True)
     print(f"\n{'arm':<15}{'return':>26}{'crash rate':>26}{'mean speed':>26}{'KL teacher':>12}{'wall s':>8}")
