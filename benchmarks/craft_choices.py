@@ -9,7 +9,9 @@ them is the proxy's best candidate or the executed one.
 
 highway-env pays for the rightmost lane, and the heuristic the policies are cloned from
 never changes lane; these columns show whether fine-tuning moves probability to the lane
-changes the proxy favours.
+changes the proxy favours. A last line does the same for the candidates that change left
+on the states that are ``blocked`` (the ego already at its lowest target speed and still
+closing on the car ahead: only a lane change gets out), against all other states.
 
     python benchmarks/craft_choices.py runs/bench_craft/s0/craft-online
 """
@@ -23,7 +25,7 @@ import torch
 from highway_env.road.lane import AbstractLane
 
 from robo_post.algos.craft import group_advantages
-from robo_post.envs.highway_meta import ACTIONS, CANDIDATES, LANE_RIGHT
+from robo_post.envs.highway_meta import ACTIONS, CANDIDATES, EVENTS, LANE_LEFT, LANE_RIGHT
 from robo_post.learner.craft_driver import load_episodes
 from robo_post.store.store import Store
 
@@ -54,6 +56,17 @@ def main() -> None:
               f"{' '.join(f'{x:.2f}' for x in executed):<40}| "
               f"{p[off][:, right].sum(1).mean():7.3f} {adv[off][:, right].mean():9.2f} "
               f"{np.isin(best[off], right).mean():10.2f} {np.isin(extras['chosen'][off], right).mean():14.3f}")
+    _, _, extras, lengths = load_episodes(snap, episodes)
+    # a decision state is blocked when the step that led to it raised the event (never an episode's first)
+    raised = extras["events"][:, EVENTS.index("blocked")] > 0
+    blocked = np.concatenate([np.r_[False, r[:-1]] for r in np.split(raised, np.cumsum(lengths)[:-1])])
+    left = [k for k, c in enumerate(CANDIDATES) if c[0] == LANE_LEFT]
+    p = torch.softmax(torch.as_tensor(extras["logits"]), -1).numpy()[:, left].sum(1)
+    adv = group_advantages(torch.as_tensor(extras["proxy_scores"])).numpy()[:, left].mean(1)
+    best, chosen = np.isin(extras["proxy_scores"].argmax(-1), left), np.isin(extras["chosen"], left)
+    for name, m in (("blocked", blocked), ("not blocked", ~blocked)):
+        print(f"{name} states: {int(m.sum())} of {len(m)}  p(left) {p[m].mean():.3f}  A~(left) {adv[m].mean():.2f}"
+              f"  best left {best[m].mean():.2f}  executed left {chosen[m].mean():.3f}")
 
 
 if __name__ == "__main__":
