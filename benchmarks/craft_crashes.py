@@ -6,8 +6,8 @@ how many of them came out of a ``blocked`` state (the ego already at its lowest 
 speed and still closing on the car ahead: only a lane change gets out), the share of
 decisions starting with each meta-action, and the policy's probability of the candidates
 that start by changing lane, left or right, in blocked states and elsewhere. A driver
-that has learned to get out of a blocked lane puts most of its mass there on a lane
-change; then ``--show`` prints the last decisions before each crash.
+that has learned to leave a blocked lane puts most of its mass there on a lane change.
+``--show`` also prints the last decisions before each crash.
 
     python benchmarks/craft_crashes.py --work runs/bench_craft --arm craft --env-kwargs '{"lane_features": true}'
 """
