@@ -43,31 +43,28 @@ def main() -> None:
     firsts = np.array([c[0] for c in CANDIDATES])
     print(f"{'version':>7}{'states':>7}{'crashes':>8}  executed first action "
           f"({', '.join(ACTIONS)})  | off the right lane: p(right) A~(right) best right  executed right")
-    for version in sorted({e.policy_version for e in episodes}):
-        obs, _, extras, _ = load_episodes(snap, [e for e in episodes if e.policy_version == version])
-        state = obs["state"]
-        lane = np.rint(state[:, 2] * Y_SCALE / AbstractLane.DEFAULT_WIDTH).astype(int)  # the ego row's y
-        off = lane < RIGHTMOST
-        p = torch.softmax(torch.as_tensor(extras["logits"]), -1).numpy()
-        adv = group_advantages(torch.as_tensor(extras["proxy_scores"])).numpy()
-        best = extras["proxy_scores"].argmax(-1)
-        executed = np.bincount(firsts[extras["chosen"]], minlength=len(ACTIONS)) / len(state)
-        print(f"{version:>7}{len(state):>7}{int(extras['events'][:, 0].sum()):>8}  "
+    obs, _, extras, lengths = load_episodes(snap, episodes)  # loaded once; each version is a mask over steps
+    step_version = np.repeat([e.policy_version for e in episodes], lengths)
+    lane = np.rint(obs["state"][:, 2] * Y_SCALE / AbstractLane.DEFAULT_WIDTH).astype(int)  # the ego row's y
+    p = torch.softmax(torch.as_tensor(extras["logits"]), -1).numpy()
+    adv = group_advantages(torch.as_tensor(extras["proxy_scores"])).numpy()
+    best, chosen = extras["proxy_scores"].argmax(-1), extras["chosen"]
+    for version in np.unique(step_version):
+        at = step_version == version
+        off = at & (lane < RIGHTMOST)
+        executed = np.bincount(firsts[chosen[at]], minlength=len(ACTIONS)) / at.sum()
+        print(f"{version:>7}{at.sum():>7}{int(extras['events'][at, 0].sum()):>8}  "
               f"{' '.join(f'{x:.2f}' for x in executed):<40}| "
               f"{p[off][:, right].sum(1).mean():7.3f} {adv[off][:, right].mean():9.2f} "
-              f"{np.isin(best[off], right).mean():10.2f} {np.isin(extras['chosen'][off], right).mean():14.3f}")
-    _, _, extras, lengths = load_episodes(snap, episodes)
+              f"{np.isin(best[off], right).mean():10.2f} {np.isin(chosen[off], right).mean():14.3f}")
     # a decision state is blocked when the step that led to it raised the event (never an episode's first)
     raised = extras["events"][:, EVENTS.index("blocked")] > 0
     blocked = np.concatenate([np.r_[False, r[:-1]] for r in np.split(raised, np.cumsum(lengths)[:-1])])
     left = [k for k, c in enumerate(CANDIDATES) if c[0] == LANE_LEFT]
-    p = torch.softmax(torch.as_tensor(extras["logits"]), -1).numpy()[:, left].sum(1)
-    adv = group_advantages(torch.as_tensor(extras["proxy_scores"])).numpy()[:, left].mean(1)
-    best, chosen = np.isin(extras["proxy_scores"].argmax(-1), left), np.isin(extras["chosen"], left)
     for name, m in (("blocked", blocked), ("not blocked", ~blocked)):
-        print(f"{name} states: {int(m.sum())} of {len(m)}  p(left) {p[m].mean():.3f}  A~(left) {adv[m].mean():.2f}"
-              f"  best left {best[m].mean():.2f}  executed left {chosen[m].mean():.3f}")
-
+        print(f"{name} states: {int(m.sum())} of {len(m)}  p(left) {p[m][:, left].sum(1).mean():.3f}"
+              f"  A~(left) {adv[m][:, left].mean():.2f}  best left {np.isin(best[m], left).mean():.2f}"
+              f"  executed left {np.isin(chosen[m], left).mean():.3f}")
 
 if __name__ == "__main__":
     main()

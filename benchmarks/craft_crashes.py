@@ -23,10 +23,9 @@ import numpy as np
 import torch
 
 from robo_post.envs.highway_meta import ACTIONS, EVENTS, LANE_LEFT, LANE_RIGHT
-from robo_post.fleet.policies import build_policy
-from robo_post.store.registry import PolicyRegistry
 
-from craft_highway import make_env  # run as a script from the repository root: benchmarks/ is on the path
+# run as a script from the repository root: benchmarks/ is on the path
+from craft_highway import finished, greedy_policy, make_env
 
 CRASH, BLOCKED, OFF_RIGHT = EVENTS.index("crash"), EVENTS.index("blocked"), EVENTS.index("off_right")
 
@@ -41,7 +40,6 @@ def main() -> None:
                         help="print the last three decisions before each crash: the action (its state blocked or not) "
                              "-> the lane rule's violation and the speed after it")
     args = parser.parse_args()
-    torch.set_num_threads(1)
     env_kwargs = json.loads(args.env_kwargs)
     print(f"{'seed':>4}{'version':>8}{'crashes':>8}{'blocked':>8}  first action ({', '.join(ACTIONS)})"
           f"  | p(left)  p(right) blocked  | p(left) p(right) elsewhere  blocked decisions")
@@ -49,11 +47,9 @@ def main() -> None:
     if not run_dirs:
         parser.error(f"no finished runs of arm {args.arm!r} in {args.work} (no s<seed>/{args.arm}/summary.json)")
     for run_dir in map(os.path.dirname, run_dirs):
-        with open(os.path.join(run_dir, "summary.json")) as f:
-            summary = json.load(f)
+        summary = finished(run_dir, reuse=True)
         version = summary["pretrained_version"] if args.arm == "pretrain" else summary["version"]
-        weights, config = PolicyRegistry(os.path.join(args.work, "demos")).load(version)
-        policy = build_policy(weights, {**config, "deterministic": True, "env_extras": False})
+        policy = greedy_policy(os.path.join(args.work, "demos"), version)
         firsts = np.array([c[0] for c in policy.model.config.candidates])
         env = make_env("highway_meta", None, env_kwargs)
         chosen, blocked, p_change, crashes, from_blocked = [], [], [], 0, 0

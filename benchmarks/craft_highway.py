@@ -88,9 +88,8 @@ def make_env(env_name: str, task: str | None, env_kwargs: dict):
     return env_spec(env_name).make(task, **env_kwargs)
 
 
-def evaluate(store: str, version: int, seeds: list[int], env_kwargs: dict, env_name: str = "highway_meta",
-             task: str | None = None) -> dict:
-    """Greedy episodes of one version on fixed seeds: return, crash, mean speed per episode."""
+def greedy_policy(store: str, version: int):
+    """One published version as a greedy fleet policy that does not ask the env for counterfactual extras."""
     import torch
 
     from robo_post.fleet.policies import build_policy
@@ -98,8 +97,13 @@ def evaluate(store: str, version: int, seeds: list[int], env_kwargs: dict, env_n
 
     torch.set_num_threads(1)
     weights, config = PolicyRegistry(store).load(version)
-    return rollouts(build_policy(weights, {**config, "deterministic": True, "env_extras": False}), seeds, env_kwargs,
-                    env_name, task)
+    return build_policy(weights, {**config, "deterministic": True, "env_extras": False})
+
+
+def evaluate(store: str, version: int, seeds: list[int], env_kwargs: dict, env_name: str = "highway_meta",
+             task: str | None = None) -> dict:
+    """Greedy episodes of one version on fixed seeds: return, crash, mean speed per episode."""
+    return rollouts(greedy_policy(store, version), seeds, env_kwargs, env_name, task)
 
 
 def rollouts(policy, seeds: list[int], env_kwargs: dict, env_name: str = "highway_meta", task: str | None = None
