@@ -131,7 +131,7 @@ def test_proxy_plus_residual_equals_the_full_advantage_gradient():
 
 
 @pytest.mark.parametrize("proxy_weight,lambda_res", [("uniform", 4.0), ("uniform", 1.0), ("policy", 1.0),
-                                                       ("policy", 4.0)])
+                                                       ("policy", 4.0), ("floor", 1.0)])
 def test_expected_update_weighs_each_proxy_advantage_by_w_minus_lambda_pi(proxy_weight, lambda_res):
     # k* ~ pi and z(G) = 0 everywhere: the proxy and the cv residual's -A~[k*] are all that is left
     pi, _, chosen = bandit()
@@ -145,7 +145,8 @@ def test_expected_update_weighs_each_proxy_advantage_by_w_minus_lambda_pi(proxy_
                                       proxy_weight=proxy_weight)
         return -(proxy + lambda_res * res)
 
-    w = torch.full_like(pi, 1 / K_BANDIT) if proxy_weight == "uniform" else pi
+    uniform = torch.full_like(pi, 1 / K_BANDIT)
+    w = {"uniform": uniform, "policy": pi, "floor": torch.maximum(pi, uniform)}[proxy_weight]
     c = w - lambda_res * pi
     # d log pi_k / d theta_j = 1[j = k] - pi_j
     by_hand = sum(c[k] * proxy_adv[0, k] * (torch.eye(K_BANDIT, dtype=torch.float64)[k] - pi)
@@ -157,6 +158,9 @@ def test_expected_update_weighs_each_proxy_advantage_by_w_minus_lambda_pi(proxy_
     if (proxy_weight, lambda_res) == ("uniform", 4.0):
         # candidate 2 (pi 1/4) has the best proxy advantage, yet its logit is pushed down
         assert proxy_adv[0].argmax() == 2 and g[2] < 0
+    if proxy_weight == "floor":
+        # only the candidates picked less than 1/K of the time get the proxy's push
+        assert torch.equal(c > 1e-12, pi < 1 / K_BANDIT) and (c >= 0).all()
 
 
 def test_residual_is_zero_when_the_proxy_is_the_true_advantage():

@@ -53,7 +53,7 @@ from robo_post.models.encoders import ObservationEncoder, mlp
 from robo_post.models.proposal_policy import ProposalPolicy, ProposalPolicyConfig
 
 RESIDUAL_MODES = ("cv", "event")
-PROXY_WEIGHTS = ("uniform", "policy")
+PROXY_WEIGHTS = ("uniform", "policy", "floor")
 KL_DIRECTIONS = ("reverse", "forward")
 KL_GATES = ("none", "nonpositive_adv")
 BASELINES = ("batch", "evpo")
@@ -192,6 +192,10 @@ def policy_losses(logits: torch.Tensor, old_logits: torch.Tensor, proxy_adv: tor
     - ``policy``: per state ``sum_k pi_old(k) DC(rho_k, A~_k)``, averaged over states; at
       ``rho = 1`` its gradient is exactly ``sum_k grad pi_k A~_k``, so proxy plus residual
       (mode ``cv``) is the full-advantage policy gradient.
+    - ``floor``: per state ``sum_k max(pi_old(k), 1/K) DC(rho_k, A~_k)``. With ``cv`` and
+      ``lambda_res = 1`` the candidates the policy picks often follow the grounded return
+      alone (as with ``policy``), and only those it picks less than ``1/K`` of the time, which
+      the residual hardly ever samples, are pushed by the proxy, by ``(1/K - pi_k) A~_k``.
     """
     if proxy_weight not in PROXY_WEIGHTS:
         raise CraftConfigError(f"craft proxy_weight {proxy_weight!r}; choose one of {PROXY_WEIGHTS}")
@@ -202,6 +206,9 @@ def policy_losses(logits: torch.Tensor, old_logits: torch.Tensor, proxy_adv: tor
     w = torch.ones_like(ratio) if valid is None else valid.to(ratio.dtype)
     if proxy_weight == "policy":
         proxy_loss = -(w * old_log_p.exp() * surrogate).sum(-1).mean()
+    elif proxy_weight == "floor":
+        floor = 1.0 / w.sum(-1, keepdim=True)  # 1/K over each state's valid candidates
+        proxy_loss = -(w * torch.maximum(old_log_p.exp(), floor) * surrogate).sum(-1).mean()
     else:
         proxy_loss = -(surrogate * w).sum() / w.sum()
     executed = ratio.gather(-1, chosen.long()[:, None])[:, 0]
@@ -505,9 +512,10 @@ class CraftConfig:
         proxy_norm: how counterfactual scores become proxy advantages: ``group`` (RIFT's
             per-state z-score, ``group_advantages``) or ``batch`` (per-state centring over one
             scale for the batch, ``batch_scaled_advantages``: states keep their own spread).
-        proxy_weight: ``uniform`` (RIFT's mean over all candidates) or
+        proxy_weight: ``uniform`` (RIFT's mean over all candidates),
             ``policy`` (candidates weighted by ``pi_old``, the exact proxy term of the
-            decomposition (2)); see ``policy_losses``.
+            decomposition (2)) or ``floor`` (weighted by ``max(pi_old, 1/K)``: the proxy
+            reaches only the candidates the policy rarely samples); see ``policy_losses``.
         use_proxy / use_residual: the two policy-gradient terms (ablations: proxy only, residual only).
         gamma_event / window: discount and window W of the event returns.
         adv_eps: epsilon of the group and batch normalisations.
