@@ -178,6 +178,21 @@ def test_uniform_proxy_weight_pushes_each_logit_by_its_advantage():
     assert torch.allclose(g, adv / K, atol=1e-10)
 
 
+def test_floor_proxy_weight_counts_each_state_valid_candidates_and_survives_an_empty_row():
+    logits = torch.randn(3, 4, generator=gen(5), dtype=torch.float64, requires_grad=True)
+    valid = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    adv = torch.randn(3, 4, generator=gen(6), dtype=torch.float64) * valid
+    proxy, _, _ = policy_losses(logits, logits.detach(), adv, torch.tensor([0, 0, 1]), torch.zeros(3),
+                                valid=valid, proxy_weight="floor")
+    proxy.backward()
+    assert torch.isfinite(logits.grad).all() and torch.equal(logits.grad[1], torch.zeros(4, dtype=torch.float64))
+    # at rho = 1 the loss is -mean_s sum_k max(pi_k, 1/K_s) A~_k, with K_s the state's valid candidates
+    pi = (logits.detach().masked_fill(~valid, float("-inf"))).softmax(-1).nan_to_num(0.0)
+    k_s = valid.sum(-1, keepdim=True).clamp(min=1)
+    expected = -(valid * torch.maximum(pi, 1.0 / k_s) * adv).sum(-1).mean()
+    assert torch.allclose(proxy.detach(), expected, atol=1e-12)
+
+
 # --- residual and events -----------------------------------------------------------------
 def test_event_returns_are_windowed_and_truncated_at_the_episode_end():
     events = torch.tensor([0.0, 0.0, -0.3, 0.0, -1.0])

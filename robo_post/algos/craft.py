@@ -207,7 +207,7 @@ def policy_losses(logits: torch.Tensor, old_logits: torch.Tensor, proxy_adv: tor
     if proxy_weight == "policy":
         proxy_loss = -(w * old_log_p.exp() * surrogate).sum(-1).mean()
     elif proxy_weight == "floor":
-        floor = 1.0 / w.sum(-1, keepdim=True)  # 1/K over each state's valid candidates
+        floor = 1.0 / w.sum(-1, keepdim=True).clamp(min=1.0)  # 1/K over each state's valid candidates
         proxy_loss = -(w * torch.maximum(old_log_p.exp(), floor) * surrogate).sum(-1).mean()
     else:
         proxy_loss = -(surrogate * w).sum() / w.sum()
