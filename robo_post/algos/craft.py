@@ -514,8 +514,9 @@ class CraftConfig:
             scale for the batch, ``batch_scaled_advantages``: states keep their own spread).
         proxy_weight: ``uniform`` (RIFT's mean over all candidates),
             ``policy`` (candidates weighted by ``pi_old``, the exact proxy term of the
-            decomposition (2)) or ``floor`` (weighted by ``max(pi_old, 1/K)``: the proxy
-            reaches only the candidates the policy rarely samples); see ``policy_losses``.
+            decomposition (2)) or ``floor`` (weighted by ``max(pi_old, 1/K)``: with ``cv``
+            and ``lambda_res = 1`` the proxy's net push reaches only the candidates the
+            policy rarely samples); see ``policy_losses``.
         use_proxy / use_residual: the two policy-gradient terms (ablations: proxy only, residual only).
         gamma_event / window: discount and window W of the event returns.
         adv_eps: epsilon of the group and batch normalisations.
