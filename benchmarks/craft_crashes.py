@@ -43,10 +43,10 @@ def main() -> None:
     env_kwargs = json.loads(args.env_kwargs)
     print(f"{'seed':>4}{'version':>8}{'crashes':>8}{'blocked':>8}  first action ({', '.join(ACTIONS)})"
           f"  | p(left)  p(right) blocked  | p(left) p(right) elsewhere  blocked decisions")
-    run_dirs = sorted(glob.glob(os.path.join(args.work, "s*", args.arm, "summary.json")))
-    if not run_dirs:
+    summaries = sorted(glob.glob(os.path.join(args.work, "s*", args.arm, "summary.json")))
+    if not summaries:
         parser.error(f"no finished runs of arm {args.arm!r} in {args.work} (no s<seed>/{args.arm}/summary.json)")
-    for run_dir in map(os.path.dirname, run_dirs):
+    for run_dir in map(os.path.dirname, summaries):
         summary = finished(run_dir, reuse=True)
         version = summary["pretrained_version"] if args.arm == "pretrain" else summary["version"]
         policy = greedy_policy(os.path.join(args.work, "demos"), version)
