@@ -214,12 +214,14 @@ def main() -> None:
     parser.add_argument("--train", default="",
                         help="extra space-separated `robo-post train` overrides for every run (e.g. algo.lr=1e-4)")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="training seeds are first-seed .. first-seed + seeds - 1 (e.g. 3 more seeds after a 3-seed run)")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--episodes", type=int, default=8, help="episodes per iteration")
     parser.add_argument("--eval-episodes", type=int, default=30)
     parser.add_argument("--demos", type=int, default=30)
     parser.add_argument("--oracle-episodes", type=int, default=3,
-                        help="greedy CRAFT episodes (seed 0) whose states are scored by proxy and oracle")
+                        help="greedy CRAFT episodes (first seed) whose states are scored by proxy and oracle")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
     parser.add_argument("--reuse", action="store_true",
                         help="evaluate the runs already finished in --work (e.g. on more --eval-episodes) instead of "
@@ -272,7 +274,7 @@ def main() -> None:
             *([f"policy.noise={args.demo_noise}"] if args.demo_noise else []), *([f"env.tasks=[{task}]"] if task else []),
             f"episodes={args.demos}", f"store={store}", "show=false")
     results: dict[str, list[dict]] = {arm: [] for arm in ["pretrained", *arms]}
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         base = ["train", "algo=craft", f"store={store}", f"seed={seed}", "show=false", "torch_threads=1",
                 *[f"+algo.env_kwargs.{k}={v}" for k, v in env_kwargs.items()], *demo_filter, *args.train.split()]
         pre = finished(f"{args.work}/s{seed}/pretrain", args.reuse) or summary_of(cli(
@@ -292,7 +294,7 @@ def main() -> None:
                 out["wall_s"] = time.perf_counter() - t0
             rows = [json.loads(line) for line in open(f"{args.work}/s{seed}/{arm}/metrics.jsonl")]
             corr = (oracle_correlation(store, out["version"], eval_seeds[:args.oracle_episodes], env_kwargs, args.env,
-                                       task) if arm == "craft" and seed == 0 else None)
+                                       task) if arm == "craft" and seed == args.first_seed else None)
             results[arm].append({**evaluate(store, out["version"], eval_seeds, env_kwargs, args.env, task),
                                  "version": out["version"], "wall_s": out["wall_s"],
                                  "kl_teacher": rows[-1]["kl_teacher"], "proxy_oracle_corr": corr})
@@ -305,7 +307,7 @@ def main() -> None:
               f"{np.mean([r['wall_s'] for r in rows]):>8.0f}")
     corr = [r["proxy_oracle_corr"] for r in results.get("craft", []) if r.get("proxy_oracle_corr") is not None]
     if corr:
-        print(f"proxy-oracle correlation of group advantages (CRAFT, seed 0): {corr[0]:.3f}")
+        print(f"proxy-oracle correlation of group advantages (CRAFT, seed {args.first_seed}): {corr[0]:.3f}")
     if name == "highway":  # the spec's targets are for the fast highway (meta-actions) only
         print("targets: CRAFT return >= 22, crash rate <= 0.10, mean speed > 20 m/s, ahead of both ablations")
     print(f"wall {time.perf_counter() - t_all:.0f} s")
