@@ -10,8 +10,10 @@ Per-client status (episodes, steps/s, policy version, last error) is written to
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -31,6 +33,7 @@ from robo_post.store.writer import write_json_atomic
 
 
 MAX_REJECTED_IN_A_ROW = 3
+LAUNCHER_PID_ENV = "ROBO_POST_LAUNCHER_PID"  # set by LocalLauncher for the clients it spawns
 
 
 @dataclass
@@ -310,8 +313,24 @@ def read_status(store_root: str, client_id: str) -> dict[str, Any] | None:
         return None
 
 
+def exit_with_launcher() -> None:
+    """Have the kernel stop this client when the process that launched it dies (Linux).
+
+    A launcher killed outright (SIGKILL, or SIGTERM, which skips its cleanup) would otherwise
+    leave its clients writing; a rerun's clients would then find their shards locked.
+    Committed episodes are safe either way: a killed client loses only its open episode.
+    """
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != int(launcher):  # the launcher died before the request took effect
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    exit_with_launcher()
     cfg = ClientConfig(**json.loads(argv[0]))
     try:
         run_client(cfg)

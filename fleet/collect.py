@@ -8,7 +8,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from robo_post.fleet.client import ClientConfig, store_schema
-from robo_post.fleet.launcher import LocalLauncher, RayLauncher
+from robo_post.fleet.launcher import LocalLauncher, RayLauncher, raise_unfinished
 from robo_post.store import Store
 from robo_post.store.schema import infer_role
 
@@ -74,11 +74,5 @@ def collect(cfg: DictConfig) -> list[dict[str, Any]]:
     env, tasks = env_config(cfg)
     store = Store.create(cfg.store, store_schema(env, tasks[0] if tasks else None), exist_ok=True)
     statuses = make_launcher(cfg, client_configs(cfg, store)).run(show=cfg.show)
-    failed = {s["client_id"]: (s.get("last_error") or s.get("state")) for s in statuses if s.get("state") != "done"}
-    if failed:
-        raise FleetError(f"fleet clients did not finish (logs in {store.root}/fleet/): {failed}")
+    raise_unfinished(statuses, "fleet clients", store.root)
     return statuses
-
-
-class FleetError(RuntimeError):
-    """Some clients gave up (crashed more than ``max_restarts`` times)."""

@@ -14,7 +14,27 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from robo_post.fleet.client import ClientConfig, read_status, run_client
+from robo_post.fleet.client import LAUNCHER_PID_ENV, ClientConfig, read_status, run_client
+
+
+class FleetError(RuntimeError):
+    """Some clients gave up (crashed more than ``max_restarts`` times)."""
+
+
+def raise_unfinished(statuses: list[dict[str, Any]], what: str, store_root: str) -> None:
+    """Raise ``FleetError`` naming each client that did not finish and its last error line.
+
+    The full tracebacks stay in the clients' logs; the message carries one line per client.
+    """
+    failed = [s for s in statuses if s.get("state") != "done"]
+    if failed:
+        reasons = "; ".join(f"{s['client_id']}: {_last_line(s.get('last_error')) or s.get('state')}" for s in failed)
+        raise FleetError(f"{what} did not finish ({reasons}); logs in {store_root}/fleet/")
+
+
+def _last_line(text: str | None) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 class _Launcher:
@@ -50,6 +70,7 @@ class LocalLauncher(_Launcher):
         self.procs[client_id] = subprocess.Popen(
             [sys.executable, "-m", "robo_post.fleet.client", json.dumps(asdict(cfg))],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=os.environ | {LAUNCHER_PID_ENV: str(os.getpid())},  # the client exits when we die
         )
         log.close()
 
@@ -181,10 +202,10 @@ def status_table(statuses: list[dict[str, Any]]):
         n = s.get("episodes", 0)
         judged = s.get("judged", 0)  # episodes whose env defines success
         rate = f"{s['successes'] / judged:.0%}" if judged else "-"
-        err = (s.get("last_error") or "").strip().splitlines()
+        err = _last_line(s.get("last_error"))
         table.add_row(
             s["client_id"], s.get("state", "?"), f"{n}/{s.get('target', '?')}", rate,
             f"{s.get('steps_per_s', 0):.0f}", f"v{s.get('policy_version', 0)}", str(s.get("restarts", 0)),
-            err[-1][:60] if err else "",
+            err[:60],
         )
     return table

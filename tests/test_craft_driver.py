@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import shutil
 
 import numpy as np
@@ -75,6 +76,36 @@ def test_a_run_that_stopped_early_is_not_taken_for_finished(craft_run, tmp_path)
         assert r.returncode != 0 and "different schema" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
     assert not (run_dir / "summary.json").exists()
     assert PolicyRegistry(store).versions()[-1] == summary["version"]  # nothing published
+
+
+def test_a_kill_between_checkpoint_and_state_file_resumes_without_a_second_update(craft_run, tmp_path):
+    store, summary, args = craft_run
+    root = os.path.dirname(store)
+    for name in ("demos", "demos-online", "run"):
+        shutil.copytree(os.path.join(root, name), tmp_path / name)
+    run_dir, own = tmp_path / "run", str(tmp_path / "demos")
+    moved = [a.replace(f"store={store}", f"store={own}").replace(f"run_dir={root}/run", f"run_dir={run_dir}")
+             for a in args]
+    # the state the driver wrote before the iteration: the update's checkpoint landed, the state file did not
+    (run_dir / "summary.json").unlink()
+    (run_dir / "craft_state.json").write_text(json.dumps(
+        {"iteration": 0, "pretrained_version": summary["pretrained_version"], "acting_version": 2}))
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"update": 99, "iter')  # a row the kill cut short
+    again = summary_of(run_cli(*moved).stdout)
+    assert len(list(Store.open(f"{own}-online").snapshot(record=False).episodes())) == 2  # no new episodes
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 1 and json.loads(rows[0])["iteration"] == 1
+    registry = PolicyRegistry(own)
+    assert again["version"] == 4 and registry.versions() == [1, 2, 3, 4]
+    before, after = registry.load(summary["version"])[0], registry.load(again["version"])[0]
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)  # not updated twice
+
+    (run_dir / "summary.json").unlink()
+    (run_dir / "craft_state.json").write_text('{"iteration": ')  # a file truncated by hand
+    bad = run_cli(*moved, ok=False)
+    assert bad.returncode == 1 and "craft_state.json is unreadable" in bad.stderr and "Traceback" not in bad.stderr
+    assert registry.versions() == [1, 2, 3, 4]
 
 
 def test_on_policy_batch_windows_stop_at_episode_ends():

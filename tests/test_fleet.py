@@ -27,7 +27,7 @@ from robo_post.envs.tabletop import TabletopEnv
 from robo_post.fleet import policies
 from robo_post.fleet.collect import client_configs
 from robo_post.fleet.client import ClientConfig, make_env, read_status, run_client, store_schema
-from robo_post.fleet.launcher import LocalLauncher, RayLauncher
+from robo_post.fleet.launcher import FleetError, LocalLauncher, RayLauncher, raise_unfinished
 from robo_post.fleet.policies import ExpertPolicy, register_policy_kind
 from robo_post.store import PolicyRegistry, Snapshot, Store
 from robo_post.store.integrity import validate_store
@@ -294,6 +294,51 @@ def test_overseer_divergence_gate_takes_over_where_the_policy_leaves_the_expert(
                                 policy={"kind": "slip"}, follow_registry=False, overseer={**overseer, "divergence": 0.0}))
     assert len(store.snapshot().episodes()) == 4
     env.close()
+
+
+def _exited(pid: int) -> bool:
+    """True once ``pid`` is gone or a zombie (an orphan's reaper may be slow or absent in containers)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="clients follow their launcher through prctl")
+def test_clients_stop_with_a_killed_launcher_and_a_rerun_is_not_locked_out(tmp_path):
+    root = str(tmp_path / "store")
+    cli = os.path.join(os.path.dirname(sys.executable), "robo-post")
+    # random actions for 100 steps: each episode takes a while, so neither client is done when the launcher dies
+    args = [cli, "collect", f"store={root}", "fleet.n_clients=2", "env.kwargs.render_images=false", "env.tasks=[reach]",
+            "+env.kwargs.max_steps=100", "policy=random", "show=false"]
+    launcher = subprocess.Popen([*args, "episodes=400"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    statuses = lambda: [read_status(root, f"client-{i}") for i in range(2)]  # noqa: E731
+    wait_for(lambda: all(s and s["episodes"] >= 1 for s in statuses()), "both clients to commit an episode")
+    pids = [s["pid"] for s in statuses()]
+    launcher.kill()  # SIGKILL: no cleanup runs in the launcher
+    launcher.wait()
+    wait_for(lambda: all(_exited(pid) for pid in pids), "the clients to exit")
+    store = Store.open(root)
+    # the clients stopped with their launcher instead of finishing their 200 episodes each
+    before = [committed(store, f"client-{i}") for i in range(2)]
+    assert all(1 <= n < 200 for n in before), before
+    # so a rerun finds its shards free, and adds its episodes to what was committed
+    rerun = subprocess.run([*args, "episodes=4"], capture_output=True, text=True, timeout=DEADLINE_S)
+    assert rerun.returncode == 0, rerun.stderr
+    assert [committed(store, f"client-{i}") for i in range(2)] == [n + 2 for n in before]
+    assert validate_store(root)[1] == []
+
+
+def test_unfinished_clients_are_named_with_their_last_error_line():
+    trace = 'Traceback (most recent call last):\n  File "client.py", line 1\nShardLockedError: shard \'c0\' is locked\n'
+    statuses = [{"client_id": "c0", "state": "crashed", "last_error": trace},
+                {"client_id": "c1", "state": "running"}, {"client_id": "c2", "state": "done"}]
+    with pytest.raises(FleetError) as e:
+        raise_unfinished(statuses, "fleet clients", "/s")
+    assert str(e.value) == ("fleet clients did not finish (c0: ShardLockedError: shard 'c0' is locked; c1: running); "
+                            "logs in /s/fleet/")
+    raise_unfinished(statuses[2:], "fleet clients", "/s")  # all done: nothing raised
 
 
 def test_collect_cli_end_to_end(tmp_path):

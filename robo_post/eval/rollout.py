@@ -30,7 +30,7 @@ import safetensors.torch
 
 from robo_post.envs.registry import EnvSpec, NoExpertError, env_spec
 from robo_post.fleet.client import ClientConfig, store_schema
-from robo_post.fleet.launcher import LocalLauncher
+from robo_post.fleet.launcher import LocalLauncher, raise_unfinished
 from robo_post.store import EpisodeInfo, PolicyRegistry, Store
 from robo_post.store.writer import write_json_atomic
 
@@ -209,10 +209,7 @@ def evaluate(
     # Shards already holding their episodes (an identical earlier eval) need no client.
     pending = [c for c in configs if store.read_commit(c.client_id)["episodes"] < c.episodes]
     statuses = LocalLauncher(pending).run(show=show) if pending else []
-    failed = [s for s in statuses if s.get("state") != "done"]
-    if failed:
-        errors = "; ".join(f"{s['client_id']}: {str(s.get('last_error') or s.get('state')).strip()}" for s in failed)
-        raise RuntimeError(f"eval clients did not finish: {errors} (logs in {store.root}/fleet/)")
+    raise_unfinished(statuses, "eval clients", store.root)
 
     snap = store.snapshot()
     episodes = [e for c in configs for e in snap.episodes(client=c.client_id)[: c.episodes]]

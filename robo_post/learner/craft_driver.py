@@ -50,6 +50,7 @@ from robo_post.algos.registry import MethodSpec
 from robo_post.envs.registry import env_spec
 from robo_post.eval.rollout import recorded_env_kwargs
 from robo_post.learner.drivers import begin_run, finished_run, register_driver, resolve_device, select_episodes
+from robo_post.learner.loop import truncate_log
 from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyConfig
 from robo_post.models.features import infer_features, state_keys
 from robo_post.models.proposal_policy import ProposalPolicy, ProposalPolicyConfig
@@ -57,6 +58,7 @@ from robo_post.store.registry import PolicyRegistry
 from robo_post.store.sampler import WindowSampler
 from robo_post.store.schema import ArraySpec, StoreSchema
 from robo_post.store.store import Store
+from robo_post.store.writer import write_json_atomic
 
 EXTRAS = ("logits", "chosen", "proxy_scores", "events")
 POLICY_CLASSES = {"candidate": CandidatePolicy, "proposal": ProposalPolicy}  # artifact kind -> class
@@ -279,11 +281,24 @@ def proxy_oracle_correlation(extras: dict[str, np.ndarray], eps: float = 1e-5) -
     return float(((a[keep] * b[keep]).mean(-1)).mean())  # both have unit population std
 
 
+def _run_state(path: str) -> dict[str, Any]:
+    """The run's progress file (pretrained version, iteration, acting version); a fresh run's when absent."""
+    if not os.path.exists(path):
+        return {"iteration": 0}
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        if not isinstance(state, dict) or not isinstance(state.get("iteration"), int):
+            raise ValueError("no integer 'iteration'")
+    except ValueError as e:
+        raise CraftDataError(f"run state {path} is unreadable ({e}); remove the run directory to start over") from e
+    return state
+
+
 def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     """`robo-post train algo=craft`: pretraining, on-policy iterations through the fleet, a greedy final version."""
     from robo_post.fleet.client import ClientConfig
-    from robo_post.fleet.collect import FleetError
-    from robo_post.fleet.launcher import LocalLauncher
+    from robo_post.fleet.launcher import LocalLauncher, raise_unfinished
     from robo_post.learner.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 
     torch.manual_seed(cfg.seed)
@@ -319,7 +334,7 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     begin_run(run_dir, cfg)
     ckpt, log_path = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "metrics.jsonl")
     state_path = os.path.join(run_dir, "craft_state.json")
-    state = json.load(open(state_path)) if os.path.exists(state_path) else {"iteration": 0}
+    state = _run_state(state_path)
 
     if config.reference_version is not None:
         reference, parent = load_policy(registry, config.reference_version, kind), config.reference_version
@@ -332,10 +347,13 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         parent = registry.publish(*reference.artifact(algorithm="craft", phase="pretrain", deterministic=True,
                                                       env_extras=False))
         state["pretrained_version"] = parent
-        json.dump(state, open(state_path, "w"))
+        write_json_atomic(state_path, state)
     method = spec.build(config, None, device, reference)
     if has_checkpoint(ckpt):
-        load_checkpoint(ckpt, method.modules, method.optimizers, {})
+        saved = load_checkpoint(ckpt, method.modules, method.optimizers, {})
+        if saved["iteration"] > state["iteration"]:  # killed after an update's checkpoint, before the state file
+            state = {k: v for k, v in state.items() if k != "acting_version"} | saved
+    truncate_log(log_path, state.get("updates", 0))  # rows of an update the checkpoint does not hold
 
     if isinstance(reference, ProposalPolicy):  # K and H are the policy's (a reference keeps its own)
         c = reference.config
@@ -351,7 +369,7 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         if "acting_version" not in state:  # the version the fleet samples from in this iteration
             state["acting_version"] = registry.publish(*method.artifact(
                 phase="online", iteration=i, parent_version=parent, deterministic=False, env_extras=True))
-            json.dump(state, open(state_path, "w"))
+            write_json_atomic(state_path, state)
         version = state["acting_version"]
         per_client = -(-config.episodes_per_iteration // config.n_clients)
         configs = [ClientConfig(store=online.root, client_id=f"craft-{j}", episodes=0, env={"name": env, **env_kwargs},
@@ -363,9 +381,7 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
             done = sum(e.policy_version == version for e in online.shard_episodes(c.client_id))
             c.episodes = len(online.shard_episodes(c.client_id)) + max(per_client - done, 0)
         statuses = LocalLauncher(configs).run(show=cfg.show)
-        failed = {s["client_id"]: s.get("last_error") or s.get("state") for s in statuses if s.get("state") != "done"}
-        if failed:
-            raise FleetError(f"craft clients did not finish (logs in {online.root}/fleet/): {failed}")
+        raise_unfinished(statuses, "craft clients", online.root)
         snap = online.snapshot()
         episodes = snap.episodes(policy_version=version)
         obs, _, extras, lengths = load_episodes(snap, episodes)
@@ -382,10 +398,12 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
             f.write(json.dumps(row) + "\n")
         if cfg.show:
             print(json.dumps(row), flush=True)
-        save_checkpoint(ckpt, method.modules, method.optimizers, {}, {"iteration": i + 1})
-        state = {k: v for k, v in state.items() if k != "acting_version"} | {"iteration": i + 1}
-        json.dump(state, open(state_path, "w"))
-    save_checkpoint(ckpt, method.modules, method.optimizers, {}, {"iteration": state["iteration"]})
+        counters = {"iteration": i + 1, "updates": state["updates"]}
+        save_checkpoint(ckpt, method.modules, method.optimizers, {}, counters)
+        state = {k: v for k, v in state.items() if k != "acting_version"} | counters
+        write_json_atomic(state_path, state)
+    save_checkpoint(ckpt, method.modules, method.optimizers, {}, {"iteration": state["iteration"],
+                                                                  "updates": state.get("updates", 0)})
     final = registry.publish(*method.artifact(phase="final", parent_version=parent, iterations=config.iterations,
                                               deterministic=True, env_extras=False,
                                               config=OmegaConf.to_container(cfg, resolve=True)))
@@ -393,8 +411,7 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     summary = {"algo": spec.name, "version": final, "pretrained_version": state.get("pretrained_version", parent),
                "iterations": config.iterations, "online_store": online.root, "wall_s": time.perf_counter() - t0,
                "final": rows[-1] if rows else {}}
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_json_atomic(os.path.join(run_dir, "summary.json"), summary, indent=1)
     return summary
 
 

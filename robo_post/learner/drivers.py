@@ -31,6 +31,7 @@ from robo_post.models.features import infer_features, state_keys
 from robo_post.models.flow import FlowPolicy
 from robo_post.store import (EpisodeInfo, ImitationSampler, PolicyRegistry, Snapshot, Store, StoreSchema,
                              WindowSampler)
+from robo_post.store.writer import write_json_atomic
 
 # Chunking for data of an env the environment registry does not know: a reactive
 # controller that re-plans every step (an open-loop chunk cannot balance a pendulum).
@@ -263,8 +264,7 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     summary = {"algo": spec.name, "version": version, "parent_version": parent, "snapshot": snap.id,
                "episodes": len(episodes), "steps": len(sampler), "value_range": list(data.value_range),
                "wall_s": wall, "final": logged[-1] if logged else {}}
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_json_atomic(os.path.join(run_dir, "summary.json"), summary, indent=1)
     return summary
 
 
@@ -370,8 +370,7 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     evaluate = getattr(agent, "final_metrics", None)
     if evaluate is not None:
         summary["evaluation"] = evaluate()
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_json_atomic(os.path.join(run_dir, "summary.json"), summary, indent=1)
     return summary
 
 

@@ -77,11 +77,17 @@ def write_run_metadata(run_dir: str, device: torch.device | str, seeds: dict[str
 
 
 def truncate_log(path: str, last_update: int) -> None:
-    """Drop log lines written after the checkpoint we resume from."""
+    """Drop log lines written after the checkpoint we resume from, and a last line a kill cut short."""
     if not os.path.exists(path):
         return
+    keep = []
     with open(path) as f:
-        keep = [line for line in f if json.loads(line)["update"] <= last_update]
+        for line in f:
+            try:
+                if line.endswith("\n") and json.loads(line)["update"] <= last_update:
+                    keep.append(line)
+            except ValueError:
+                continue
     with open(path, "w") as f:
         f.writelines(keep)
 

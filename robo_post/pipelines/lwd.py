@@ -27,6 +27,7 @@ from robo_post.learner.drivers import (add_imitation, imitation_sampler, load_re
                                        warn_value_edges)
 from robo_post.learner.loop import resolve_device, train_loop
 from robo_post.learner.value_report import write_value_report
+from robo_post.store.writer import write_json_atomic
 from robo_post.store import (EpisodeInfo, FreshPERConfig, MixedSampler, PolicyRegistry, PrioritizedSampler, Store,
                              WindowSampler)
 
@@ -172,5 +173,4 @@ def _stored_at(run_dir: str, episodes: list[EpisodeInfo], step: int) -> np.ndarr
 
 
 def _write_json(path: str, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
+    write_json_atomic(path, obj, indent=1, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))

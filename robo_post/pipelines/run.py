@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from robo_post.config import compose
 from robo_post.pipelines import lwd
 from robo_post.store import PolicyRegistry, Store
+from robo_post.store.writer import write_json_atomic
 
 
 def _compose(name: str, values: dict[str, Any], overrides: list[str] | None = None) -> DictConfig:
@@ -134,6 +135,5 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "results": [{"version": r["policy"]["version"], "split": r["split"], "mean_success": r["mean_success_rate"],
                      "per_task": {t: d["success_rate"] for t, d in r["tasks"].items()}} for r in results],
     }
-    with open(os.path.join(cfg.run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_json_atomic(os.path.join(cfg.run_dir, "summary.json"), summary, indent=1)
     return summary

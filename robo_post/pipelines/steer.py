@@ -22,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from robo_post.envs.registry import env_spec, spec_for_env
 from robo_post.fleet.client import make_env, store_schema
-from robo_post.fleet.collect import FleetError, client_configs, env_config, make_launcher
+from robo_post.fleet.collect import client_configs, env_config, make_launcher
+from robo_post.fleet.launcher import raise_unfinished
 from robo_post.steering.evaluate import GridConfig, evaluate_prior, format_table, run_episodes, write_report
 from robo_post.steering.poe import select_alpha
 from robo_post.steering.policy import (SteeredPolicy, SteeringConfig, build_source, extra_specs, resolve_source,
@@ -106,9 +107,7 @@ def steer(cfg: DictConfig) -> dict[str, Any]:
     configs = client_configs(fleet_cfg, store)
     before = {c.client_id: store.read_commit(c.client_id)["episodes"] for c in configs}
     statuses = make_launcher(fleet_cfg, configs).run(show=cfg.show)
-    failed = {s["client_id"]: (s.get("last_error") or s.get("state")) for s in statuses if s.get("state") != "done"}
-    if failed:
-        raise FleetError(f"steered clients did not finish (logs in {store.root}/fleet/): {failed}")
+    raise_unfinished(statuses, "steered clients", store.root)
     episodes = [e for c in configs for e in store.shard_episodes(c.client_id)[before[c.client_id]:]]
     judged = [e.success for e in episodes if e.success is not None]
     summary = {"version": version, "store": store.root, "steering": dataclasses.asdict(steering),

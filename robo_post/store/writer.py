@@ -35,7 +35,7 @@ import json
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import crc32c
 import numpy as np
@@ -67,11 +67,12 @@ _COL = {name: i for i, name in enumerate(STEP_COLUMNS)}
 _FLAG_COLS = [_COL[name] for name in ("terminated", "truncated", "intervention")]  # 0 or 1
 
 
-def write_json_atomic(path: str, obj: Any, fsync: bool = True) -> None:
-    """Write JSON to ``path`` so readers see the old or the new file, never a mix."""
+def write_json_atomic(path: str, obj: Any, fsync: bool = True, indent: int | None = None,
+                      default: Callable[[Any], Any] | None = None) -> None:
+    """Write JSON to ``path`` so readers (and a rerun after a kill) see the old or the new file, never a mix."""
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # unique per writer thread too
     with open(tmp, "w") as f:
-        json.dump(obj, f)
+        json.dump(obj, f, indent=indent, default=default)
         if fsync:
             f.flush()
             os.fsync(f.fileno())
