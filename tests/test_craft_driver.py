@@ -4,6 +4,9 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -188,16 +191,28 @@ def test_proxy_oracle_correlation_of_group_advantages():
     assert proxy_oracle_correlation({"proxy_scores": proxy[1:2], "oracle_scores": proxy[1:2]}) is None
 
 
-def test_run_recipe_craft_on_highway(tmp_path):
+def test_run_recipe_craft_on_highway_finishes_after_a_kill(tmp_path):
     out = tmp_path / "run"
-    summary = summary_of(run_cli("run", "env=highway_meta", "recipe=craft", f"run_dir={out}", "demos.episodes=2",
-                                 "bc.algo.iterations=1", "bc.algo.episodes_per_iteration=2", "bc.algo.bc_updates=50",
-                                 "bc.algo.n_clients=1", "eval.episodes_per_task=2", "fleet.n_clients=1",
-                                 "show=false", timeout=600).stdout)
-    # pretrained, the sampled version of the one iteration, the greedy final one: each evaluated
-    assert [r["version"] for r in summary["results"]] == [1, 2, 3]
-    assert (out / "report" / "index.html").exists() and (out / "bc" / "metrics.jsonl").exists()
-    assert json.loads((out / "bc" / "metrics.jsonl").read_text().splitlines()[-1])["update"] > 0
+    args = ["run", "env=highway_meta", "recipe=craft", f"run_dir={out}", "demos.episodes=2", "bc.algo.iterations=2",
+            "bc.algo.episodes_per_iteration=2", "bc.algo.bc_updates=50", "bc.algo.n_clients=1",
+            "eval.episodes_per_task=2", "fleet.n_clients=1", "show=false"]
+    metrics = out / "bc" / "metrics.jsonl"
+    first = subprocess.Popen([sys.executable, "-m", "robo_post.cli", *args], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600  # only turns a hang into a failure
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1) and first.poll() is None:
+        assert time.monotonic() < deadline, "no CRAFT iteration finished"
+        time.sleep(0.05)
+    first.kill()  # mid-run: after iteration 1, before the final version
+    assert first.wait() != 0, "the run finished before it could be killed"
+    summary = summary_of(run_cli(*args, timeout=600).stdout)
+    # the rerun finished the CRAFT stage instead of taking its published versions for a finished stage:
+    # pretrained, the sampled versions of the two iterations, the greedy final one, each evaluated
+    assert [r["version"] for r in summary["results"]] == [1, 2, 3, 4]
+    assert json.loads((out / "bc" / "summary.json").read_text())["version"] == 4
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2] and rows[-1]["update"] > rows[0]["update"] > 0
+    assert (out / "report" / "index.html").exists()
 
 
 def test_bad_craft_settings_are_one_line_errors_before_any_work(craft_run, tmp_path):

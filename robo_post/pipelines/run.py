@@ -78,7 +78,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     registry = PolicyRegistry(store_root)
     bc_dir = os.path.join(cfg.run_dir, "bc")
-    if registry.latest() is None:
+    if not os.path.exists(os.path.join(bc_dir, "summary.json")):  # not finished: a killed run's stage resumes
         method = cfg.bc.algo.get("name")  # a recipe may train another method first (recipe=craft)
         train(_compose("train", {
             "store": store_root, "run_dir": bc_dir, "device": cfg.device, "seed": cfg.seed, "show": cfg.show,
