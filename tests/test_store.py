@@ -17,6 +17,7 @@ from robo_post.store import (
     ImitationSampler,
     InvalidNameError,
     MixedSampler,
+    PolicyArtifactError,
     PolicyRegistry,
     PolicyVersionExistsError,
     SchemaVersionError,
@@ -25,6 +26,7 @@ from robo_post.store import (
     StoreSchema,
     WindowSampler,
 )
+from robo_post.store.integrity import validate_store
 
 SCHEMA = StoreSchema(
     observations={"proprio": ArraySpec("float32", (5,)), "image": ArraySpec("uint8", (8, 8, 3))},
@@ -357,6 +359,38 @@ def test_policy_registry(store):
     w, cfg = reg.load(1)
     assert torch.equal(w["w"], weights["w"]) and cfg == {"arch": "mlp", "version": 1}
     assert torch.equal(reg.load()[0]["w"], weights["w"] * 2)
+
+
+def test_a_damaged_policy_version_is_an_error_naming_it(store):
+    reg = PolicyRegistry(store.root)
+    weights = {"w": torch.arange(6.0).reshape(2, 3)}
+    for _ in range(4):
+        reg.publish(weights, {"arch": "mlp"})
+    path = lambda v, name: os.path.join(reg.dir, f"v{v:06d}", name)  # noqa: E731
+    with open(path(1, "model.safetensors"), "r+b") as f:  # one byte of tensor data: the file still parses
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    with pytest.raises(PolicyArtifactError, match=r"policy version 1: .*model.safetensors does not match"):
+        reg.load(1)
+    with open(path(2, "config.json"), "w") as f:
+        f.write('{"arch": "mlp", "version": 2, "extra": 1}')  # valid JSON, edited after publishing
+    with pytest.raises(PolicyArtifactError, match=r"policy version 2: .*config.json does not match"):
+        reg.load(2)
+    os.remove(path(3, "checksums.json"))  # a version published before checksums: still parsed with care
+    with open(path(3, "model.safetensors"), "r+b") as f:
+        f.truncate(20)
+    with pytest.raises(PolicyArtifactError, match=r"policy version 3: .*model.safetensors is unreadable"):
+        reg.load(3)
+    os.remove(path(4, "model.safetensors"))
+    with pytest.raises(PolicyArtifactError, match=r"policy version 4: cannot read"):
+        reg.load(4)
+    assert torch.equal(reg.load(reg.publish(weights, {}))[0]["w"], weights["w"])  # an intact version loads
+    problems = validate_store(store.root)[1]
+    assert [p.split(":")[0] for p in problems] == [f"policy version {v}" for v in (1, 2, 3, 4)], problems
+    r = _cli("eval", f"store={store.root}", "env=point_mass", "version=[1]", "episodes_per_task=1", "show=false")
+    assert r.returncode == 1 and "PolicyArtifactError: policy version 1" in r.stderr and "Traceback" not in r.stderr
 
 
 def _cli(*args):

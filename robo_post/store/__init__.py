@@ -1,7 +1,7 @@
 """Trajectory store: zarr v3 shards (one writer each), atomic episode commits,
 consistent snapshots, chunked-window sampling and a policy registry."""
 
-from robo_post.store.registry import PolicyNotFoundError, PolicyRegistry, PolicyVersionExistsError
+from robo_post.store.registry import PolicyArtifactError, PolicyNotFoundError, PolicyRegistry, PolicyVersionExistsError
 from robo_post.store.replay import FreshPER, FreshPERConfig
 from robo_post.store.sampler import ImitationSampler, MixedSampler, PrioritizedSampler, WindowSampler
 from robo_post.store.schema import (
@@ -34,6 +34,7 @@ __all__ = [
     "ImitationSampler",
     "InvalidNameError",
     "MixedSampler",
+    "PolicyArtifactError",
     "PolicyNotFoundError",
     "PolicyRegistry",
     "PolicyVersionExistsError",

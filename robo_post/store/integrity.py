@@ -4,7 +4,6 @@ or damaged commit records (``robo-post store repair``)."""
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 
 import zarr
@@ -163,8 +162,8 @@ def validate_store(root: str) -> tuple[int, list[str]]:
     for version in registry.versions():
         try:
             registry.load(version)
-        except (StoreError, OSError, ValueError, json.JSONDecodeError) as e:
-            problems.append(f"policy v{version}: {e}")
+        except StoreError as e:  # PolicyArtifactError names the version and the file
+            problems.append(str(e))
     return checked, problems
 
 

@@ -1,7 +1,9 @@
-"""Policy registry beside the data: ``ROOT/policies/v000001/{model.safetensors, config.json}``.
+"""Policy registry beside the data: ``ROOT/policies/v000001/{model.safetensors, config.json, checksums.json}``.
 
 A version directory is assembled under a temporary name and renamed into place
-in one step, so readers either see a complete version or none.
+in one step, so readers either see a complete version or none. Each file's CRC32C
+is recorded at publishing and checked on every load: damage done afterwards is an
+error naming the version and file, never a policy that silently acts differently.
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ import shutil
 import uuid
 from typing import Any, Mapping
 
+import crc32c
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save_file
 
 from robo_post.store.schema import StoreError
 
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+CHECKSUM_FILE = "checksums.json"
 
 
 class PolicyVersionExistsError(StoreError):
@@ -29,6 +34,10 @@ class PolicyVersionExistsError(StoreError):
 
 class PolicyNotFoundError(StoreError, LookupError):
     """No such policy version in the registry."""
+
+
+class PolicyArtifactError(StoreError):
+    """A published version's files are missing, unreadable or changed since publishing."""
 
 
 class PolicyRegistry:
@@ -79,9 +88,15 @@ class PolicyRegistry:
             save_file(tensors, os.path.join(tmp, WEIGHTS_FILE))
             with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
                 json.dump({**config, "version": version}, f, indent=1, allow_nan=False)
+            checksums = {}
             for name in (WEIGHTS_FILE, CONFIG_FILE):
                 with open(os.path.join(tmp, name), "rb") as f:
+                    checksums[name] = crc32c.crc32c(f.read())
                     os.fsync(f.fileno())
+            with open(os.path.join(tmp, CHECKSUM_FILE), "w") as f:
+                json.dump(checksums, f)
+                f.flush()
+                os.fsync(f.fileno())
             try:
                 os.rename(tmp, final)  # atomic; fails if `final` appeared meanwhile
             except OSError:
@@ -100,7 +115,35 @@ class PolicyRegistry:
         path = os.path.join(self.dir, f"v{version:06d}")
         if not os.path.isdir(path):
             raise PolicyNotFoundError(f"policy version {version} not found in {self.dir}")
-        weights = load_file(os.path.join(path, WEIGHTS_FILE), device=device)
-        with open(os.path.join(path, CONFIG_FILE)) as f:
-            config = json.load(f)
+        data = {name: _read(path, name, version) for name in (WEIGHTS_FILE, CONFIG_FILE)}
+        if os.path.exists(os.path.join(path, CHECKSUM_FILE)):  # versions published before checksums have none
+            try:
+                expected = dict(json.loads(_read(path, CHECKSUM_FILE, version)))
+            except (ValueError, TypeError) as e:
+                raise _unreadable(path, CHECKSUM_FILE, version, e) from e
+            for name, raw in data.items():
+                if crc32c.crc32c(raw) != expected.get(name):
+                    raise PolicyArtifactError(f"policy version {version}: {os.path.join(path, name)} does not match "
+                                              f"the checksum recorded when it was published (changed or damaged since)")
+        try:
+            weights = {k: v.to(device) for k, v in load_safetensors(data[WEIGHTS_FILE]).items()}
+        except Exception as e:  # safetensors raises its own error type for a malformed file
+            raise _unreadable(path, WEIGHTS_FILE, version, e) from e
+        try:
+            config = json.loads(data[CONFIG_FILE])
+        except ValueError as e:
+            raise _unreadable(path, CONFIG_FILE, version, e) from e
         return weights, config
+
+
+def _unreadable(path: str, name: str, version: int, e: Exception) -> PolicyArtifactError:
+    return PolicyArtifactError(f"policy version {version}: {os.path.join(path, name)} is unreadable "
+                               f"({type(e).__name__}: {e})")
+
+
+def _read(path: str, name: str, version: int) -> bytes:
+    try:
+        with open(os.path.join(path, name), "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise PolicyArtifactError(f"policy version {version}: cannot read {os.path.join(path, name)} ({e})") from e
