@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from robo_post.algos.craft import (Craft, CraftBatchError, CraftConfig, CraftCon
                                    batch_scaled_advantages, evpo_advantages, explained_variance, grounded_advantage,
                                    group_advantages,
                                    policy_losses, residual, residual_for_batch, scale_advantages)
-from robo_post.learner.checkpoint import load_checkpoint, save_checkpoint
+from robo_post.learner.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from robo_post.models.candidate_policy import (CandidateConfigError, CandidatePolicy, CandidatePolicyConfig,
                                                CandidatePolicyRunner)
 from robo_post.models.features import state_features
@@ -544,6 +545,19 @@ def test_checkpoint_round_trip_restores_the_critic_and_its_optimiser(tmp_path):
     for name, module in craft.modules.items():
         for (key, a), b in zip(module.state_dict().items(), resumed.modules[name].state_dict().values()):
             assert torch.equal(a, b), (name, key)
+
+
+def test_a_damaged_or_foreign_checkpoint_is_a_typed_error(tmp_path):
+    craft = Craft(CraftConfig(), small_policy(19))
+    ckpt = str(tmp_path / "ckpt")
+    save_checkpoint(ckpt, craft.modules, craft.optimizers, {}, {"iteration": 1})
+    wider = Craft(CraftConfig(), small_policy(19, dim=6))  # other model settings than the checkpoint's
+    with pytest.raises(CheckpointError, match="does not fit this run's 'policy'"):
+        load_checkpoint(ckpt, wider.modules, wider.optimizers, {})
+    with open(os.path.join(ckpt, "tensors.safetensors"), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointError, match=r"ckpt is unreadable \(SafetensorError"):
+        load_checkpoint(ckpt, craft.modules, craft.optimizers, {})
 
 
 def test_bc_pretraining_fits_a_separable_candidate_set():

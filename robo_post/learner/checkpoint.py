@@ -20,6 +20,10 @@ from safetensors.torch import load_file, save_file
 TENSORS, STATE = "tensors.safetensors", "state.json"
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read back into this run (damaged, or written by other model settings)."""
+
+
 def _flatten_optimizer(prefix: str, opt: torch.optim.Optimizer, tensors: dict, meta: dict) -> None:
     sd = opt.state_dict()
     scalars: dict[str, dict[str, Any]] = {}
@@ -94,12 +98,20 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore a checkpoint in place; returns the saved ``state`` dict."""
     path = _complete(path)
-    tensors = load_file(os.path.join(path, TENSORS))
-    with open(os.path.join(path, STATE)) as f:
-        payload = json.load(f)
+    try:
+        tensors = load_file(os.path.join(path, TENSORS))
+        with open(os.path.join(path, STATE)) as f:
+            payload = json.load(f)
+    except Exception as e:  # safetensors raises its own error type for a malformed file
+        raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); "
+                              f"a new run_dir starts over") from e
     for name, module in modules.items():
         head = f"module.{name}."
-        module.load_state_dict({k[len(head):]: v for k, v in tensors.items() if k.startswith(head)})
+        try:
+            module.load_state_dict({k[len(head):]: v for k, v in tensors.items() if k.startswith(head)})
+        except RuntimeError as e:
+            raise CheckpointError(f"checkpoint {path} does not fit this run's {name!r} (written with other model "
+                                  f"settings?); a new run_dir starts over") from e
     for name, opt in optimizers.items():
         _unflatten_optimizer(f"optim.{name}", opt, tensors, payload["optimizers"])
     torch.set_rng_state(tensors["rng.torch"])
