@@ -37,6 +37,7 @@ Crash counts a collision or leaving the road.
     python benchmarks/craft_highway.py --env driving         # runs/bench_craft_driving, results/craft_driving.json
     python benchmarks/craft_highway.py --drivers             # fixed drivers only, on the evaluation seeds
     python benchmarks/craft_highway.py --reuse --eval-episodes 50   # the finished runs again, on 50 seeds
+    python benchmarks/craft_highway.py --reuse --teacher     # also the final EMA teachers of the finished runs
 """
 
 from __future__ import annotations
@@ -97,6 +98,21 @@ def greedy_policy(store: str, version: int):
 
     torch.set_num_threads(1)
     weights, config = PolicyRegistry(store).load(version)
+    return build_policy(weights, {**config, "deterministic": True, "env_extras": False})
+
+
+def teacher_policy(store: str, version: int, run_dir: str):
+    """A finished run's EMA teacher as a greedy policy: the final version's config, the teacher's
+    weights from the run's checkpoint."""
+    from safetensors.torch import load_file
+
+    from robo_post.fleet.policies import build_policy
+    from robo_post.store.registry import PolicyRegistry
+
+    _, config = PolicyRegistry(store).load(version)
+    head = "module.teacher.policy."
+    tensors = load_file(os.path.join(run_dir, "checkpoint", "tensors.safetensors"))
+    weights = {k[len(head):]: v for k, v in tensors.items() if k.startswith(head)}
     return build_policy(weights, {**config, "deterministic": True, "env_extras": False})
 
 
@@ -226,6 +242,8 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true",
                         help="evaluate the runs already finished in --work (e.g. on more --eval-episodes) instead of "
                              "training them again; the others are trained")
+    parser.add_argument("--teacher", action="store_true",
+                        help="also evaluate each run's final EMA teacher (arm <arm>_teacher), read from its checkpoint")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--drivers", action="store_true",
                         help="only evaluate the scripted drivers (heuristic, heuristic keeping right, always SLOWER)")
@@ -299,6 +317,11 @@ def main() -> None:
                                  "version": out["version"], "wall_s": out["wall_s"],
                                  "kl_teacher": rows[-1]["kl_teacher"], "proxy_oracle_corr": corr})
             print(f"seed {seed} {arm}: {results[arm][-1]}", flush=True)
+            if args.teacher:
+                teacher = teacher_policy(store, out["version"], f"{args.work}/s{seed}/{arm}")
+                results.setdefault(f"{arm}_teacher", []).append(
+                    {**rollouts(teacher, eval_seeds, env_kwargs, args.env, task), "wall_s": out["wall_s"]})
+                print(f"seed {seed} {arm}_teacher: {results[f'{arm}_teacher'][-1]}", flush=True)
     print(f"\n{'arm':<15}{'return':>26}{'crash rate':>26}{'mean speed':>26}{'KL teacher':>12}{'wall s':>8}")
     for arm, rows in results.items():
         kl = [r["kl_teacher"] for r in rows if "kl_teacher" in r]
