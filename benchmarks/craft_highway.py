@@ -89,30 +89,22 @@ def make_env(env_name: str, task: str | None, env_kwargs: dict):
     return env_spec(env_name).make(task, **env_kwargs)
 
 
-def greedy_policy(store: str, version: int):
-    """One published version as a greedy fleet policy that does not ask the env for counterfactual extras."""
+def greedy_policy(store: str, version: int, teacher_of: str | None = None):
+    """One published version as a greedy fleet policy that does not ask the env for counterfactual extras;
+    with ``teacher_of`` (the run dir that published it), that run's final EMA teacher in its place,
+    its weights read from the run's checkpoint."""
     import torch
+    from safetensors.torch import load_file
 
     from robo_post.fleet.policies import build_policy
     from robo_post.store.registry import PolicyRegistry
 
     torch.set_num_threads(1)
     weights, config = PolicyRegistry(store).load(version)
-    return build_policy(weights, {**config, "deterministic": True, "env_extras": False})
-
-
-def teacher_policy(store: str, version: int, run_dir: str):
-    """A finished run's EMA teacher as a greedy policy: the final version's config, the teacher's
-    weights from the run's checkpoint."""
-    from safetensors.torch import load_file
-
-    from robo_post.fleet.policies import build_policy
-    from robo_post.store.registry import PolicyRegistry
-
-    _, config = PolicyRegistry(store).load(version)
-    head = "module.teacher.policy."
-    tensors = load_file(os.path.join(run_dir, "checkpoint", "tensors.safetensors"))
-    weights = {k[len(head):]: v for k, v in tensors.items() if k.startswith(head)}
+    if teacher_of is not None:
+        head = "module.teacher.policy."
+        tensors = load_file(os.path.join(teacher_of, "checkpoint", "tensors.safetensors"))
+        weights = {k[len(head):]: v for k, v in tensors.items() if k.startswith(head)}
     return build_policy(weights, {**config, "deterministic": True, "env_extras": False})
 
 
@@ -318,7 +310,7 @@ def main() -> None:
                                  "kl_teacher": rows[-1]["kl_teacher"], "proxy_oracle_corr": corr})
             print(f"seed {seed} {arm}: {results[arm][-1]}", flush=True)
             if args.teacher:
-                teacher = teacher_policy(store, out["version"], f"{args.work}/s{seed}/{arm}")
+                teacher = greedy_policy(store, out["version"], teacher_of=f"{args.work}/s{seed}/{arm}")
                 results.setdefault(f"{arm}_teacher", []).append(
                     {**rollouts(teacher, eval_seeds, env_kwargs, args.env, task), "wall_s": out["wall_s"]})
                 print(f"seed {seed} {arm}_teacher: {results[f'{arm}_teacher'][-1]}", flush=True)

@@ -27,9 +27,9 @@ from robo_post.learner.drivers import (add_imitation, imitation_sampler, load_re
                                        warn_value_edges)
 from robo_post.learner.loop import resolve_device, train_loop
 from robo_post.learner.value_report import write_value_report
-from robo_post.store.writer import write_json_atomic
 from robo_post.store import (EpisodeInfo, FreshPERConfig, MixedSampler, PolicyRegistry, PrioritizedSampler, Store,
                              WindowSampler)
+from robo_post.store.writer import write_json_atomic
 
 def _method_values(cfg: DictConfig, n_step: int) -> dict[str, Any]:
     """The method's own settings among ``lwd.*`` (``algo.*`` of `robo-post train`), with this phase's ``n_step``."""

@@ -21,6 +21,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
 from robo_post.store.schema import StoreError
+from robo_post.store.writer import write_json_atomic
 
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 WEIGHTS_FILE = "model.safetensors"
@@ -93,10 +94,7 @@ class PolicyRegistry:
                 with open(os.path.join(tmp, name), "rb") as f:
                     checksums[name] = crc32c.crc32c(f.read())
                     os.fsync(f.fileno())
-            with open(os.path.join(tmp, CHECKSUM_FILE), "w") as f:
-                json.dump(checksums, f)
-                f.flush()
-                os.fsync(f.fileno())
+            write_json_atomic(os.path.join(tmp, CHECKSUM_FILE), checksums)
             try:
                 os.rename(tmp, final)  # atomic; fails if `final` appeared meanwhile
             except OSError:
