@@ -295,6 +295,18 @@ def _run_state(path: str) -> dict[str, Any]:
     return state
 
 
+def _published_acting(registry: PolicyRegistry, run_dir: str, iteration: int) -> int | None:
+    """The acting version this run published for ``iteration`` when a kill kept it out of the state
+    file (it is then the registry's newest), so a resumed run does not publish it twice."""
+    latest = registry.latest()
+    if latest is None:
+        return None
+    config = registry.load(latest)[1]
+    ours = (config.get("phase"), config.get("iteration"), config.get("run_dir")) == (
+        "online", iteration, os.path.abspath(run_dir))
+    return latest if ours else None
+
+
 def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     """`robo-post train algo=craft`: pretraining, on-policy iterations through the fleet, a greedy final version."""
     from robo_post.fleet.client import ClientConfig
@@ -367,8 +379,9 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     while state["iteration"] < config.iterations:
         i = state["iteration"]
         if "acting_version" not in state:  # the version the fleet samples from in this iteration
-            state["acting_version"] = registry.publish(*method.artifact(
-                phase="online", iteration=i, parent_version=parent, deterministic=False, env_extras=True))
+            state["acting_version"] = _published_acting(registry, run_dir, i) or registry.publish(*method.artifact(
+                phase="online", iteration=i, parent_version=parent, deterministic=False, env_extras=True,
+                run_dir=os.path.abspath(run_dir)))
             write_json_atomic(state_path, state)
         version = state["acting_version"]
         per_client = -(-config.episodes_per_iteration // config.n_clients)
