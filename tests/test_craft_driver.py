@@ -111,6 +111,40 @@ def test_a_kill_between_checkpoint_and_state_file_resumes_without_a_second_updat
     assert registry.versions() == [1, 2, 3, 4]
 
 
+def test_a_kill_right_after_publishing_the_acting_version_does_not_publish_it_again(craft_run, tmp_path):
+    store, summary, args = craft_run
+    own, run_dir = tmp_path / "demos", tmp_path / "run"
+    shutil.copytree(store, own)
+    for v in PolicyRegistry(str(own)).versions()[1:]:  # keep the pretrained version only
+        shutil.rmtree(own / "policies" / f"v{v:06d}")
+    run_dir.mkdir()
+    (run_dir / "craft_state.json").write_text(json.dumps({"iteration": 0, "pretrained_version": 1}))
+    moved = [a.replace(f"store={store}", f"store={own}").replace(f"run_dir={os.path.dirname(store)}/run",
+                                                                   f"run_dir={run_dir}") for a in args]
+    # the driver dies by SIGKILL at the write that would record the version it has just published
+    kill_at_record = (
+        "import os, signal, sys\n"
+        "import robo_post.learner.craft_driver as d\n"
+        "write = d.write_json_atomic\n"
+        "def dying(path, obj, **kw):\n"
+        "    if 'acting_version' in obj:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    write(path, obj, **kw)\n"
+        "d.write_json_atomic = dying\n"
+        "from robo_post.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    killed = subprocess.run([sys.executable, "-c", kill_at_record, *moved], capture_output=True, text=True,
+                            timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    registry = PolicyRegistry(str(own))
+    assert registry.versions() == [1, 2] and json.loads((run_dir / "craft_state.json").read_text()) == {
+        "iteration": 0, "pretrained_version": 1}
+    again = summary_of(run_cli(*moved).stdout)
+    assert registry.versions() == [1, 2, 3] and again["version"] == 3  # version 2 acted, not a copy of it
+    snap = Store.open(f"{own}-online").snapshot(record=False)
+    assert [e.policy_version for e in snap.episodes()] == [2, 2]
+
+
 def test_on_policy_batch_windows_stop_at_episode_ends():
     config = CraftConfig(window=3, gamma_event=0.5, residual_mode="event")
     k = 4
