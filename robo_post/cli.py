@@ -96,7 +96,9 @@ def _store_repair(args: argparse.Namespace) -> int:
     for line in actions:
         print(line)
     if not actions:
-        print("every commit record agrees with its episode index: nothing to repair")
+        # Damaged episode data under a healthy record is out of repair's reach: say where to look.
+        print("every commit record agrees with its episode index: nothing to repair "
+              f"(episode data is not checked here: `robo-post store validate {args.path}` does)")
     elif not args.apply:
         print("nothing changed: run again with --apply to rewrite these commit records")
     return 0
@@ -324,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[name][1](rest)
-    except (StoreError, RuntimeError, ValueError) as e:  # expected failures: a clear message, no traceback
+    # Expected failures: a clear message, no traceback. OSError: a read-only or full disk,
+    # a path that is a file, an unreadable dataset file; the message names the path.
+    except (StoreError, RuntimeError, ValueError, OSError) as e:
         print(f"robo-post {name}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # store commits are atomic: an interrupted episode is simply not committed

@@ -13,7 +13,7 @@ import pytest
 from minari.data_collector import EpisodeBuffer
 
 from robo_post.cli import main
-from robo_post.store import ArraySpec, Store, StoreError, StoreSchema
+from robo_post.store import ArraySpec, EpisodeValidationError, Store, StoreError, StoreSchema
 from robo_post.store.minari_io import SuccessRuleError, UnsupportedSpaceError, export_minari, import_minari
 
 SCHEMA = StoreSchema(
@@ -346,3 +346,56 @@ def test_cli_import_with_success_rule_and_info_shows_it(tmp_path, monkeypatch, c
     assert main(["store", "info", store]) == 0
     out = capsys.readouterr().out
     assert "imported 4" in out and "info:is_success (4)" in out
+
+
+def _buffers(n, bad=None):
+    """``n`` 3-step episodes; episode ``bad`` has a NaN observation at step 1."""
+    out = []
+    for i in range(n):
+        obs = np.zeros((4, 2), np.float32)
+        if i == bad:
+            obs[1, 0] = np.nan
+        out.append(EpisodeBuffer(observations=obs, actions=np.zeros((3, 1), np.float32), rewards=np.zeros(3),
+                                 terminations=np.arange(3) == 2, truncations=np.zeros(3, bool)))
+    return out
+
+
+def _dataset(root, monkeypatch, dataset_id, buffers):
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
+    with pytest.warns(UserWarning):  # Minari's missing-metadata nags
+        minari.create_dataset_from_buffers(
+            dataset_id, buffers, observation_space=gym.spaces.Box(-1, 1, (2,), np.float32),
+            action_space=gym.spaces.Box(-1, 1, (1,), np.float32),
+        )
+
+
+def test_a_failed_import_names_the_episode_and_what_it_left_imported(tmp_path, monkeypatch):
+    root = tmp_path / "minari"
+    _dataset(root, monkeypatch, "nan/obs-v0", _buffers(3, bad=2))
+    with pytest.raises(EpisodeValidationError, match=r"'nan/obs-v0', episode 2: .*contains NaN.*2 earlier episode\(s\) stay imported"):
+        import_minari("nan/obs-v0", tmp_path / "store", minari_root=root, success_from="termination")
+    assert len(Store.open(str(tmp_path / "store")).snapshot()) == 2
+
+
+def test_an_empty_or_damaged_dataset_is_refused_before_a_store_is_created(tmp_path, monkeypatch):
+    root = tmp_path / "minari"
+    _dataset(root, monkeypatch, "empty/none-v0", [])
+    with pytest.raises(StoreError, match="'empty/none-v0' at .* holds no episodes"):
+        import_minari("empty/none-v0", tmp_path / "store", minari_root=root, success_from="none")
+    _dataset(root, monkeypatch, "cut/short-v0", _buffers(2))
+    (data,) = [f for f in (root / "cut" / "short-v0" / "data").iterdir() if f.name != "metadata.json"]
+    os.truncate(data, 100)  # HDF5 raised a bare OSError
+    with pytest.raises(StoreError, match="'cut/short-v0' at .* is unreadable"):
+        import_minari("cut/short-v0", tmp_path / "store", minari_root=root, success_from="none")
+    assert not (tmp_path / "store").exists()
+
+
+def test_cli_os_errors_are_one_line(tmp_path, monkeypatch):
+    root = tmp_path / "minari"
+    _dataset(root, monkeypatch, "ok/two-v0", _buffers(2))
+    (tmp_path / "file").write_text("not a directory")
+    r = subprocess.run([sys.executable, "-m", "robo_post.cli", "store", "import-minari", "ok/two-v0",
+                        str(tmp_path / "file"), "--minari-root", str(root), "--success-from", "none"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == f"robo-post store: NotADirectoryError: [Errno 20] Not a directory: '{tmp_path / 'file'}/shards'"

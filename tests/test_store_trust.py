@@ -154,6 +154,78 @@ def test_repair_leaves_out_episodes_whose_data_does_not_verify(tmp_path, small_c
     assert [e.key for e in store.snapshot()] == ["a/0", "a/1"] and validate_store(store.root) == (2, [])
 
 
+def test_repair_says_every_episode_past_a_damaged_record_is_left_out(tmp_path, small_chunks):
+    store = _three_episodes(str(tmp_path / "s"))
+    store.snapshot()  # a snapshot saw all three
+    index = os.path.join(store.root, "shards", "a", "episodes.jsonl")
+    with open(index, "rb") as f:
+        lines = f.read().split(b"\n")
+    lines[0] = lines[0].replace(b'"i": 0', b'"i": 7')  # episode 0's record fails its checksum
+    with open(index, "wb") as f:
+        f.write(b"\n".join(lines))
+    (line,) = repair_store(store.root)
+    # Not only the damaged episode: the commit record is a prefix, so 1 and 2 go too.
+    assert "stops verifying at episode 0" in line and "episodes 0..2 are left out" in line, line
+    repair_store(store.root, apply=True)
+    # what the repair left out is no loss for validate to report on every later run
+    assert not [p for p in validate_store(store.root)[1] if "lost" in p], validate_store(store.root)
+
+
+@pytest.mark.parametrize("damage,names", [
+    ("obs/proprio/zarr.json", "data/obs/proprio"),  # zarr raised a bare KeyError
+    ("data", "shards/a/data"),  # zarr raised FileNotFoundError
+    ("zarr.json", "shards/a/data"),  # zarr raised JSONDecodeError naming no file
+])
+def test_damaged_array_metadata_is_a_store_error_naming_the_path(tmp_path, small_chunks, damage, names):
+    store = _three_episodes(str(tmp_path / "s"))
+    data = os.path.join(store.root, "shards", "a", "data")
+    path = os.path.join(data, damage) if damage != "data" else data
+    if damage == "zarr.json":
+        with open(path, "w") as f:
+            f.write("{")
+    elif damage == "data":
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+    snap = store.snapshot()
+    for read in (lambda: snap.load_shard("a"), lambda: snap.load(snap.episodes()[1])):
+        with pytest.raises(StoreIntegrityError, match=names):
+            read()
+    checked, problems = validate_store(store.root)
+    assert checked == 0 and names in problems[0], problems
+
+
+def test_an_undecodable_chunk_is_a_store_error_naming_the_array(tmp_path, small_chunks):
+    store = _three_episodes(str(tmp_path / "s"))  # closed: every chunk sealed and compressed
+    directory = os.path.join(store.root, "shards", "a", "data", "action")
+    (name,) = [f for f in os.listdir(directory) if f.startswith("c.")]
+    with open(os.path.join(directory, name), "r+b") as f:
+        offset = int(np.frombuffer(f.read(8), "<u8")[0])  # chunk 0's entry in the shard index
+        f.seek(offset + 4)
+        f.write(b"\xff" * 12)  # its Blosc header's sizes: the chunk no longer decodes
+    with pytest.raises(StoreIntegrityError, match="data of action unreadable .*data/action"):
+        store.snapshot().load_shard("a")
+    _, problems = validate_store(store.root)
+    assert "arrays unreadable: action: " in problems[0], problems
+    r = _cli("store", "repair", store.root)  # damaged data is not its job: it says where to look
+    assert r.returncode == 0 and f"`robo-post store validate {store.root}` does" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("damage", ["shard", "commit_and_index"])
+def test_validate_reports_a_shard_lost_whole_that_a_snapshot_saw(tmp_path, small_chunks, damage):
+    store = _three_episodes(str(tmp_path / "s"))
+    snapshot_id = store.snapshot().id  # e.g. `store info` or a training run
+    shard = os.path.join(store.root, "shards", "a")
+    if damage == "shard":
+        shutil.rmtree(shard)
+    else:  # without them the shard looks new and empty
+        os.unlink(os.path.join(shard, "commit.bin"))
+        os.unlink(os.path.join(shard, "episodes.jsonl"))
+    checked, problems = validate_store(store.root)
+    assert checked == 0 and len(problems) == 1, problems
+    assert f"snapshot {snapshot_id} saw 3" in problems[0] and problems[0].startswith("shard a: "), problems
+
+
 # --- 3. reads verify checksums by default ---------------------------------------------------------
 def test_reads_verify_each_episode_unless_told_not_to(tmp_path, small_chunks):
     store = _three_episodes(str(tmp_path / "s"))

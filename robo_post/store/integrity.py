@@ -4,6 +4,7 @@ or damaged commit records (``robo-post store repair``)."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 
 import zarr
@@ -70,7 +71,8 @@ def validate_store(root: str) -> tuple[int, list[str]]:
     damaged one is a problem, with how many verified episode records lie past the
     record in use), commit record vs. ``episodes.jsonl`` (sizes, record checksums,
     contiguous row ranges), array extents, per-episode checksum, schema constraints on every row (extras too),
-    known episode roles, and that every published policy has loadable weights and
+    known episode roles, that no shard commits fewer episodes than a recorded snapshot
+    saw (a shard deleted whole), and that every published policy has loadable weights and
     config. An episode that is unreadable
     or fails its checksum is reported as an ``EpisodeDataError`` (naming shard and
     episode index, and whether the shard's trailing episodes all fail).
@@ -81,12 +83,14 @@ def validate_store(root: str) -> tuple[int, list[str]]:
         return 0, [f"cannot open store: {e}"]
     problems: list[str] = []
     counts: dict[str, dict[str, int]] = {}
+    committed: dict[str, tuple[int, int] | None] = {}  # (episodes, seq); None: damaged record (reported below)
     for shard in store.shards():
         path = os.path.join(store.root, "shards", shard)
         try:
             status = inspect_commit(path)
         except UnsupportedFormatError as e:
             return 0, [f"cannot open store: {e}"]
+        committed[shard] = None if status.problem is not None else (status.counts["episodes"], status.seq)
         if status.problem is not None:
             hidden = len(scan_index(store, shard)[0]) - (status.counts or {"episodes": 0})["episodes"]
             note = f"; episodes.jsonl holds {hidden} complete records past it" if status.counts and hidden > 0 else ""
@@ -125,10 +129,14 @@ def validate_store(root: str) -> tuple[int, list[str]]:
                 ranges = {f"obs/{k}": (o0, o0 + T + 1) for k in schema.observations}
                 ranges.update(action=(s0, s0 + T), step=(s0, s0 + T))
                 ranges.update({f"extras/{k}": (s0, s0 + T) for k in schema.extras})
-                try:
-                    arrays = {name: snap._read(shard, name, lo, hi) for name, (lo, hi) in ranges.items()}
-                except Exception as e:
-                    bad[ep.episode] = f"arrays unreadable: {e}"
+                arrays = {}
+                for name, (lo, hi) in ranges.items():
+                    try:
+                        arrays[name] = snap._read(shard, name, lo, hi)
+                    except Exception as e:
+                        bad[ep.episode] = f"arrays unreadable: {name}: {e}"
+                        break
+                if ep.episode in bad:
                     continue
             else:
                 arrays = {f"obs/{k}": data["obs"][k][o0 : o0 + T + 1] for k in schema.observations}
@@ -158,6 +166,7 @@ def validate_store(root: str) -> tuple[int, list[str]]:
             synced = {ep.fsync for ep in eps[first_trailing:]}
             fsync = synced.pop() if len(synced) == 1 else None
             problems.append(str(EpisodeDataError(shard, first_trailing, len(eps), True, bad[first_trailing], fsync)))
+    problems += _lost_since_snapshots(store.root, committed)
     registry = PolicyRegistry(store.root)
     for version in registry.versions():
         try:
@@ -165,6 +174,34 @@ def validate_store(root: str) -> tuple[int, list[str]]:
         except StoreError as e:  # PolicyArtifactError names the version and the file
             problems.append(str(e))
     return checked, problems
+
+
+def _lost_since_snapshots(root: str, committed: dict[str, tuple[int, int] | None]) -> list[str]:
+    """Shards that lost episodes a recorded snapshot saw: a shard deleted whole, or with its
+    commit record and index, leaves nothing else to notice. Every commit raises the record's
+    ``seq`` and adds episodes, so a shard with fewer episodes than a snapshot saw and a ``seq``
+    below that count started over; one that ``store repair`` cut back has a higher ``seq``."""
+    directory = os.path.join(root, "snapshots")
+    names = sorted(n for n in os.listdir(directory) if n.endswith(".json")) if os.path.isdir(directory) else []
+    problems, seen = [], {}  # shard -> (most episodes any snapshot saw, that snapshot)
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            with open(path, "rb") as f:
+                shards = {str(k): int(c["episodes"]) for k, c in json.loads(f.read())["shards"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            problems.append(f"{path}: damaged snapshot record: {e!r}")
+            continue
+        for shard, n in shards.items():
+            if n > seen.get(shard, (0, ""))[0]:
+                seen[shard] = (n, name[: -len(".json")])
+    for shard, (n, snapshot_id) in sorted(seen.items()):
+        if shard not in committed:
+            problems.append(f"shard {shard}: its directory is gone, yet snapshot {snapshot_id} saw {n} committed episodes in it")
+        elif committed[shard] is not None and (now := committed[shard][0]) < n and committed[shard][1] < n:
+            lost = f"episode {now} was" if now == n - 1 else f"episodes {now}..{n - 1} were"
+            problems.append(f"shard {shard}: commits {now} episodes, yet snapshot {snapshot_id} saw {n}: {lost} lost")
+    return problems
 
 
 def scan_index(store: Store, shard: str) -> tuple[list[tuple[EpisodeInfo, int]], str | None]:
@@ -240,11 +277,24 @@ def repair_store(root: str, apply: bool = False) -> list[str]:
         if status.counts is not None:
             line += f", where the record in use says {status.counts['episodes']}"
         if stopped is not None:
-            line += f"; the index stops verifying at episode {len(good)} ({stopped}), which is left out"
+            line += f"; the index stops verifying at episode {len(good)} ({stopped})"
+            last = _index_records(path) - 1
+            # The record holds only a prefix: every later episode goes too, however healthy.
+            left = f"episode {last} is" if last == len(good) else f"episodes {len(good)}..{last} are"
+            line += f": {left} left out, for good once the shard's next writer overwrites them"
         if apply:
             _rewrite_commit(path, shard, max(status.seq, 0) + 1, counts)
         actions.append(line)
     return actions
+
+
+def _index_records(shard_dir: str) -> int:
+    """How many complete (newline-terminated) records a shard's ``episodes.jsonl`` holds."""
+    try:
+        with open(os.path.join(shard_dir, "episodes.jsonl"), "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
 
 
 def _rewrite_commit(path: str, shard: str, seq: int, counts: dict[str, int]) -> None:

@@ -336,12 +336,16 @@ def import_minari(
     path = os.path.join(root, "data")
     if not os.path.isdir(path):
         raise StoreError(f"no Minari dataset {dataset_id!r} at {path}")
-    dataset = minari.MinariDataset(path)
+    with _reading(dataset_id, path):  # before the store exists: a damaged dataset creates nothing
+        dataset = minari.MinariDataset(path)
+        metas = list(dataset.storage.get_episode_metadata(dataset.episode_indices))
+        env_spec = dataset.spec.env_spec
+        exported = dataset.storage.metadata.get(META_KEY)
+    if not metas:
+        raise StoreError(f"Minari dataset {dataset_id!r} at {path} holds no episodes")
     schema = _schema_from_spaces(dataset_id, dataset.observation_space, dataset.action_space)
-    env_spec = dataset.spec.env_spec
     if env_spec is not None:  # the env the data came from: eval and chunk defaults find it by id
         schema = dataclasses.replace(schema, attrs={**schema.attrs, "env": env_spec.id})
-    exported = dataset.storage.metadata.get(META_KEY)
     if exported is not None:
         schema = StoreSchema.from_json(exported["schema"])
     elif decide is None:
@@ -355,48 +359,69 @@ def import_minari(
     except StoreNotFoundError:
         store = Store.create(str(store_root), schema)
     bare_key = schema.attrs.get(BARE_OBS_ATTR)
-    metas = list(dataset.storage.get_episode_metadata(dataset.episode_indices))
 
     n = 0
     with contextlib.ExitStack() as stack:
         writers: dict[str, ShardWriter] = {}
-        for episode, meta in zip(dataset.iterate_episodes(), metas, strict=True):
-            record = json.loads(meta[META_KEY]) if META_KEY in meta else {}
-            shard = client_id if client_id is not None else record.get("client_id", "minari")
-            if shard not in writers:
-                writers[shard] = stack.enter_context(store.writer(shard))
-            extra = dict((episode.infos or {}).get(META_KEY, {}))
-            extras = {k: np.asarray(v)[: len(episode)] for k, v in extra.pop("extras", {}).items()}
-            columns = {_WRITE_ARG[k]: np.asarray(v)[: len(episode)] for k, v in extra.items() if k in _WRITE_ARG}
-            attrs = dict(record.get("attrs") or {})
-            if decide is not None:
-                success = decide(episode)
-                attrs["success_rule"] = success_from
-            elif "success" in record:
-                success = record["success"]
-            else:  # exported, but Minari dropped the episode metadata (e.g. combine_datasets)
-                raise SuccessRuleError(
-                    f"episode {episode.id} of {dataset_id!r} has no recorded success: pass success_from, one of: "
-                    f"{_rules_help()}"
+        episodes = dataset.iterate_episodes()
+        for index, meta in zip(dataset.episode_indices, metas, strict=True):
+            try:
+                with _reading(dataset_id, path):
+                    episode = next(episodes)
+                record = json.loads(meta[META_KEY]) if META_KEY in meta else {}
+                shard = client_id if client_id is not None else record.get("client_id", "minari")
+                if shard not in writers:
+                    writers[shard] = stack.enter_context(store.writer(shard))
+                extra = dict((episode.infos or {}).get(META_KEY, {}))
+                extras = {k: np.asarray(v)[: len(episode)] for k, v in extra.pop("extras", {}).items()}
+                columns = {_WRITE_ARG[k]: np.asarray(v)[: len(episode)] for k, v in extra.items() if k in _WRITE_ARG}
+                attrs = dict(record.get("attrs") or {})
+                if decide is not None:
+                    success = decide(episode)
+                    attrs["success_rule"] = success_from
+                elif "success" in record:
+                    success = record["success"]
+                else:  # exported, but Minari dropped the episode metadata (e.g. combine_datasets)
+                    raise SuccessRuleError(
+                        f"episode {episode.id} of {dataset_id!r} has no recorded success: pass success_from, one of: "
+                        f"{_rules_help()}"
+                    )
+                writers[shard].write_episode(
+                    {bare_key: episode.observations} if bare_key else episode.observations,
+                    episode.actions,
+                    rewards=episode.rewards,
+                    terminated=episode.terminations,
+                    truncated=episode.truncations,
+                    **columns,
+                    task_id=task_id if task_id is not None else record.get("task_id", dataset_id),
+                    instruction=record.get("instruction", ""),
+                    seed=record["seed"] if "seed" in record else meta.get("seed"),
+                    success=success,
+                    policy_version=record.get("policy_version"),
+                    start_time=record.get("start_time"),
+                    end_time=record.get("end_time"),
+                    attrs=attrs,
+                    extras=extras,
+                    # Exported before roles were recorded: the role its shard's name gave it.
+                    role=record.get("role") or (infer_role(record["client_id"]) if "client_id" in record else "imported"),
                 )
-            writers[shard].write_episode(
-                {bare_key: episode.observations} if bare_key else episode.observations,
-                episode.actions,
-                rewards=episode.rewards,
-                terminated=episode.terminations,
-                truncated=episode.truncations,
-                **columns,
-                task_id=task_id if task_id is not None else record.get("task_id", dataset_id),
-                instruction=record.get("instruction", ""),
-                seed=record["seed"] if "seed" in record else meta.get("seed"),
-                success=success,
-                policy_version=record.get("policy_version"),
-                start_time=record.get("start_time"),
-                end_time=record.get("end_time"),
-                attrs=attrs,
-                extras=extras,
-                # Exported before roles were recorded: the role its shard's name gave it.
-                role=record.get("role") or (infer_role(record["client_id"]) if "client_id" in record else "imported"),
-            )
+            except StoreError as e:
+                # Same type, with where it stopped: earlier episodes stay committed, and
+                # importing the dataset again would add them a second time.
+                done = f"{n} earlier episode(s) stay imported in {store_root}" if n else "nothing was imported"
+                e.args = (f"Minari dataset {dataset_id!r}, episode {index}: {e}; {done}", *e.args[1:])
+                raise
             n += 1
     return n
+
+
+@contextlib.contextmanager
+def _reading(dataset_id: str, path: str) -> Iterator[None]:
+    """Any failure of Minari or HDF5/Arrow to read a damaged dataset as a ``StoreError``
+    naming the dataset (they raise OSError, JSON, Arrow or KeyError alike)."""
+    try:
+        yield
+    except StoreError:
+        raise
+    except Exception as e:
+        raise StoreError(f"Minari dataset {dataset_id!r} at {path} is unreadable: {e!r}") from e

@@ -332,10 +332,19 @@ class Snapshot:
         if shard not in self._arrays:
             if shard not in self.counts:
                 raise InvalidNameError(f"shard {shard!r} is not in snapshot {self.id}")
-            group = zarr.open_group(os.path.join(self.store.root, "shards", shard, "data"), mode="r")
+            path = os.path.join(self.store.root, "shards", shard, "data")
             schema = self.store.schema
             names = [f"obs/{k}" for k in schema.observations] + ["action", "step"] + [f"extras/{k}" for k in schema.extras]
-            self._arrays[shard] = {n: group[n] for n in names}
+            name = None
+            try:
+                group = zarr.open_group(path, mode="r")
+                arrays = {}
+                for name in names:
+                    arrays[name] = group[name]
+            except Exception as e:  # a missing or damaged zarr.json: zarr raises KeyError, JSON or OS errors
+                where = path if name is None else os.path.join(path, name)
+                raise StoreIntegrityError(f"shard {shard}: {where} unreadable: {e!r}") from e
+            self._arrays[shard] = arrays
         return self._arrays[shard]
 
     def _read(self, shard: str, name: str, lo: int, hi: int) -> np.ndarray:
@@ -372,12 +381,16 @@ class Snapshot:
     def _read_checked(self, shard: str, ranges: dict[str, tuple[int, int]], what: str) -> dict[str, np.ndarray]:
         """Rows ``lo..hi`` of each named array; any failure to decode them (a damaged
         file makes zarr or the codec raise almost anything) as ``StoreIntegrityError``."""
-        try:
-            return {name: self._read(shard, name, lo, hi) for name, (lo, hi) in ranges.items()}
-        except (StoreError, InvalidNameError):
-            raise
-        except Exception as e:
-            raise StoreIntegrityError(f"{what}: data unreadable in store {self.store.root}: {e!r}") from e
+        arrays = {}
+        for name, (lo, hi) in ranges.items():
+            try:
+                arrays[name] = self._read(shard, name, lo, hi)
+            except (StoreError, InvalidNameError):
+                raise
+            except Exception as e:
+                path = os.path.join(self.store.root, "shards", shard, "data", name)
+                raise StoreIntegrityError(f"{what}: data of {name} unreadable ({path}): {e!r}") from e
+        return arrays
 
     def _check(self, episode: EpisodeInfo, arrays: dict[str, np.ndarray]) -> None:
         if episode_checksum(arrays) != episode.checksum:
