@@ -38,6 +38,14 @@ def test_roles_are_inferred_from_the_schema_and_can_be_overridden():
         infer_features(OBS, {"observation": "image"})
 
 
+def test_an_image_too_small_for_the_encoder_is_read_as_state_and_cannot_be_forced():
+    tiny = {"cam": ArraySpec("uint8", (16, 16, 3))}  # the encoder's convolutions need 18 x 18
+    assert infer_features(tiny)["cam"] == Feature("state", (16, 16, 3))
+    with pytest.raises(FeatureSpecError, match=r"'cam' \(shape \(16, 16, 3\)\) is too small .* at least 18 x 18"):
+        infer_features(tiny, {"cam": "image"})
+    assert infer_features({"cam": ArraySpec("uint8", (18, 18, 3))})["cam"].role == "image"
+
+
 def test_an_encoder_reads_every_role_and_each_key_matters():
     features = infer_features(OBS)
     policy = FlowPolicy(FlowPolicyConfig(features=features, action_dim=2, horizon=3, use_text=False, embed_dim=8,

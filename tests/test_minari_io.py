@@ -10,10 +10,11 @@ import gymnasium as gym
 import minari
 import numpy as np
 import pytest
+import torch
 from minari.data_collector import EpisodeBuffer
 
 from robo_post.cli import main
-from robo_post.store import ArraySpec, EpisodeValidationError, Store, StoreError, StoreSchema
+from robo_post.store import ArraySpec, EpisodeValidationError, PolicyRegistry, Store, StoreError, StoreSchema
 from robo_post.store.minari_io import SuccessRuleError, UnsupportedSpaceError, export_minari, import_minari
 
 SCHEMA = StoreSchema(
@@ -360,12 +361,11 @@ def _buffers(n, bad=None):
     return out
 
 
-def _dataset(root, monkeypatch, dataset_id, buffers):
+def _dataset(root, monkeypatch, dataset_id, buffers, action_space=gym.spaces.Box(-1, 1, (1,), np.float32)):
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
     with pytest.warns(UserWarning):  # Minari's missing-metadata nags
         minari.create_dataset_from_buffers(
-            dataset_id, buffers, observation_space=gym.spaces.Box(-1, 1, (2,), np.float32),
-            action_space=gym.spaces.Box(-1, 1, (1,), np.float32),
+            dataset_id, buffers, observation_space=gym.spaces.Box(-1, 1, (2,), np.float32), action_space=action_space,
         )
 
 
@@ -399,3 +399,28 @@ def test_cli_os_errors_are_one_line(tmp_path, monkeypatch):
                        capture_output=True, text=True)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip() == f"robo-post store: NotADirectoryError: [Errno 20] Not a directory: '{tmp_path / 'file'}/shards'"
+
+
+def test_unbounded_actions_train_on_the_data_range_and_scalar_actions_are_refused(tmp_path, monkeypatch):
+    root, rng = tmp_path / "minari", np.random.default_rng(0)
+    buffers = [EpisodeBuffer(observations=rng.uniform(-1, 1, (9, 2)).astype(np.float32),
+                             actions=np.stack([rng.uniform(-3, 5, 8), np.full(8, 2.0)], 1).astype(np.float32),
+                             rewards=np.zeros(8), terminations=np.arange(8) == 7, truncations=np.zeros(8, bool))
+               for _ in range(4)]
+    _dataset(root, monkeypatch, "free/act-v0", buffers, gym.spaces.Box(-np.inf, np.inf, (2,), np.float32))
+    store = str(tmp_path / "store")
+    import_minari("free/act-v0", store, minari_root=root, success_from="termination")
+    assert main(["train", f"store={store}", "algo=bc_flow", "updates=20", f"run_dir={tmp_path / 'run'}"]) == 0
+    weights, config = PolicyRegistry(store).load(1)
+    actions = np.concatenate([b.actions for b in buffers])
+    # [-1, 1] maps onto the data's range; a constant dimension gets one unit either side
+    assert np.allclose(config["model"]["action_low"], [actions[:, 0].min(), 1.0])
+    assert np.allclose(config["model"]["action_high"], [actions[:, 0].max(), 3.0])
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+    scalar = EpisodeBuffer(observations=np.zeros((4, 2), np.float32), actions=np.zeros(3, np.float32),
+                           rewards=np.zeros(3), terminations=np.arange(3) == 2, truncations=np.zeros(3, bool))
+    _dataset(root, monkeypatch, "scalar/act-v0", [scalar], gym.spaces.Box(-1, 1, (), np.float32))
+    with pytest.raises(UnsupportedSpaceError, match="'scalar/act-v0': .* is a scalar Box"):
+        import_minari("scalar/act-v0", tmp_path / "other", minari_root=root, success_from="none")
+    assert not (tmp_path / "other").exists()

@@ -20,6 +20,7 @@ from robo_post.store import (
     WindowSampler,
 )
 from robo_post.store.commit import CommitDamageWarning
+from robo_post.store.registry import PolicyRegistry, RegistryNotWritableError
 from robo_post.store.integrity import repair_store, validate_store
 from test_store import tree_hash
 from test_store_append import SCHEMA, clear_chunk, episode, small_chunks, write  # noqa: F401 (fixture)
@@ -291,6 +292,24 @@ def test_a_read_only_store_opens_snapshots_loads_and_samples(tmp_path, small_chu
         subprocess.run(["chmod", "-R", "u+w", store.root], check=True)
     assert tree_hash(store.root) == before
     assert store.snapshot().recorded  # writable again: recorded
+
+
+def test_training_on_a_read_only_store_fails_before_it_trains(tmp_path, small_chunks, capsys):
+    from robo_post.cli import main
+
+    store = _three_episodes(str(tmp_path / "s"))
+    PolicyRegistry(store.root)  # its directory exists; nothing can be published into it below
+    _READ_ONLY_ROOTS.append(store.root)
+    try:
+        with pytest.raises(RegistryNotWritableError, match="cannot publish policies to .*/s/policies"):
+            PolicyRegistry(store.root).check_writable()
+        run_dir = tmp_path / "run"
+        assert main(["train", f"store={store.root}", "algo=bc_flow", "updates=20", "data.success=null",
+                     f"run_dir={run_dir}"]) == 1
+    finally:
+        _READ_ONLY_ROOTS.remove(store.root)
+    assert "RegistryNotWritableError: cannot publish policies" in capsys.readouterr().err
+    assert not run_dir.exists()  # refused before the run started, not after training
 
 
 # --- 5. messages ----------------------------------------------------------------------------------

@@ -102,8 +102,15 @@ def measure(schema: StoreSchema, sampler: WindowSampler, model: DictConfig, gamm
     action = schema.action
     discrete = np.dtype(action.dtype).kind in "iu"
     shape = action.shape if not discrete else (1,)
-    low = list(np.broadcast_to(action.low if action.low is not None else -1.0, shape).astype(float))
-    high = list(np.broadcast_to(action.high if action.high is not None else 1.0, shape).astype(float))
+    low = np.broadcast_to(action.low if action.low is not None else -1.0, shape).astype(float)
+    high = np.broadcast_to(action.high if action.high is not None else 1.0, shape).astype(float)
+    if not discrete and not (np.isfinite(low).all() and np.isfinite(high).all()):
+        # An unbounded Box (common in imported datasets): the policy's [-1, 1] maps onto the data's range.
+        seen_low, seen_high = (np.broadcast_to(v, shape).astype(float) for v in sampler.action_range())
+        flat = seen_high - seen_low < 1e-6
+        low = np.where(np.isfinite(low), low, seen_low - flat)
+        high = np.where(np.isfinite(high), high, seen_high + flat)
+    low, high = list(low), list(high)
     returns = sampler.returns_to_go()
     v_range, (lo, hi) = value_range(returns), return_bounds(returns)
     if reference is not None:

@@ -7,7 +7,7 @@ feature spec maps each observation key of the store schema to a role:
 role            what the store holds                           how a model encodes it
 ==============  =============================================  ==========================
 ``state``       float/int/bool vector (any shape, flattened)   standardised, then an MLP
-``image``       uint8 (H, W, C), C in {1, 3, 4}                a small CNN
+``image``       uint8 (H, W, C), C in {1, 3, 4}, H, W >= 18    a small CNN
 ``discrete``    an integer scalar with bounds [low, high]      a learned embedding
 ==============  =============================================  ==========================
 
@@ -61,9 +61,17 @@ class Feature:
         return int(np.prod(self.shape, dtype=np.int64)) if self.role == "state" else 1
 
 
+# The image encoder's three strided convolutions need at least this many pixels per side.
+MIN_IMAGE_SIDE = 18
+
+
+def _is_image(shape: tuple[int, ...], dtype: np.dtype) -> bool:
+    return dtype == np.uint8 and len(shape) == 3 and shape[2] in (1, 3, 4)
+
+
 def _infer_role(key: str, spec: Any) -> Feature:
     shape, dtype = tuple(spec.shape), np.dtype(spec.dtype)
-    if dtype == np.uint8 and len(shape) == 3 and shape[2] in (1, 3, 4):
+    if _is_image(shape, dtype) and min(shape[:2]) >= MIN_IMAGE_SIDE:
         return Feature("image", shape)
     if dtype.kind in "iu" and shape == () and spec.low is not None and spec.high is not None:
         low, high = int(np.min(spec.low)), int(np.max(spec.high))
@@ -77,6 +85,9 @@ def _forced(key: str, role: str, spec: Any) -> Feature:
         return inferred
     if role == "state":  # any numeric key can be read as a vector
         return Feature("state", tuple(spec.shape))
+    if role == "image" and _is_image(tuple(spec.shape), np.dtype(spec.dtype)):
+        raise FeatureSpecError(f"observation {key!r} (shape {tuple(spec.shape)}) is too small for the image encoder: "
+                               f"it needs at least {MIN_IMAGE_SIDE} x {MIN_IMAGE_SIDE} pixels; read it as role 'state'")
     raise FeatureSpecError(f"observation {key!r} (dtype {spec.dtype}, shape {tuple(spec.shape)}) cannot take role {role!r}")
 
 

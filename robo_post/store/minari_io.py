@@ -279,6 +279,9 @@ def _schema_from_spaces(dataset_id: str, observation_space: gym.Space, action_sp
         raise UnsupportedSpaceError(
             f"{where}: action space {action_space} unsupported; the store needs a Box, Discrete or MultiDiscrete"
         )
+    if isinstance(action_space, gym.spaces.Box) and action_space.shape == ():
+        raise UnsupportedSpaceError(f"{where}: action space {action_space} is a scalar Box; the store needs "
+                                    "Box actions of shape (n,)")
     spaces = observation_space.spaces if isinstance(observation_space, gym.spaces.Dict) else {}
     for key, space in spaces.items():
         if isinstance(space, (gym.spaces.Dict, gym.spaces.Tuple)):

@@ -41,6 +41,10 @@ class PolicyArtifactError(StoreError):
     """A published version's files are missing, unreadable or changed since publishing."""
 
 
+class RegistryNotWritableError(StoreError):
+    """Nothing can be published to the registry (a read-only store, a full disk)."""
+
+
 class PolicyRegistry:
     """Versioned policy artifacts (safetensors weights + JSON config) in a store.
 
@@ -51,6 +55,16 @@ class PolicyRegistry:
     def __init__(self, store_root: str):
         self.dir = os.path.join(store_root, "policies")
         os.makedirs(self.dir, exist_ok=True)
+
+    def check_writable(self) -> None:
+        """Fail before a training run, not at its end, when nothing can be published here."""
+        probe = os.path.join(self.dir, f".probe-{uuid.uuid4().hex}")
+        try:
+            with open(probe, "wb"):
+                pass
+            os.remove(probe)
+        except OSError as e:
+            raise RegistryNotWritableError(f"cannot publish policies to {self.dir}: {e.strerror or e}") from e
 
     def versions(self) -> list[int]:
         """Published versions, ascending."""

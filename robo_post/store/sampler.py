@@ -138,6 +138,11 @@ class WindowSampler:
         data = self._obs[key].view.astype(np.float64)
         return data.mean(axis=0), data.std(axis=0)
 
+    def action_range(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per-dimension smallest and largest action over the held data."""
+        data = self._action.view
+        return data.min(axis=0), data.max(axis=0)
+
     def add_episodes(self, snapshot: Snapshot, episodes: Iterable[EpisodeInfo]) -> None:
         """Load ``episodes`` of ``snapshot`` into memory (one read per shard)."""
         by_shard: dict[str, list[EpisodeInfo]] = {}
