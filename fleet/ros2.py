@@ -5,7 +5,9 @@ What is recorded comes from a robot description (``robot=NAME|PATH.yaml``;
 ``RobotDescription``): joint names and order, which JointState fields are recorded,
 action names and bounds, camera size and encoding (or no camera), task vocabulary, the
 episode limit ``max_steps``, and the simulator ``ros2-sim`` runs for it. The store
-schema is derived from it. ``configs/robots/tabletop.yaml`` is the default.
+schema is derived from it and keeps the robot's name and layout (joint, field, action and
+task names in order): a store recorded from another robot, or with another layout, is
+refused. ``configs/robots/tabletop.yaml`` is the default.
 
 Topics, relative to the node namespace (default ``/robot``); all reliable, volatile,
 keep-last ``burst_episodes * (max_steps + 1)`` (see Bursts):
@@ -47,11 +49,16 @@ topics arrive in; events may overtake data, so several episodes can be open at o
 episode owns the stamps in [start.stamp, end.stamp]. An episode commits once it holds
 T + 1 observations and T actions. A malformed message (joint names or lengths that do
 not match the description, NaN/inf, an action out of bounds, wrong image encoding or
-size, a stamp not after the previous one on its topic, a bad event, an ``end`` without a
-``start``) is counted by kind in ``malformed``, logged and dropped, and the episode that
-owns its stamp (if any) is discarded at its end; a bad end event discards its own
-episode. An episode that receives nothing for ``timeout`` seconds is discarded. A
-discarded episode never touches the store, nor any other episode.
+size, an unset (zero) stamp, a stamp not after the previous one on its topic, a bad
+event, an ``end`` without a ``start``) is counted by kind in ``malformed``, logged and
+dropped, and the episode that owns its stamp (if any) is discarded at its end; a bad end
+event (even one without a stamp) discards its own episode; ``success``, ``terminated``
+and ``truncated`` (and ``aborted``, ``final`` if given) must be JSON booleans. An
+episode that receives nothing for ``timeout`` seconds is discarded; one still awaiting
+its end when a start of the same index comes (the robot restarted) is discarded as
+``abandoned``. A discarded episode never touches the store, nor any other episode. A
+robot that restarts with its clock behind (sim time reset) is recognised by its new
+publisher's first start event: the bridge forgets the stamps seen so far.
 
 Bursts: a robot may publish up to ``burst_episodes`` whole episodes of up to
 ``max_steps`` steps back to back, as fast as it can, without anything being dropped:
@@ -102,10 +109,12 @@ from builtin_interfaces.msg import Time
 from gymnasium import spaces
 from rclpy.context import Context
 from rclpy.duration import Duration
+from rclpy.exceptions import InvalidNamespaceException
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.signals import SignalHandlerOptions
+from rclpy.validate_namespace import validate_namespace
 from sensor_msgs.msg import Image, JointState
 from std_msgs.msg import String
 
@@ -127,6 +136,8 @@ STATUS_QOS = QoSProfile(
 SIM_SHARD = "ros2-sim"  # name mixed into the sim's episode seeds
 DEFAULT_ROBOT = "tabletop"  # description shipped in configs/robots/
 JOINT_FIELDS = ("position", "velocity", "effort")
+END_FLAGS = ("success", "terminated", "truncated", "aborted", "final")  # booleans of an end event
+REQUIRED_END_FLAGS = ("success", "terminated", "truncated")  # the rest default to false
 IMAGE_CHANNELS = {"rgb8": 3, "bgr8": 3, "rgba8": 4, "bgra8": 4, "mono8": 1}
 
 
@@ -324,10 +335,30 @@ class RobotDescription:
         return spaces.Box(np.array(self.action_low, np.float32), np.array(self.action_high, np.float32),
                           dtype=np.float32)
 
+    def layout(self) -> dict[str, list[str]]:
+        """What each recorded element means: shapes alone cannot tell two joint orders or
+        two task vocabularies apart, so a store keeps this in its schema ``attrs``."""
+        return {"joints": list(self.joints), "joint_fields": list(self.joint_fields),
+                "actions": list(self.action_names), "tasks": list(self.tasks)}
+
     def schema(self) -> StoreSchema:
         """The store schema of this robot's episodes."""
-        attrs = {"robot": self.name} | ({"env": self.env["name"]} if self.env is not None else {})
+        attrs = {"robot": self.name, "layout": self.layout()}
+        if self.env is not None:
+            attrs["env"] = self.env["name"]
         return StoreSchema.from_spaces(self.observation_space(), self.action_space(), **attrs)
+
+    def check_store(self, schema: StoreSchema, what: str) -> None:
+        """``check_schema``, then refuse a store recorded from another robot (by name) or with
+        another layout (joint, field, action or task order), which would mix meanings in one
+        column. A store without a robot (e.g. collected from the simulator) only needs matching shapes."""
+        self.check_schema(schema, what)
+        name, layout = schema.attrs.get("robot"), schema.attrs.get("layout")
+        if name is not None and name != self.name:
+            raise RobotDescriptionError(f"robot {self.name!r}: {what} was recorded from robot {name!r}")
+        if layout is not None and layout != self.layout():  # stores made before layouts were kept have none
+            diff = {k: {"store": layout.get(k), "robot": v} for k, v in self.layout().items() if layout.get(k) != v}
+            raise RobotDescriptionError(f"robot {self.name!r}: {what} was recorded with another layout: {diff}")
 
     def check_spaces(self, observation_space: spaces.Dict, action_space: spaces.Space, what: str) -> None:
         """Raise ``RobotDescriptionError`` if an env's spaces differ from this description's."""
@@ -382,11 +413,13 @@ class RobotDescription:
         h, w, c = self.camera.shape
         if msg.encoding != self.camera.encoding:
             raise MalformedMessage("image_encoding", f"encoding {msg.encoding!r}, expected {self.camera.encoding!r}")
-        if (msg.height, msg.width, msg.step, len(msg.data)) != (h, w, w * c, h * w * c):
+        # ROS lets rows be padded (step > width * channels, e.g. aligned camera buffers).
+        if (msg.height, msg.width) != (h, w) or msg.step < w * c or len(msg.data) != h * msg.step:
             raise MalformedMessage(
                 "image_size", f"{msg.height}x{msg.width} (step {msg.step}, {len(msg.data)} bytes), expected {h}x{w}x{c}"
             )
-        return np.frombuffer(msg.data, dtype=np.uint8).reshape(h, w, c).copy()
+        rows = np.frombuffer(msg.data, dtype=np.uint8).reshape(h, msg.step)
+        return rows[:, : w * c].reshape(h, w, c).copy()
 
     def joint_msg(self, ns: int, values: np.ndarray) -> JointState:
         """The JointState of a recorded joint vector (the inverse of ``parse_joints``);
@@ -628,7 +661,8 @@ class SimRobotNode(Node):
     """
 
     def __init__(self, cfg: SimConfig, context: Context | None = None):
-        super().__init__("sim_robot", namespace=cfg.namespace, context=context)
+        # Whatever can refuse the config runs before the node exists: a node left half-built
+        # is destroyed at context shutdown, and destroy_node() then fails on missing attributes.
         self.cfg = cfg
         self.robot = RobotDescription.load(cfg.robot)
         self.task = cfg.task or self.robot.tasks[0]
@@ -639,10 +673,20 @@ class SimRobotNode(Node):
             self.env = make_env(env_cfg, self.task)
         else:
             self.env = KinematicRobotEnv(self.robot, self.task, cfg.max_steps or self.robot.max_steps)
-        self.robot.check_spaces(self.env.observation_space, self.env.action_space, f"the sim's env {self.robot.env}")
-        self.policy: Policy | None = (
-            build_policy({}, {"kind": cfg.policy, "noise": cfg.noise}) if cfg.act_locally else None
-        )
+        try:
+            env = self.env
+            self.robot.check_spaces(env.observation_space, env.action_space, f"the sim's env {self.robot.env}")
+            # Refused here, or it fails only once a bridge has matched.
+            if cfg.act_locally and cfg.policy == "expert" and self.robot.env is None:
+                raise RobotDescriptionError(f"robot {self.robot.name!r} names no simulator env, and its kinematic "
+                                            "stand-in has no expert: use policy=random")
+            self.policy: Policy | None = (
+                build_policy({}, {"kind": cfg.policy, "noise": cfg.noise}) if cfg.act_locally else None
+            )
+        except Exception:
+            self.env.close()
+            raise
+        super().__init__("sim_robot", namespace=cfg.namespace, context=context)
         qos = topic_qos(queue_depth(max(cfg.max_steps, self.robot.max_steps), cfg.burst_episodes))
         self.pubs = {
             JOINT_TOPIC: self.create_publisher(JointState, JOINT_TOPIC, qos),
@@ -856,7 +900,9 @@ class BridgeNode(Node):
 
     Counters: ``malformed`` (message kind -> count), ``lost`` (topic -> messages DDS
     dropped) and ``discarded`` (reason -> episodes); all go to
-    ``STORE/fleet/<client_id>.json`` and the heartbeat with the commit counts.
+    ``STORE/fleet/<client_id>.json`` and the heartbeat with the commit counts, as do
+    ``wrong_type`` (topic -> other message types some node uses on it, which never reach
+    the bridge) and ``other_bridges`` (bridges also recording this namespace).
     """
 
     def __init__(self, cfg: BridgeConfig, context: Context | None = None):
@@ -869,13 +915,15 @@ class BridgeNode(Node):
             self.store = Store.open(cfg.store)
         except StoreNotFoundError:
             self.store = Store.create(cfg.store, self.robot.schema(), exist_ok=True)
-        self.robot.check_schema(self.store.schema, f"the store {self.store.root}")
+        self.robot.check_store(self.store.schema, f"the store {self.store.root}")
         self.writer = self.store.writer(cfg.client_id)
         self._action_space = self.robot.action_space()
         self._obs_keys = {self.robot.joint_key} | ({self.robot.camera.key} if self.robot.camera else set())
         self.malformed: Counter[str] = Counter()
         self.discarded: Counter[str] = Counter()
         self.lost: Counter[str] = Counter()
+        self.wrong_type: dict[str, list[str]] = {}  # topic -> foreign message types seen on it
+        self.other_bridges = 0  # other bridges on this namespace: each records every episode
         self.committed = 0
         self.done = False
         self._pool: dict[int, dict[str, np.ndarray]] = {}  # stamp -> {observation keys, "action"}
@@ -950,7 +998,7 @@ class BridgeNode(Node):
         hit = [f.reason for f in self._faults if f.lo <= ep.end["stamp"] and ep.start <= f.hi]
         return "overflow" if "overflow" in hit else hit[0] if hit else None
 
-    def _sequence(self, topic: str, ns: int, info: dict[str, Any]) -> None:
+    def _sequence(self, topic: str, ns: int | None, info: dict[str, Any]) -> None:
         """Detect messages DDS dropped (queue overflow) from gaps in each publisher's sequence
         numbers, which start at 1: a first message numbered n > 1 means n - 1 were lost
         (or sent before this bridge matched; either way they never arrived)."""
@@ -959,6 +1007,7 @@ class BridgeNode(Node):
             return  # the middleware does not report them
         key = (topic, bytes(gid["data"]))
         previous_seq, previous_ns = self._seq.get(key, (0, self._floor))
+        ns = previous_ns if ns is None else ns  # a message without a usable stamp
         self._seq[key] = (seq, ns)
         if seq > previous_seq + 1:
             n = seq - previous_seq - 1
@@ -978,6 +1027,9 @@ class BridgeNode(Node):
             self._reject(e.kind, ns, f"{topic}: {e}")
             return
         last = self._last.get(topic, 0)
+        if ns == 0:  # the usual mistake behind it; "not after 0" would not say so
+            self._reject("no_stamp", None, f"{topic}: header.stamp is unset (0); stamp every message")
+            return
         if ns <= last:
             self._reject("out_of_order", ns, f"{topic} stamp {ns} is not after {last}")
             return
@@ -1007,12 +1059,21 @@ class BridgeNode(Node):
 
     def _on_event(self, msg: String, info: dict[str, Any]) -> None:
         self._last_rx = time.monotonic()
+        ev: Any = None
         try:
             ev = json.loads(msg.data)
             stamp = int(ev["stamp"])
         except (ValueError, KeyError, TypeError) as e:
-            self._reject("event", None, f"bad episode event {msg.data[:200]!r}: {e!r}")
+            self._sequence(EPISODE_TOPIC, None, info)  # it arrived: not lost, only malformed
+            detail = f"bad episode event {msg.data[:200]!r}: {e!r}"
+            ep = self._awaiting_end(ev)
+            if ep is not None:  # an end naming its episode costs exactly that one, now
+                self._bad_end(ep, ep.last_stamp, detail)
+            else:
+                self._reject("event", None, detail)
             return
+        if ev.get("event") == "start" and self._clock_went_back(stamp, info):
+            self._forget_stamps(stamp)
         self._sequence(EPISODE_TOPIC, stamp, info)
         try:
             kind = ev["event"]
@@ -1029,10 +1090,34 @@ class BridgeNode(Node):
                 self._closed_index[ev["episode"]] = None  # its end is then no surprise
             self._reject("event", stamp, f"bad episode event {msg.data[:200]!r}: {e!r}")
 
+    def _clock_went_back(self, stamp: int, info: dict[str, Any]) -> bool:
+        """Whether a new publisher's first start event comes before stamps already seen: a
+        robot restarted with its clock reset (sim time) or behind the old one."""
+        gid = info.get("publisher_gid")
+        if gid is None or (EPISODE_TOPIC, bytes(gid["data"])) in self._seq:
+            return False
+        seen = [self._floor, *self._last.values(), *(e.start for e in self._open), *(hi for _, hi in self._closed)]
+        return stamp <= max(seen)
+
+    def _forget_stamps(self, stamp: int) -> None:
+        """Start stamp bookkeeping afresh, or every later message would be refused as out of
+        order until the bridge restarts. The old robot's open episodes are abandoned; data
+        of the new robot that arrived before this event were refused already."""
+        self.get_logger().warning(f"a new robot publisher starts at stamp {stamp}, before stamps already seen "
+                                  "(its clock restarted): forgetting the old stamps")
+        for ep in list(self._open):
+            self._discard(ep, "abandoned")
+        self._floor, self._closed, self._last, self._pool, self._faults = 0, [], {}, {}, []
+
     def _on_start(self, ev: dict[str, Any], start: int) -> None:
         index, seed, task = int(ev["episode"]), int(ev["seed"]), str(ev["task"])
         if task not in self.robot.tasks:
             raise ValueError(f"unknown task {task!r}; robot {self.robot.name!r} has {list(self.robot.tasks)}")
+        # A robot runs one episode at a time and sends each end before the next start, so an
+        # earlier episode of this index still awaiting its end was abandoned (the robot
+        # restarted and counts from 0 again): without this the restarted robot's episode is lost.
+        for ep in [e for e in self._open if e.index == index and e.end is None and e.start < start]:
+            self._discard(ep, "abandoned")
         if self._is_closed(start) or any(ep.index == index or ep.start >= start for ep in self._open):
             raise ValueError(f"episode {index} starts at {start}, not after the episodes already seen")
         # The event's instruction is tied to this episode; the topic's latest one may not be yet.
@@ -1053,9 +1138,22 @@ class BridgeNode(Node):
             ep.last_stamp = ns
             self._serve(ep, ns)
 
+    def _awaiting_end(self, ev: Any) -> _Episode | None:
+        """The open episode an end event names, if it is one and that episode awaits its end."""
+        if not isinstance(ev, dict) or ev.get("event") != "end":
+            return None
+        return next((e for e in self._open if e.index == ev.get("episode") and e.end is None), None)
+
+    def _bad_end(self, ep: _Episode, stamp: int, detail: str) -> None:
+        """A malformed end event of ``ep``: its own episode is known by index, discard exactly that one."""
+        self.malformed["event"] += 1
+        self.get_logger().warning(f"dropped malformed message (event): bad end of episode {ep.index}: {detail}")
+        ep.end = {"stamp": max(stamp, ep.last_stamp)}
+        self._discard(ep, "malformed")
+
     def _on_end(self, ev: dict[str, Any], stamp: int) -> None:
         index = int(ev["episode"])
-        ep = next((e for e in self._open if e.index == index and e.end is None), None)
+        ep = self._awaiting_end({**ev, "episode": index})
         if ep is None:
             if index in self._closed_index:
                 self.get_logger().info(f"end of episode {index}, already closed; ignored")
@@ -1065,13 +1163,13 @@ class BridgeNode(Node):
             length, rewards = int(ev["length"]), [float(r) for r in ev["rewards"]]
             if len(rewards) != length or stamp < ep.start:
                 raise ValueError(f"{len(rewards)} rewards for {length} steps, end stamp {stamp} < start {ep.start}")
+            # Truthiness would record "false" as True: flags must be JSON booleans.
+            flags = {k: ev[k] for k in END_FLAGS if k in ev or k in REQUIRED_END_FLAGS}
+            if not all(isinstance(v, bool) for v in flags.values()):
+                raise TypeError(f"flags {flags} must be true or false")
             ev = {**ev, "length": length, "rewards": rewards, "stamp": stamp}
         except (ValueError, KeyError, TypeError) as e:
-            # Its own episode is known by index: discard exactly that one.
-            self.malformed["event"] += 1
-            self.get_logger().warning(f"dropped malformed message (event): bad end of episode {index}: {e!r}")
-            ep.end = {"stamp": max(stamp, ep.last_stamp)}
-            self._discard(ep, "malformed")
+            self._bad_end(ep, stamp, repr(e))
             return
         ep.end = ev
         ep.last_rx = time.monotonic()
@@ -1201,6 +1299,7 @@ class BridgeNode(Node):
                 matched[ACTION_TOPIC] = self._action_pub.get_subscription_count()
             self._status_pub.publish(String(data=json.dumps({**self._status("running"), "matched": matched})))
         if now >= self._next_file:
+            self._check_graph()
             self.write_status("running")
         for ep in [e for e in self._open if now - e.last_rx > self.cfg.timeout]:
             self._discard(ep, "timeout")
@@ -1208,13 +1307,32 @@ class BridgeNode(Node):
             self._pool.clear()  # data whose start event never came
             self._faults.clear()
 
+    def _check_graph(self) -> None:
+        """Warn once per foreign message type on one of our topics: DDS never matches a
+        publisher of another type, so its messages would vanish without a word. Warn when
+        another bridge records this namespace: both store every episode, twice in one store."""
+        others = self.count_publishers(self._status_pub.topic_name) - 1
+        if others > self.other_bridges:
+            self.get_logger().error(f"{others} other bridge(s) record {self.get_namespace()}: each stores "
+                                    "every episode (duplicates when they share a store)")
+        self.other_bridges = others
+        types = dict(self.get_topic_names_and_types())
+        for topic, sub in self._subs.items():
+            ours = "/".join((sub.msg_type.__module__.split(".")[0], "msg", sub.msg_type.__name__))
+            for other in types.get(sub.topic_name, []):
+                if other != ours and other not in self.wrong_type.get(topic, []):
+                    self.wrong_type[topic] = [*self.wrong_type.get(topic, []), other]
+                    self.get_logger().error(f"a node uses {other} on {sub.topic_name}, which the bridge reads as "
+                                            f"{ours}: none of its messages can reach the bridge")
+
     def _status(self, state: str) -> dict[str, Any]:
         return {
             "client_id": self.cfg.client_id, "kind": "ros2-bridge", "state": state, "pid": os.getpid(),
             "host": socket.gethostname(), "started": self._started, "heartbeat": time.time(),
             "robot": self.robot.name, "episodes": self.writer.n_episodes, "steps": self.writer.n_steps,
             "committed": self.committed, "malformed": dict(self.malformed), "discarded": dict(self.discarded),
-            "lost": dict(self.lost), "policy_version": self.policy_version,
+            "lost": dict(self.lost), "wrong_type": self.wrong_type, "other_bridges": self.other_bridges,
+            "policy_version": self.policy_version,
             "max_burst": {"episodes": self.cfg.burst_episodes, "max_steps": self.max_steps,
                           "messages_per_topic": self.depth},
         }
@@ -1336,6 +1454,20 @@ def run_status(cfg: StatusConfig) -> list[dict[str, Any]]:
     return bridge_statuses(cfg.store, cfg.stale_s)
 
 
+MAX_DOMAIN_ID = 232  # beyond it the DDS port numbers overflow
+
+
+def check_ros_args(namespace: str, domain_id: int | None) -> None:
+    """Raise ``ValueError`` for a namespace or domain id ROS would reject only once started
+    (with a traceback, or a DDS log line and no message of ours)."""
+    try:  # as the node constructor does, accept "" and relative namespaces
+        validate_namespace("/" + namespace.lstrip("/") if namespace.strip("/") else "/")
+    except InvalidNamespaceException as e:
+        raise ValueError(f"namespace={namespace!r}: {str(e).splitlines()[0]}") from None
+    if domain_id is not None and not 0 <= domain_id <= MAX_DOMAIN_ID:
+        raise ValueError(f"domain_id={domain_id}: ROS domain ids are 0..{MAX_DOMAIN_ID}")
+
+
 USAGE = """usage: robo-post fleet ros2-bridge store=PATH [robot=NAME|PATH.yaml] [key=value ...]
        robo-post fleet ros2-sim [robot=NAME|PATH.yaml] [key=value ...]
        robo-post fleet ros2-status store=PATH [client_id=ID]
@@ -1359,6 +1491,7 @@ def main(argv: list[str]) -> int:
             parse_faults(cfg.faults)
         if argv[0] != "ros2-status":
             RobotDescription.load(cfg.robot)  # refuse a bad description in one line, before ROS starts
+            check_ros_args(cfg.namespace, cfg.domain_id)
     except (TypeError, ValueError) as e:
         print(f"robo-post fleet {argv[0]}: {e}", file=sys.stderr)
         return 2
@@ -1374,6 +1507,10 @@ def main(argv: list[str]) -> int:
             statuses = run(cfg)
         except FileNotFoundError as e:
             print(f"robo-post fleet ros2-status: no status file: {e.filename}", file=sys.stderr)
+            return 1
+        if not statuses:  # printing nothing would read as "all fine"
+            what = "no store" if not os.path.isdir(cfg.store) else "no ROS 2 bridge has run on the store"
+            print(f"robo-post fleet ros2-status: {what} {cfg.store}", file=sys.stderr)
             return 1
         for status in statuses:
             print(json.dumps(status))

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import pytest
 import rclpy
+import yaml
 from rclpy.context import Context
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.signals import SignalHandlerOptions
@@ -400,3 +402,214 @@ def test_refused_bursts_are_counted_and_a_killed_bridge_reads_dead(tmp_path):
                          capture_output=True, text=True, timeout=DEADLINE_S)
     assert out.returncode == 0 and json.loads(out.stdout)["state"] == "dead", out.stderr
     assert stale["state"] == "dead"
+
+
+# --- in-process bridge: handlers fed directly, no second participant --------------------
+class LocalBridge:
+    """A BridgeNode on its own domain whose message handlers the test calls directly, as a
+    robot's messages would arrive, with its own per-publisher sequence numbers."""
+
+    def __init__(self, root: str, robot: str = ARM2_PATH):
+        self.context = Context()
+        rclpy.init(context=self.context, domain_id=fresh_domain(), signal_handler_options=SignalHandlerOptions.NO)
+        self.node = ros2.BridgeNode(ros2.BridgeConfig(store=root, robot=robot, client_id="unit"), self.context)
+        self._seq: dict[str, int] = {}
+        self._generation = 0
+
+    def info(self, topic: str) -> dict[str, Any]:
+        self._seq[topic] = self._seq.get(topic, 0) + 1
+        gid = f"{topic}/{self._generation}".encode()
+        return {"publication_sequence_number": self._seq[topic], "publisher_gid": {"data": gid}}
+
+    def restart_robot(self) -> None:
+        """The robot's publishers are new ones from here on."""
+        self._seq.clear()
+        self._generation += 1
+
+    def event(self, **payload: Any) -> None:
+        self.node._on_event(String(data=json.dumps(payload)), self.info(ros2.EPISODE_TOPIC))
+
+    def episode(self, index: int, start: int, steps: int, end: bool = True, end_first: bool = False,
+                **end_fields: Any) -> None:
+        """Episode ``index`` with observations stamped start, start+1, ...; ``end_fields``
+        override the end event's fields (None: leave the field out); ``end_first``: the end
+        event overtakes the data, so the episode completes in a data callback."""
+        fields = {"event": "end", "episode": index, "seed": index, "task": "fold", "length": steps,
+                  "rewards": [0.0] * steps, "success": False, "terminated": True, "truncated": False,
+                  "aborted": False, "stamp": start + steps, "final": False} | end_fields
+        end_event = {k: v for k, v in fields.items() if v is not None}
+        self.event(event="start", episode=index, seed=index, task="fold", instruction="fold", stamp=start)
+        if end and end_first:
+            self.event(**end_event)
+        for t in range(steps + 1):
+            self.node._on_joint(ARM2.joint_msg(start + t, np.full(4, 0.1 * t)), self.info(ros2.JOINT_TOPIC))
+            if t < steps:
+                action = ARM2.action_msg(start + t, np.array([0.5, 0.1, 0.5]))
+                self.node._on_action(action, self.info(ros2.ACTION_TOPIC))
+        if end and not end_first:
+            self.event(**end_event)
+
+    def close(self) -> dict[str, Any]:
+        try:
+            return self.node.close()
+        finally:
+            self.context.try_shutdown()
+
+
+def test_store_of_another_robot_or_layout_is_refused(tmp_path):
+    """Same shapes are not enough: a description with the joints in another order (or
+    another robot name) would silently swap columns of episodes already stored."""
+    root = str(tmp_path / "store")
+    LocalBridge(root).close()
+    for name, edit, message in [
+        ("swapped", lambda d: d["joints"].update(names=["elbow", "shoulder"]), "another layout"),
+        ("tasks", lambda d: d["tasks"].update(names=["fold", "wave"]), "another layout"),
+        ("renamed", lambda d: d.update(name="arm3"), "recorded from robot 'arm2'"),
+    ]:
+        data = yaml.safe_load(Path(ARM2_PATH).read_text())
+        edit(data)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        with pytest.raises(ros2.RobotDescriptionError, match=message):
+            LocalBridge(root, str(path)).close()
+    assert Store.open(root).schema.attrs["layout"]["joints"] == ["shoulder", "elbow"]
+
+
+def test_end_flags_must_be_booleans(tmp_path):
+    """``"success": "false"`` is truthy: recorded as is, a failure would be stored as a
+    success (and ``"aborted": "false"`` would discard a good episode). A missing flag is
+    refused with its end event; found only at commit, in a data callback, it used to
+    raise KeyError out of the executor and kill the bridge."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.episode(0, 1_000, 3, success="false")
+        bridge.episode(1, 2_000, 3, terminated=None)
+        bridge.episode(2, 3_000, 3, end_first=True, terminated=None)
+        bridge.episode(3, 4_000, 3, end_first=True)
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"], status["malformed"]) == (1, {"malformed": 3}, {"event": 3})
+    snap = Store.open(root).snapshot()
+    assert [e.attrs["robot_episode"] for e in snap.episodes(client="unit")] == [3]
+
+
+def test_restarted_robot_reusing_an_open_index_is_recorded(tmp_path):
+    """A robot killed mid-episode 1 restarts and counts from 0 again before the bridge's
+    timeout: its own episode 1 is recorded, the dead one is discarded as abandoned."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.episode(1, 1_000, 5, end=False)  # killed after a few steps
+        bridge.restart_robot()
+        bridge.episode(0, 2_000, 3)
+        bridge.episode(1, 3_000, 3)
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"], status["malformed"]) == (2, {"abandoned": 1}, {})
+    snap = Store.open(root).snapshot()
+    episodes = {e.attrs["robot_episode"]: snap.load(e) for e in snap.episodes(client="unit")}
+    assert sorted(episodes) == [0, 1]
+    np.testing.assert_array_equal(episodes[1]["timestamp"], (3_000 + np.arange(3)) / 1e9)
+
+
+def test_robot_restarted_with_its_clock_behind_is_recorded(tmp_path):
+    """A robot restarted with sim time from 0 (or a clock behind the old one): without
+    forgetting the old stamps, every later message is refused as out of order until the
+    bridge itself restarts."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.episode(0, 10_000, 3)
+        bridge.episode(1, 20_000, 3, end=False)  # killed mid-episode
+        bridge.restart_robot()
+        bridge.episode(0, 1_000, 3)
+        bridge.episode(1, 2_000, 3)
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"], status["malformed"]) == (3, {"abandoned": 1}, {})
+    snap = Store.open(root).snapshot()
+    starts = sorted(round(snap.load(e)["timestamp"][0] * 1e9) for e in snap.episodes(client="unit"))
+    assert starts == [1_000, 2_000, 10_000]
+
+
+def test_end_without_stamp_discards_its_episode_and_loses_nothing(tmp_path):
+    """An end event without a stamp still names its episode: that one is discarded as
+    malformed at once (not after the timeout), and the event is not also counted as lost."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.episode(0, 1_000, 3, stamp=None)
+        assert (bridge.node.discarded, bridge.node.malformed) == ({"malformed": 1}, {"event": 1})
+        bridge.episode(1, 2_000, 3)
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"], status["lost"]) == (1, {"malformed": 1}, {})
+
+
+def test_unstamped_message_is_named_as_such(tmp_path):
+    """A robot that never sets header.stamp gets ``no_stamp``, not ``out_of_order``
+    ("stamp 0 is not after 0"), and its good episodes are still recorded."""
+    bridge = LocalBridge(str(tmp_path / "store"))
+    try:
+        bridge.node._on_joint(ARM2.joint_msg(0, np.zeros(4)), bridge.info(ros2.JOINT_TOPIC))
+        bridge.node._on_action(ARM2.action_msg(0, np.zeros(3)), bridge.info(ros2.ACTION_TOPIC))
+        bridge.episode(0, 1_000, 3)
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["malformed"]) == (1, {"no_stamp": 2})
+
+
+def test_image_rows_may_be_padded():
+    """A valid ROS image may pad its rows (step > width * channels); the padding is not
+    recorded, and an image whose data do not fill height * step is still refused."""
+    image = np.arange(64 * 64 * 3, dtype=np.uint32).astype(np.uint8).reshape(64, 64, 3)
+    padded = np.concatenate([image.reshape(64, 192), np.full((64, 64), 7, np.uint8)], axis=1)
+    msg = ros2.image_msg(1, image)
+    msg.step, msg.data = 256, padded.tobytes()
+    np.testing.assert_array_equal(TABLETOP.parse_image(msg), image)
+    msg.data = padded.tobytes()[:-1]
+    with pytest.raises(ros2.MalformedMessage, match="step 256"):
+        TABLETOP.parse_image(msg)
+
+
+def test_cli_refuses_bad_args_in_one_line(tmp_path, capsys):
+    """A bad namespace or domain id is refused in one line before ROS starts (ROS itself
+    would raise a traceback, or log a DDS error and exit without a word of ours); so is a
+    sim config its robot cannot run; ros2-status on a missing store says so instead of
+    printing nothing."""
+    for arg, message in [("namespace=bad-ns", "namespace='bad-ns': Invalid namespace"),
+                         ("domain_id=300", "domain_id=300: ROS domain ids are 0..232")]:
+        assert cli_main(["fleet", "ros2-bridge", f"store={tmp_path / 'store'}", arg]) == 2
+        assert message in capsys.readouterr().err
+    sim = ["fleet", "ros2-sim", f"robot={ARM2_PATH}", f"domain_id={fresh_domain()}", "discovery_timeout=1"]
+    assert cli_main(sim) == 1  # the default policy=expert: refused before waiting for a bridge
+    assert "names no simulator env, and its kinematic stand-in has no expert" in capsys.readouterr().err
+    assert cli_main([*sim, "task=nope", "policy=random"]) == 1  # not an AttributeError from a half-built node
+    assert "RobotDescriptionError: task 'nope' is not one of robot 'arm2'" in capsys.readouterr().err
+    assert cli_main(["fleet", "ros2-status", f"store={tmp_path / 'none'}"]) == 1
+    assert capsys.readouterr().err.strip() == f"robo-post fleet ros2-status: no store {tmp_path / 'none'}"
+
+
+def test_publisher_of_another_type_and_another_bridge_are_reported(tmp_path):
+    """DDS never matches a publisher of another message type: without a check, a robot
+    publishing e.g. String on joint_states only ever sees its episodes time out. A second
+    bridge on the namespace records every episode again, silently."""
+    bridge = LocalBridge(str(tmp_path / "store"))
+    context = Context()
+    rclpy.init(context=context, domain_id=bridge.context.get_domain_id(),
+               signal_handler_options=SignalHandlerOptions.NO)
+    robot = rclpy.create_node("robot", namespace="/robot", context=context)
+    try:
+        robot.create_publisher(String, ros2.JOINT_TOPIC, ros2.topic_qos(10))
+        robot.create_publisher(String, ros2.STATUS_TOPIC, ros2.STATUS_QOS)  # as another bridge does
+        deadline = time.monotonic() + DEADLINE_S
+        while not (bridge.node.wrong_type and bridge.node.other_bridges) and time.monotonic() < deadline:
+            bridge.node._check_graph()
+            time.sleep(0.05)
+        status = bridge.node.write_status("running")
+    finally:
+        robot.destroy_node()
+        context.try_shutdown()
+        bridge.close()
+    assert status["wrong_type"] == {ros2.JOINT_TOPIC: ["std_msgs/msg/String"]} and status["other_bridges"] == 1
