@@ -16,6 +16,7 @@ from robo_post.store import (
     EpisodeValidationError,
     ShardDamagedError,
     Store,
+    StoreError,
     StoreIntegrityError,
     WindowSampler,
 )
@@ -323,6 +324,17 @@ def test_lost_data_of_a_synced_writer_is_not_blamed_on_fsync_false(tmp_path, sma
     _, problems = validate_store(store.root)
     assert problems == ["a/3: checksum mismatch; so do all the shard's last 2 episodes (3..4), "
                         "written with fsync=True: the data was damaged or truncated after commit"]
+
+
+def test_a_store_is_not_created_among_other_files(tmp_path):
+    folder = tmp_path / "documents"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(StoreError, match=r"documents is a folder of other files \(notes.txt\), not a robo-post store"):
+        Store.create(str(folder), SCHEMA, exist_ok=True)
+    assert sorted(os.listdir(folder)) == ["notes.txt"]
+    (tmp_path / "new" / "fleet").mkdir(parents=True)  # a launcher's logs come before the store
+    Store.create(str(tmp_path / "new"), SCHEMA)
 
 
 def test_a_broken_store_json_is_named(tmp_path):

@@ -43,6 +43,8 @@ from robo_post.store.writer import ShardWriter, decode_record, episode_checksum,
 
 # Errors of a write refused for want of permission or on a read-only file system.
 _READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)
+# What a store's folder may hold before its store.json exists: other creators racing, fleet logs.
+_STORE_ENTRIES = {"shards", "snapshots", "policies", "fleet"}
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,13 @@ class Store:
                 raise StoreError(f"store at {root} has a different schema than requested (stored != requested): "
                                  + "; ".join(differences))
             return store
+        # A store= typo naming a folder of other files would scatter the store's files among them.
+        foreign = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
+                         if n not in _STORE_ENTRIES and not n.startswith("store.json"))
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+            raise StoreError(f"{root} is a folder of other files ({shown}), not a robo-post store; "
+                             "give a new or empty path")
         for sub in ("shards", "snapshots", "policies"):
             os.makedirs(os.path.join(root, sub), exist_ok=True)
         meta = schema.to_json()
