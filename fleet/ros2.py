@@ -1096,7 +1096,8 @@ class BridgeNode(Node):
         gid = info.get("publisher_gid")
         if gid is None or (EPISODE_TOPIC, bytes(gid["data"])) in self._seq:
             return False
-        seen = [self._floor, *self._last.values(), *(e.start for e in self._open), *(hi for _, hi in self._closed)]
+        # Episodes only: the new robot's own data may arrive before its first start event.
+        seen = [self._floor, *(e.start for e in self._open), *(hi for _, hi in self._closed)]
         return stamp <= max(seen)
 
     def _forget_stamps(self, stamp: int) -> None:

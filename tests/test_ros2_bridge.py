@@ -533,6 +533,25 @@ def test_robot_restarted_with_its_clock_behind_is_recorded(tmp_path):
     assert starts == [1_000, 2_000, 10_000]
 
 
+def test_data_arriving_before_the_first_start_event_is_no_clock_reset(tmp_path):
+    """Topics are delivered independently: a robot's first observations may overtake its
+    first start event, which must not be taken for a restarted clock that drops them."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        for t in range(4):
+            bridge.node._on_joint(ARM2.joint_msg(1_000 + t, np.full(4, 0.1 * t)), bridge.info(ros2.JOINT_TOPIC))
+            if t < 3:
+                action = ARM2.action_msg(1_000 + t, np.array([0.5, 0.1, 0.5]))
+                bridge.node._on_action(action, bridge.info(ros2.ACTION_TOPIC))
+        bridge.event(event="start", episode=0, seed=0, task="fold", instruction="fold", stamp=1_000)
+        bridge.event(event="end", episode=0, seed=0, task="fold", length=3, rewards=[0.0] * 3, success=False,
+                     terminated=True, truncated=False, stamp=1_003)
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"], status["malformed"]) == (1, {}, {})
+
+
 def test_end_without_stamp_discards_its_episode_and_loses_nothing(tmp_path):
     """An end event without a stamp still names its episode: that one is discarded as
     malformed at once (not after the timeout), and the event is not also counted as lost."""
