@@ -1161,7 +1161,9 @@ class BridgeNode(Node):
                 return
             raise MalformedMessage("end_without_start", f"end of episode {index} (stamp {stamp}), which never started")
         try:
-            length, rewards = int(ev["length"]), [float(r) for r in ev["rewards"]]
+            if not isinstance(ev["length"], int) or isinstance(ev["length"], bool):  # int(2.7) would be 2
+                raise TypeError(f"length {ev['length']!r} must be a whole number")
+            length, rewards = ev["length"], [float(r) for r in ev["rewards"]]
             if len(rewards) != length or stamp < ep.start:
                 raise ValueError(f"{len(rewards)} rewards for {length} steps, end stamp {stamp} < start {ep.start}")
             # Truthiness would record "false" as True: flags must be JSON booleans.

@@ -552,6 +552,17 @@ def test_data_arriving_before_the_first_start_event_is_no_clock_reset(tmp_path):
     assert (status["committed"], status["discarded"], status["malformed"]) == (1, {}, {})
 
 
+def test_a_fractional_length_is_a_malformed_end(tmp_path):
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.episode(0, 1_000, 3, length=2.7, rewards=[0.0, 0.0])  # was read as 2 steps
+        bridge.episode(1, 2_000, 3)
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"], status["malformed"]) == (1, {"malformed": 1}, {"event": 1})
+
+
 def test_end_without_stamp_discards_its_episode_and_loses_nothing(tmp_path):
     """An end event without a stamp still names its episode: that one is discarded as
     malformed at once (not after the timeout), and the event is not also counted as lost."""
