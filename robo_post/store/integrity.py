@@ -130,13 +130,11 @@ def validate_store(root: str) -> tuple[int, list[str]]:
                 ranges.update(action=(s0, s0 + T), step=(s0, s0 + T))
                 ranges.update({f"extras/{k}": (s0, s0 + T) for k in schema.extras})
                 arrays = {}
-                for name, (lo, hi) in ranges.items():
-                    try:
+                try:
+                    for name, (lo, hi) in ranges.items():
                         arrays[name] = snap._read(shard, name, lo, hi)
-                    except Exception as e:
-                        bad[ep.episode] = f"arrays unreadable: {name}: {e}"
-                        break
-                if ep.episode in bad:
+                except Exception as e:
+                    bad[ep.episode] = f"arrays unreadable: {name}: {e}"
                     continue
             else:
                 arrays = {f"obs/{k}": data["obs"][k][o0 : o0 + T + 1] for k in schema.observations}
