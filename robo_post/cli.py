@@ -118,10 +118,12 @@ def _store_export_minari(args: argparse.Namespace) -> int:
 def _store_import_minari(args: argparse.Namespace) -> int:
     from robo_post.store.minari_io import import_minari
 
-    n = import_minari(args.dataset_id, args.store, args.client, minari_root=args.minari_root, task_id=args.task,
-                      success_from=args.success_from)
+    done = import_minari(args.dataset_id, args.store, args.client, minari_root=args.minari_root, task_id=args.task,
+                         success_from=args.success_from)
     rule = args.success_from or "as exported"
-    print(f"imported {n} episodes from {args.dataset_id} into {args.store} (shard {args.client}, success: {rule})")
+    held = f"; {done.skipped} the store already held were skipped" if done.skipped else ""
+    print(f"imported {done.imported} episodes from {args.dataset_id} into {args.store} "
+          f"(shard {args.client}, success: {rule}){held}")
     return 0
 
 

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -71,10 +72,18 @@ def native_seeds(ds):
     return [m.get("seed") for m in ds.storage.get_episode_metadata(ds.episode_indices)]
 
 
-def assert_same_episodes(snap_a, snap_b):
+def imported(info, dataset_id):
+    """An imported episode's record without its source, which the import adds; checks the source."""
+    attrs = dict(info.attrs)
+    assert attrs.pop("imported_from")["dataset"] == dataset_id
+    return dataclasses.replace(info, attrs=attrs)
+
+
+def assert_same_episodes(snap_a, snap_b, dataset_id):
     assert len(snap_a) == len(snap_b)
-    for ea, eb in zip(snap_a.episodes(), snap_b.episodes()):
-        assert ea == eb  # every EpisodeInfo field, incl. role and the checksum over all stored arrays
+    for i, (ea, eb) in enumerate(zip(snap_a.episodes(), snap_b.episodes())):
+        assert eb.attrs["imported_from"] == {"dataset": dataset_id, "episode": i}
+        assert imported(eb, dataset_id) == ea  # every other field, incl. role and the checksum over all arrays
         a, b = snap_a.load(ea), snap_b.load(eb)
         for k in snap_a.store.schema.observations:
             assert a["obs"][k].dtype == b["obs"][k].dtype
@@ -108,11 +117,11 @@ def test_store_to_minari_to_store_is_exact(tmp_path, monkeypatch):
     assert len(ep.infos["robo_post"]["timestamp"]) == len(ep) + 1
     assert native_seeds(ds) == [100, None, 102, None]
 
-    n = import_minari("robo/pick-v0", tmp_path / "dst", client_id=None, minari_root=tmp_path / "minari")
-    assert n == 4
+    done = import_minari("robo/pick-v0", tmp_path / "dst", client_id=None, minari_root=tmp_path / "minari")
+    assert (done.imported, done.skipped) == (4, 0)
     dst = Store.open(str(tmp_path / "dst"))
     assert dst.schema == src.schema
-    assert_same_episodes(snap, dst.snapshot())
+    assert_same_episodes(snap, dst.snapshot(), "robo/pick-v0")
 
     # Default: everything lands in one shard, metadata otherwise unchanged.
     import_minari("robo/pick-v0", tmp_path / "one", minari_root=tmp_path / "minari")
@@ -120,7 +129,7 @@ def test_store_to_minari_to_store_is_exact(tmp_path, monkeypatch):
     assert {e.client_id for e in one} == {"minari"}
     for a, b in zip(snap.episodes(), one):
         moved = {k: getattr(a, k) for k in ("client_id", "episode", "step_start", "obs_start")}
-        assert dataclasses.replace(b, **moved) == a
+        assert dataclasses.replace(imported(b, "robo/pick-v0"), **moved) == a
 
 
 def collect_pendulum(dataset_id, n_episodes=3):
@@ -144,14 +153,18 @@ def test_minari_to_store_to_minari_is_exact(tmp_path, monkeypatch):
     root = tmp_path / "minari"
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))  # DataCollector caches episodes under it
     collect_pendulum("pendulum/random-v0")
-    assert import_minari("pendulum/random-v0", tmp_path / "store", minari_root=root, success_from="termination") == 3
+    assert import_minari("pendulum/random-v0", tmp_path / "store", minari_root=root,
+                         success_from="termination").imported == 3
 
     snap = Store.open(str(tmp_path / "store")).snapshot()
     infos = snap.episodes()
     assert [e.task_id for e in infos] == ["pendulum/random-v0"] * 3
     assert [e.seed for e in infos] == [0, 1, 2]
     assert [e.success for e in infos] == [False] * 3  # truncated, never terminated
-    assert [(e.role, e.attrs) for e in infos] == [("imported", {"success_rule": "termination"})] * 3
+    assert [(e.role, e.attrs) for e in infos] == [
+        ("imported", {"success_rule": "termination", "imported_from": {"dataset": "pendulum/random-v0", "episode": i}})
+        for i in range(3)
+    ]
 
     export_minari(snap, "pendulum/again-v0", minari_root=root)
     a = minari.MinariDataset(str(root / "pendulum" / "random-v0" / "data"))
@@ -262,7 +275,7 @@ def foreign_dataset(root, monkeypatch, dataset_id="lab/foreign-v0"):
 def test_foreign_import_takes_its_success_rule(tmp_path, monkeypatch, rule, successes):
     root = tmp_path / "minari"
     dataset_id = foreign_dataset(root, monkeypatch)
-    assert import_minari(dataset_id, tmp_path / "store", minari_root=root, success_from=rule) == 4
+    assert import_minari(dataset_id, tmp_path / "store", minari_root=root, success_from=rule).imported == 4
     eps = Store.open(str(tmp_path / "store")).snapshot().episodes()
     assert [e.success for e in eps] == successes
     assert {(e.role, e.attrs["success_rule"], e.client_id) for e in eps} == {("imported", rule, "minari")}
@@ -328,7 +341,7 @@ def test_discrete_actions_and_extras_round_trip_through_minari_exactly(tmp_path)
     dst = Store.open(str(tmp_path / "dst"))
     assert dst.schema == DISCRETE
     assert [e.role for e in dst.snapshot()] == ["play", "eval", "demo"]
-    assert_same_episodes(snap, dst.snapshot())
+    assert_same_episodes(snap, dst.snapshot(), "robo/grid-v0")
 
 
 def test_cli_import_with_success_rule_and_info_shows_it(tmp_path, monkeypatch, capsys):
@@ -375,6 +388,59 @@ def test_a_failed_import_names_the_episode_and_what_it_left_imported(tmp_path, m
     with pytest.raises(EpisodeValidationError, match=r"'nan/obs-v0', episode 2: .*contains NaN.*2 earlier episode\(s\) stay imported"):
         import_minari("nan/obs-v0", tmp_path / "store", minari_root=root, success_from="termination")
     assert len(Store.open(str(tmp_path / "store")).snapshot()) == 2
+
+
+def test_importing_again_adds_only_the_episodes_the_store_lacks(tmp_path, monkeypatch, capsys):
+    root, store = tmp_path / "minari", str(tmp_path / "store")
+    _dataset(root, monkeypatch, "part/ep-v0", _buffers(4, bad=2))
+    with pytest.raises(EpisodeValidationError, match="2 earlier episode\\(s\\) stay imported .* adds only the rest"):
+        import_minari("part/ep-v0", store, minari_root=root, success_from="none")
+    shutil.rmtree(root / "part")  # the user repairs the dataset and imports it again
+    _dataset(root, monkeypatch, "part/ep-v0", _buffers(4))
+    done = import_minari("part/ep-v0", store, minari_root=root, success_from="none")
+    assert (done.imported, done.skipped) == (2, 2)
+    # Again, into another shard: the store holds all of it already.
+    assert main(["store", "import-minari", "part/ep-v0", store, "--minari-root", str(root), "--client", "other",
+                 "--success-from", "none"]) == 0
+    assert "imported 0 episodes" in capsys.readouterr().out
+    sources = [e.attrs["imported_from"]["episode"] for e in Store.open(store).snapshot()]
+    assert sources == [0, 1, 2, 3]
+
+    # The same id, other data: refused, not merged or skipped.
+    shutil.rmtree(root / "part")
+    changed = _buffers(4)
+    changed[1].rewards[:] = 1.0
+    _dataset(root, monkeypatch, "part/ep-v0", changed)
+    with pytest.raises(StoreError, match="episode 1: imported before as minari/1 with 3 steps and return 0, but .* "
+                                         "return 3: the dataset changed"):
+        import_minari("part/ep-v0", store, minari_root=root, success_from="none")
+    assert len(Store.open(store).snapshot()) == 4
+
+
+def test_an_import_killed_part_way_completes_when_run_again(tmp_path, monkeypatch):
+    root, store = tmp_path / "minari", str(tmp_path / "store")
+    _dataset(root, monkeypatch, "kill/ep-v0", _buffers(6))
+    # SIGKILL the importer right after its third episode is committed.
+    script = (
+        "import os, signal\n"
+        "from robo_post.store.writer import ShardWriter\n"
+        "from robo_post.cli import main\n"
+        "write, n = ShardWriter.write_episode, [0]\n"
+        "def killing(self, *a, **k):\n"
+        "    out = write(self, *a, **k); n[0] += 1\n"
+        "    if n[0] == 3: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return out\n"
+        "ShardWriter.write_episode = killing\n"
+        f"main(['store', 'import-minari', 'kill/ep-v0', {store!r}, '--minari-root', {str(root)!r}, "
+        "'--success-from', 'none'])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert r.returncode == -9, r.stderr
+    assert len(Store.open(store).snapshot()) == 3
+    done = import_minari("kill/ep-v0", store, minari_root=root, success_from="none")
+    assert (done.imported, done.skipped) == (3, 3)
+    assert [e.attrs["imported_from"]["episode"] for e in Store.open(store).snapshot()] == list(range(6))
+    assert main(["store", "validate", store]) == 0
 
 
 def test_an_empty_or_damaged_dataset_is_refused_before_a_store_is_created(tmp_path, monkeypatch):

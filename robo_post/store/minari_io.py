@@ -26,6 +26,10 @@ space and a Box, Discrete or MultiDiscrete action space; their infos are not
 imported. Their episodes carry no robo-post success label, so importing one needs
 an explicit success rule (``SUCCESS_RULES``); it is recorded in each episode's
 ``attrs["success_rule"]``.
+
+Every imported episode records where it came from in ``attrs["imported_from"]``
+(dataset id and episode index), so importing a dataset again, or after an import
+that was killed or failed part way, adds only the episodes the store lacks.
 """
 
 from __future__ import annotations
@@ -75,6 +79,18 @@ SUCCESS_RULES = {
     "return>=X": "the episode's return is at least the number X",
     "none": "success unknown (None)",
 }
+
+
+# Per imported episode: {"dataset": id, "episode": index in the dataset}.
+SOURCE_ATTR = "imported_from"
+
+
+@dataclasses.dataclass(frozen=True)
+class MinariImport:
+    """What ``import_minari`` did: episodes appended, and episodes skipped as the store already held them."""
+
+    imported: int
+    skipped: int
 
 
 class UnsupportedSpaceError(StoreError, ValueError):
@@ -304,14 +320,17 @@ def import_minari(
     minari_root: str | os.PathLike | None = None,
     task_id: str | None = None,
     success_from: str | None = None,
-) -> int:
-    """Append every episode of a Minari dataset to a store; return how many.
+) -> MinariImport:
+    """Append the episodes of a Minari dataset that the store does not hold yet.
 
     The store is created if absent: with the exported schema for datasets written
     by ``export_minari``, else from the dataset's spaces. Every episode goes
     through ``ShardWriter.write_episode`` and is validated. Foreign episodes get
     role ``"imported"``; exported ones keep the role they were exported with (the
-    one their shard's name gives if exported before roles were recorded).
+    one their shard's name gives if exported before roles were recorded). Each
+    records its dataset and index in ``attrs["imported_from"]``; an episode the
+    store already holds from the same dataset (any shard) is skipped, so an import
+    can be rerun after a kill or a failure.
 
     Args:
         dataset_id: Minari id of a local dataset.
@@ -329,8 +348,9 @@ def import_minari(
         SuccessRuleError: a foreign dataset and no rule, a malformed rule, or an
             ``info:KEY`` rule on episodes without that info.
         UnsupportedSpaceError: the dataset's spaces do not fit a store (names the key).
-        StoreError: dataset not found, or an episode fails validation (episodes
-            before it stay committed).
+        StoreError: dataset not found, an episode fails validation (episodes
+            before it stay committed), or an episode imported before from a
+            dataset of the same id differs from the dataset's episode now.
     """
     _check_dataset_id(dataset_id)
     decide = None if success_from is None else success_rule(success_from)
@@ -362,15 +382,24 @@ def import_minari(
     except StoreNotFoundError:
         store = Store.create(str(store_root), schema)
     bare_key = schema.attrs.get(BARE_OBS_ATTR)
+    held = {
+        e.attrs[SOURCE_ATTR]["episode"]: e
+        for e in store.snapshot(verify=False, record=False)
+        if e.attrs.get(SOURCE_ATTR, {}).get("dataset") == dataset_id
+    }
 
     n = 0
     with contextlib.ExitStack() as stack:
         writers: dict[str, ShardWriter] = {}
         episodes = dataset.iterate_episodes()
         for index, meta in zip(dataset.episode_indices, metas, strict=True):
+            index = int(index)
             try:
                 with _reading(dataset_id, path):
                     episode = next(episodes)
+                if index in held:
+                    _check_same(held[index], episode, dataset_id, index)
+                    continue
                 record = json.loads(meta[META_KEY]) if META_KEY in meta else {}
                 shard = client_id if client_id is not None else record.get("client_id", "minari")
                 if shard not in writers:
@@ -378,7 +407,7 @@ def import_minari(
                 extra = dict((episode.infos or {}).get(META_KEY, {}))
                 extras = {k: np.asarray(v)[: len(episode)] for k, v in extra.pop("extras", {}).items()}
                 columns = {_WRITE_ARG[k]: np.asarray(v)[: len(episode)] for k, v in extra.items() if k in _WRITE_ARG}
-                attrs = dict(record.get("attrs") or {})
+                attrs = {**(record.get("attrs") or {}), SOURCE_ATTR: {"dataset": dataset_id, "episode": index}}
                 if decide is not None:
                     success = decide(episode)
                     attrs["success_rule"] = success_from
@@ -410,12 +439,25 @@ def import_minari(
                 )
             except StoreError as e:
                 # Same type, with where it stopped: earlier episodes stay committed, and
-                # importing the dataset again would add them a second time.
-                done = f"{n} earlier episode(s) stay imported in {store_root}" if n else "nothing was imported"
+                # importing the dataset again skips them.
+                done = (f"{n} earlier episode(s) stay imported in {store_root}; importing again adds only the rest"
+                        if n else "nothing was imported")
                 e.args = (f"Minari dataset {dataset_id!r}, episode {index}: {e}; {done}", *e.args[1:])
                 raise
             n += 1
-    return n
+    return MinariImport(imported=n, skipped=len(metas) - n)
+
+
+def _check_same(held: EpisodeInfo, episode: Any, dataset_id: str, index: int) -> None:
+    """Skipping an episode imported before is only right if it is the same episode:
+    a dataset recreated under the same id would otherwise be merged silently."""
+    ret = float(np.sum(episode.rewards, dtype=np.float64))
+    if held.length != len(episode) or not np.isclose(held.ret, ret, rtol=1e-6, atol=1e-9):
+        raise StoreError(
+            f"Minari dataset {dataset_id!r}, episode {index}: imported before as {held.key} with "
+            f"{held.length} steps and return {held.ret:.6g}, but the dataset's episode now has {len(episode)} steps "
+            f"and return {ret:.6g}: the dataset changed since; import it into another store, or under another id"
+        )
 
 
 @contextlib.contextmanager
