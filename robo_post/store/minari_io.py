@@ -382,11 +382,11 @@ def import_minari(
     except StoreNotFoundError:
         store = Store.create(str(store_root), schema)
     bare_key = schema.attrs.get(BARE_OBS_ATTR)
-    held = {
-        e.attrs[SOURCE_ATTR]["episode"]: e
-        for e in store.snapshot(verify=False, record=False)
-        if e.attrs.get(SOURCE_ATTR, {}).get("dataset") == dataset_id
-    }
+    held = {}  # dataset index -> the episode imported from it
+    for e in store.snapshot(verify=False, record=False):
+        source = e.attrs.get(SOURCE_ATTR)
+        if isinstance(source, dict) and source.get("dataset") == dataset_id:  # attrs are free-form: check the shape
+            held[source.get("episode")] = e
 
     n = 0
     with contextlib.ExitStack() as stack:
