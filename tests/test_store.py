@@ -393,6 +393,34 @@ def test_a_damaged_policy_version_is_an_error_naming_it(store):
     assert r.returncode == 1 and "PolicyArtifactError: policy version 1" in r.stderr and "Traceback" not in r.stderr
 
 
+
+def test_a_version_without_its_checksums_or_in_another_folder_is_refused(store):
+    import shutil
+
+    reg = PolicyRegistry(store.root)
+    weights = {"w": torch.arange(6.0).reshape(2, 3)}
+    for _ in range(2):
+        reg.publish(weights, {"arch": "mlp"})
+    v1, v2 = (os.path.join(reg.dir, f"v{v:06d}") for v in (1, 2))
+    os.remove(os.path.join(v1, "checksums.json"))  # deleted, then a byte of tensor data changed: still parses
+    with open(os.path.join(v1, "model.safetensors"), "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    with pytest.raises(PolicyArtifactError, match=r"policy version 1: .*v000001/checksums.json is missing"):
+        reg.load(1)
+    shutil.copytree(v2, os.path.join(reg.dir, "v000003"))  # a version folder copied by hand
+    with pytest.raises(PolicyArtifactError, match=r"policy version 3: .*v000003/config.json is version 2's"):
+        reg.load(3)
+    shutil.copytree(v2, os.path.join(reg.dir, "v0000002"))  # another spelling of version 2
+    open(os.path.join(reg.dir, "v000009"), "w").close()  # a file, not a version
+    assert reg.versions() == [1, 2, 3] and reg.latest() == 3
+    w, cfg = reg.load(2)  # the config reads back as published
+    assert torch.equal(w["w"], weights["w"]) and cfg == {"arch": "mlp", "version": 2}
+    problems = validate_store(store.root)[1]
+    assert [p.split(":")[0] for p in problems] == ["policy version 1", "policy version 3"], problems
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "robo_post.cli", *args], capture_output=True, text=True)
 

@@ -27,6 +27,7 @@ _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 CHECKSUM_FILE = "checksums.json"
+_CHECKSUMMED = "checksummed"  # config key: this version was published with CHECKSUM_FILE
 
 
 class PolicyVersionExistsError(StoreError):
@@ -71,7 +72,10 @@ class PolicyRegistry:
         out = []
         for name in os.listdir(self.dir):
             m = _VERSION_DIR.match(name)
-            if m:
+            # Only the folder `load` reads: a `v0000002` beside `v000002` (a copy, a hand-made
+            # folder) or a plain file named like a version would count a version twice or one
+            # that cannot load.
+            if m and name == _dirname(int(m.group(1))) and os.path.isdir(os.path.join(self.dir, name)):
                 out.append(int(m.group(1)))
         return sorted(out)
 
@@ -93,7 +97,7 @@ class PolicyRegistry:
             version = (self.latest() or 0) + 1
         if not isinstance(version, int) or version < 1:
             raise ValueError(f"policy version must be a positive int, got {version!r}")
-        final = os.path.join(self.dir, f"v{version:06d}")
+        final = os.path.join(self.dir, _dirname(version))
         if os.path.exists(final):
             raise PolicyVersionExistsError(f"policy version {version} already exists")
         tmp = os.path.join(self.dir, f".tmp-{uuid.uuid4().hex}")
@@ -102,7 +106,7 @@ class PolicyRegistry:
             tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
             save_file(tensors, os.path.join(tmp, WEIGHTS_FILE))
             with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-                json.dump({**config, "version": version}, f, indent=1, allow_nan=False)
+                json.dump({**config, "version": version, _CHECKSUMMED: True}, f, indent=1, allow_nan=False)
             checksums = {}
             for name in (WEIGHTS_FILE, CONFIG_FILE):
                 with open(os.path.join(tmp, name), "rb") as f:
@@ -124,11 +128,12 @@ class PolicyRegistry:
             version = self.latest()
             if version is None:
                 raise PolicyNotFoundError(f"no policy published in {self.dir}")
-        path = os.path.join(self.dir, f"v{version:06d}")
+        path = os.path.join(self.dir, _dirname(version))
         if not os.path.isdir(path):
             raise PolicyNotFoundError(f"policy version {version} not found in {self.dir}")
         data = {name: _read(path, name, version) for name in (WEIGHTS_FILE, CONFIG_FILE)}
-        if os.path.exists(os.path.join(path, CHECKSUM_FILE)):  # versions published before checksums have none
+        checksummed = os.path.exists(os.path.join(path, CHECKSUM_FILE))  # versions published before checksums have none
+        if checksummed:
             try:
                 expected = dict(json.loads(_read(path, CHECKSUM_FILE, version)))
             except (ValueError, TypeError) as e:
@@ -143,9 +148,23 @@ class PolicyRegistry:
             raise _unreadable(path, WEIGHTS_FILE, version, e) from e
         try:
             config = json.loads(data[CONFIG_FILE])
+            if not isinstance(config, dict):
+                raise ValueError(f"a JSON {type(config).__name__}, not an object")
         except ValueError as e:
             raise _unreadable(path, CONFIG_FILE, version, e) from e
+        # A version published with checksums says so in its config: without the file, damaged
+        # weights would load unchecked.
+        if config.pop(_CHECKSUMMED, False) and not checksummed:
+            raise PolicyArtifactError(f"policy version {version}: {os.path.join(path, CHECKSUM_FILE)} is missing "
+                                      f"(written when it was published); its files cannot be checked")
+        if config.get("version", version) != version:  # a version folder copied or renamed by hand
+            raise PolicyArtifactError(f"policy version {version}: {os.path.join(path, CONFIG_FILE)} is version "
+                                      f"{config['version']}'s (a copied or renamed version folder)")
         return weights, config
+
+
+def _dirname(version: int) -> str:
+    return f"v{version:06d}"
 
 
 def _unreadable(path: str, name: str, version: int, e: Exception) -> PolicyArtifactError:
