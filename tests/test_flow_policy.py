@@ -181,6 +181,20 @@ def test_resume_matches_uninterrupted_run(tiny_store, tmp_path):
         assert a["bc_loss"] == pytest.approx(b["bc_loss"], rel=1e-6, abs=1e-9)
 
 
+
+def test_a_run_killed_before_its_first_checkpoint_restarts_without_its_rows(tiny_store, tmp_path):
+    import shutil
+
+    train(_train_cfg(tiny_store, str(tmp_path / "full"), 20))
+    train(_train_cfg(tiny_store, str(tmp_path / "split"), 5))  # "killed" after logging update 5, before update 10's
+    shutil.rmtree(tmp_path / "split" / "checkpoint")           # first checkpoint: rows, no checkpoint
+    os.remove(tmp_path / "split" / "summary.json")
+    train(_train_cfg(tiny_store, str(tmp_path / "split"), 20))  # starts over
+    read = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+    full, split = read("full"), read("split")
+    assert [r["update"] for r in split] == [5, 10, 15, 20]
+    assert [r["bc_loss"] for r in split] == pytest.approx([r["bc_loss"] for r in full], rel=1e-6, abs=1e-9)
+
 def test_in_process_success_reports_each_episode_outcome_in_order():
     from robo_post.eval.rollout import in_process_success
     from robo_post.envs.tabletop import PROPRIO_DIM

@@ -81,6 +81,15 @@ def test_a_resumed_tracker_hides_the_interrupted_runs_later_points(tmp_path):
     assert [(e.step, e.value) for e in events] == [(1, 1.0), (2, 2.0), (3, 30.0)]
 
 
+
+def test_a_restarted_tracker_hides_the_points_of_a_run_killed_before_its_first_checkpoint(tmp_path):
+    with Tracker(str(tmp_path)) as tracker:  # logged steps 1-2, killed before any checkpoint
+        for step in (1, 2):
+            tracker.log({"update": step, "time": 100.0 + step, "loss": float(step)})
+    with Tracker(str(tmp_path), start=0) as tracker:
+        tracker.log({"update": 1, "time": 200.0, "loss": 10.0})
+    assert [(e.step, e.value) for e in _events(tmp_path).Scalars("loss")] == [(1, 10.0)]
+
 @pytest.mark.parametrize("name, options", [("wandb", {"project": "robo-post"}), ("mlflow", {"experiment": "x"})])
 def test_an_enabled_tracker_that_is_not_installed_fails_before_training(store, tmp_path, monkeypatch, name, options):
     monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError, installed or not

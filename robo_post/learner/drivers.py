@@ -324,7 +324,7 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     ckpt, log_path = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "metrics.jsonl")
     if has_checkpoint(ckpt):
         agent.model.num_timesteps = load_checkpoint(ckpt, agent.modules, agent.optimizers, {})["timesteps"]
-        truncate_log(log_path, agent.model.num_timesteps)
+    truncate_log(log_path, agent.model.num_timesteps)  # also the rows of a run killed before its first checkpoint
 
     class Log(BaseCallback):
         """A metrics row and, every ``checkpoint_every`` steps, a checkpoint per rollout."""

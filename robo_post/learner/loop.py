@@ -132,9 +132,9 @@ def train_loop(
         compile_networks(algo.modules.values())
     if has_checkpoint(ckpt):
         start = load_checkpoint(ckpt, algo.modules, algo.optimizers, rngs)["update"]
-        truncate_log(log_path, start)
         if hasattr(algo, "updates"):  # algorithms that schedule on the step count
             algo.updates = start
+    truncate_log(log_path, start)  # also the rows of a run killed before its first checkpoint
     tracker = Tracker(run_dir, tracking, start)
     logged: list[dict[str, float]] = []
     window: dict[str, list[torch.Tensor | float]] = {}

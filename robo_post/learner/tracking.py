@@ -71,8 +71,8 @@ class Tracker:
     Args:
         run_dir: the run's folder (TensorBoard writes to ``run_dir/tensorboard``).
         tracking: the ``tracking`` settings (see the module docstring); None = TensorBoard only.
-        start: the step a resumed run continues after; TensorBoard hides events logged
-            after it by the interrupted run (as ``metrics.jsonl`` drops their rows).
+        start: the step a resumed run continues after (0: a fresh start); TensorBoard hides
+            events logged after it by the interrupted run (as ``metrics.jsonl`` drops their rows).
     """
 
     def __init__(self, run_dir: str, tracking: Mapping[str, Any] | None = None, start: int = 0):
@@ -82,7 +82,7 @@ class Tracker:
         if settings["tensorboard"]:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start + 1 if start else None)
+            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start + 1)
         if settings["wandb"] is not None:
             import wandb
 
