@@ -195,6 +195,16 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_without_its_rows(tiny
     assert [r["update"] for r in split] == [5, 10, 15, 20]
     assert [r["bc_loss"] for r in split] == pytest.approx([r["bc_loss"] for r in full], rel=1e-6, abs=1e-9)
 
+
+def test_a_run_killed_after_publishing_does_not_publish_again(tiny_store, tmp_path):
+    cfg = OmegaConf.merge(_train_cfg(tiny_store, str(tmp_path / "run"), 10), {"publish": True})
+    registry = PolicyRegistry(tiny_store)
+    first = train(cfg)["version"]
+    os.remove(tmp_path / "run" / "summary.json")  # killed after publishing, before its summary
+    assert train(cfg)["version"] == first and registry.latest() == first
+    larger = OmegaConf.merge(cfg, {"updates": 20})  # continuing it is a new version
+    assert train(larger)["version"] == first + 1 and registry.latest() == first + 1
+
 def test_in_process_success_reports_each_episode_outcome_in_order():
     from robo_post.eval.rollout import in_process_success
     from robo_post.envs.tabletop import PROPRIO_DIM

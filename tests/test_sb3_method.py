@@ -65,3 +65,12 @@ def test_sb3_agent_trains_publishes_and_is_collected_with_discrete_actions(tmp_p
     assert Store.open(back).schema.action.dtype == "int64"
     for e in imported.episodes():
         np.testing.assert_array_equal(imported.load(e)["action"], original[e.seed])
+
+
+def test_an_sb3_run_killed_after_publishing_does_not_publish_again(tmp_path):
+    store, run_dir = str(tmp_path / "store"), str(tmp_path / "ppo")
+    args = ["train", "algo=sb3", "algo.env=CartPole-v1", "algo.timesteps=128", "+algo.hyperparameters.n_steps=128",
+            "+algo.hyperparameters.batch_size=64", f"store={store}", f"run_dir={run_dir}", "show=false"]
+    assert json.loads(_cli(*args))["version"] == 1
+    os.remove(os.path.join(run_dir, "summary.json"))  # killed after publishing (e.g. in a final evaluation)
+    assert json.loads(_cli(*args))["version"] == 1 and PolicyRegistry(store).versions() == [1]

@@ -49,7 +49,8 @@ from robo_post.algos.craft import (PROXY_NORMS, CraftConfig, CraftConfigError, S
 from robo_post.algos.registry import MethodSpec
 from robo_post.envs.registry import env_spec
 from robo_post.eval.rollout import recorded_env_kwargs
-from robo_post.learner.drivers import begin_run, finished_run, register_driver, resolve_device, select_episodes
+from robo_post.learner.drivers import (begin_run, finished_run, publish_once, register_driver, resolve_device,
+                                       select_episodes)
 from robo_post.learner.loop import truncate_log
 from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyConfig
 from robo_post.models.features import infer_features, state_keys
@@ -417,7 +418,7 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         write_json_atomic(state_path, state)
     save_checkpoint(ckpt, method.modules, method.optimizers, {}, {"iteration": state["iteration"],
                                                                   "updates": state.get("updates", 0)})
-    final = registry.publish(*method.artifact(phase="final", parent_version=parent, iterations=config.iterations,
+    final = publish_once(registry, *method.artifact(phase="final", parent_version=parent, iterations=config.iterations,
                                               deterministic=True, env_extras=False,
                                               config=OmegaConf.to_container(cfg, resolve=True)))
     rows = [json.loads(line) for line in open(log_path)] if os.path.exists(log_path) else []

@@ -200,6 +200,20 @@ def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig) -> di
     return summary
 
 
+def publish_once(registry: PolicyRegistry, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> int:
+    """Publish ``(weights, config)``, or return the registry's newest version when it already is
+    exactly that: a run killed after publishing, before its ``summary.json``, resumes at its
+    final checkpoint and would otherwise publish the same policy a second time."""
+    latest = registry.latest()
+    if latest is not None:
+        published, published_config = registry.load(latest)
+        if ({k: v for k, v in published_config.items() if k != "version"} == json.loads(json.dumps(config))
+                and published.keys() == weights.keys()
+                and all(torch.equal(published[k], v.detach().cpu()) for k, v in weights.items())):
+            return latest
+    return registry.publish(weights, config)
+
+
 def begin_run(run_dir: str, cfg: DictConfig) -> None:
     """Create ``run_dir`` and record ``cfg`` in its ``config.yaml`` as a run starts.
 
@@ -267,7 +281,7 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         algorithm=spec.name, phase="offline", parent_version=parent, snapshot=snap.id, episodes=len(episodes), updates=cfg.updates,
         config=OmegaConf.to_container(cfg, resolve=True),
     )
-    version = PolicyRegistry(store.root).publish(weights, artifact_config) if cfg.publish else None
+    version = publish_once(PolicyRegistry(store.root), weights, artifact_config) if cfg.publish else None
     summary = {"algo": spec.name, "version": version, "parent_version": parent, "snapshot": snap.id,
                "episodes": len(episodes), "steps": len(sampler), "value_range": list(data.value_range),
                "wall_s": wall, "final": logged[-1] if logged else {}}
@@ -369,7 +383,7 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     save_checkpoint(ckpt, agent.modules, agent.optimizers, {}, {"timesteps": agent.model.num_timesteps})
     weights, artifact_config = agent.artifact(phase="online", parent_version=None, timesteps=agent.model.num_timesteps,
                                               config=OmegaConf.to_container(cfg, resolve=True))
-    version = PolicyRegistry(store.root).publish(weights, artifact_config) if cfg.publish else None
+    version = publish_once(PolicyRegistry(store.root), weights, artifact_config) if cfg.publish else None
     rows = [json.loads(line) for line in open(log_path)] if os.path.exists(log_path) else []
     summary = {"algo": spec.name, "version": version, "timesteps": agent.model.num_timesteps, "env": config.env,
                "wall_s": time.perf_counter() - t0, "final": rows[-1] if rows else {}}
