@@ -560,6 +560,31 @@ def test_a_damaged_or_foreign_checkpoint_is_a_typed_error(tmp_path):
         load_checkpoint(ckpt, craft.modules, craft.optimizers, {})
 
 
+
+@pytest.mark.parametrize("damage", ["[]", '{"state": {"update": 3}}', '{"state": {"update": 3}, "optimizers": {}, '
+                                    '"numpy_rngs": {}}', None])
+def test_a_checkpoint_with_a_damaged_or_missing_state_file_is_a_typed_error(tmp_path, damage):
+    from robo_post.learner.checkpoint import checkpoint_state, has_checkpoint
+
+    net = torch.nn.Linear(2, 2)
+    modules, optimizers = {"net": net}, {"net": torch.optim.Adam(net.parameters())}
+    net(torch.ones(1, 2)).sum().backward()
+    optimizers["net"].step()
+    ckpt = str(tmp_path / "ckpt")
+    save_checkpoint(ckpt, modules, optimizers, {}, {"update": 3})
+    state_file = os.path.join(ckpt, "state.json")
+    if damage is None:
+        os.remove(state_file)  # the tensors alone: no fresh start that would overwrite the run
+    else:
+        with open(state_file, "w") as f:
+            f.write(damage)
+    assert has_checkpoint(ckpt)
+    with pytest.raises(CheckpointError, match=r"ckpt (is unreadable|does not fit this run's optimizers or is damaged)"):
+        load_checkpoint(ckpt, modules, optimizers, {})
+    if damage != '{"state": {"update": 3}, "optimizers": {}, "numpy_rngs": {}}':  # its counters still read
+        with pytest.raises(CheckpointError, match=r"ckpt is unreadable \((ValueError|FileNotFoundError)"):
+            checkpoint_state(ckpt)
+
 def test_bc_pretraining_fits_a_separable_candidate_set():
     g = gen(12)
     x = torch.randn(512, 4, generator=g)

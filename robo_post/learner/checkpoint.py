@@ -100,11 +100,9 @@ def load_checkpoint(
     path = _complete(path)
     try:
         tensors = load_file(os.path.join(path, TENSORS))
-        with open(os.path.join(path, STATE)) as f:
-            payload = json.load(f)
+        payload = _payload(path)
     except Exception as e:  # safetensors raises its own error type for a malformed file
-        raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); "
-                              f"a new run_dir starts over") from e
+        raise _unreadable(path, e) from e
     for name, module in modules.items():
         head = f"module.{name}."
         try:
@@ -112,9 +110,13 @@ def load_checkpoint(
         except RuntimeError as e:
             raise CheckpointError(f"checkpoint {path} does not fit this run's {name!r} (written with other model "
                                   f"settings?); a new run_dir starts over") from e
-    for name, opt in optimizers.items():
-        _unflatten_optimizer(f"optim.{name}", opt, tensors, payload["optimizers"])
-    torch.set_rng_state(tensors["rng.torch"])
+    try:
+        for name, opt in optimizers.items():
+            _unflatten_optimizer(f"optim.{name}", opt, tensors, payload["optimizers"])
+        torch.set_rng_state(tensors["rng.torch"])
+    except (KeyError, TypeError, ValueError) as e:  # an entry missing or edited, or another run's optimizers
+        raise CheckpointError(f"checkpoint {path} does not fit this run's optimizers or is damaged "
+                              f"({type(e).__name__}: {e}); a new run_dir starts over") from e
     if "rng.cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng.cuda"])
     for name, rng in rngs.items():
@@ -130,11 +132,30 @@ def _complete(path: str) -> str:
     return path
 
 
+def _payload(path: str) -> dict[str, Any]:
+    """The checkpoint's JSON part, as ``save_checkpoint`` wrote it."""
+    with open(os.path.join(path, STATE)) as f:
+        payload = json.load(f)
+    if not (isinstance(payload, dict) and {"state", "optimizers", "numpy_rngs"} <= payload.keys()
+            and isinstance(payload["state"], dict)):
+        raise ValueError(f"{STATE} is not the state, optimizers and numpy_rngs a checkpoint saves")
+    return payload
+
+
+def _unreadable(path: str, e: Exception) -> CheckpointError:
+    return CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); a new run_dir starts over")
+
+
 def checkpoint_state(path: str) -> dict[str, Any]:
     """The saved ``state`` dict (counters) of a checkpoint, without loading its tensors."""
-    with open(os.path.join(_complete(path), STATE)) as f:
-        return json.load(f)["state"]
+    path = _complete(path)
+    try:
+        return _payload(path)["state"]
+    except (OSError, ValueError) as e:
+        raise _unreadable(path, e) from e
 
 
 def has_checkpoint(path: str) -> bool:
-    return os.path.exists(os.path.join(path, STATE)) or os.path.exists(os.path.join(f"{path}.old", STATE))
+    # The folder alone counts: save_checkpoint never leaves it without its files, so a missing
+    # one is damage to report, not a fresh run that would start over and overwrite the log.
+    return os.path.isdir(path) or os.path.exists(os.path.join(f"{path}.old", STATE))
