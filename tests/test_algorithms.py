@@ -71,6 +71,17 @@ def test_train_publishes_the_extracted_policy_with_provenance(bc_store, tmp_path
     assert ("tau_mean" in rows[-1]) == (algo == "divl_qam")
 
 
+def test_a_reference_version_that_is_no_flow_policy_is_named(bc_store, tmp_path):
+    import shutil
+
+    store = str(tmp_path / "store")
+    shutil.copytree(bc_store, store)
+    version = PolicyRegistry(store).publish({"w": torch.zeros(2)}, {"kind": "gaussian", "model": {}})  # gaussian_bc's
+    cfg = OmegaConf.merge(_cfg(store, str(tmp_path / "run"), "divl_qam", 2), {"algo": {"reference_version": version}})
+    with pytest.raises(ValueError, match=rf"starts from a flow policy \(algo=bc_flow\), but version {version} of .* is "
+                                         r"a 'gaussian' policy; pick one with algo.reference_version=N"):
+        train(cfg)
+
 @pytest.mark.parametrize("algo", sorted(PAIRS))
 def test_resume_matches_uninterrupted_run(bc_store, tmp_path, algo):
     train(_cfg(bc_store, str(tmp_path / "full"), algo, 8))

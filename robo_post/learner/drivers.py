@@ -147,7 +147,11 @@ def load_reference(store: Store, version: int | None, device: torch.device) -> t
         raise ValueError(f"this method starts from a published (BC) policy, but the registry of {store.root} is empty; "
                          "train one first with `robo-post train algo=bc_flow`")
     version = version or registry.versions()[0]
-    return flow_of(*registry.load(version)).to(device), version
+    weights, config = registry.load(version)
+    if config.get("kind") not in ("flow", "flow_ranked"):  # e.g. a gaussian_bc or SB3 version published first
+        raise ValueError(f"this method starts from a flow policy (algo=bc_flow), but version {version} of "
+                         f"{store.root} is a {config.get('kind')!r} policy; pick one with algo.reference_version=N")
+    return flow_of(weights, config).to(device), version
 
 
 def imitation_sampler(config: Any, method: Any, samplers: list[WindowSampler], seed: int) -> ImitationSampler | None:
