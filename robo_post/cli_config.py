@@ -142,6 +142,12 @@ def _version(key: str, v: Any) -> None:
         raise ConfigError(key, v, "latest | a version number >= 0 | null | a non-empty list of those")
 
 
+def _registry_version(key: str, v: Any) -> None:
+    """One published version to load: a number, latest, or null (= latest)."""
+    if not (v is None or v == "latest" or (_is_int(v) and v >= 1)):
+        raise ConfigError(key, v, "latest | a version number >= 1 | null")
+
+
 _COUNT, _COUNT0 = integer(1), integer(0)
 _SPLIT = choice("train", "heldout")
 _FLEET = {
@@ -164,6 +170,7 @@ _TRAIN = {
     "algo.name": method, "algo.lr": number(0, low_open=True), "algo.critic_warmup": _COUNT0, "algo.best_of_n": _COUNT,
     "algo.n_step": _COUNT, "algo.reference_version": integer(1, optional=True), "algo.timesteps": _COUNT,
     "algo.n_envs": _COUNT, "algo.imitation.roles": items(choice(*ROLES), "roles", optional=False),
+    "algo.lam": number(0, 1, low_open=True), "algo.E": _COUNT, "algo.eval_every": _COUNT0,
 }
 # Per job: key -> check of its resolved value (keys a job does not have are skipped).
 RULES: dict[str, dict[str, Check]] = {
@@ -200,6 +207,7 @@ _STEER_SOURCES = {
     "prior.quality": choice("good", "degraded", "random_honest", "random_overconfident"),
     "prior.std": number(0, low_open=True, optional=True), "prior.noise": number(0, optional=True),
     "prior.random": choice(True, False, optional=True), "prior.seed": _COUNT0, "prior.store": text(optional=True),
+    "actor.version": _registry_version, "prior.version": _registry_version,
     "device": device, "seed": _COUNT0, "env.name": text(),
 }
 _ALPHAS = items(number(0, 1), "alphas in [0, 1)", optional=False)

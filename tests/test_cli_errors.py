@@ -37,6 +37,10 @@ BAD = [  # (command, overrides, what the error line must name)
     ("report", ["frames=maybe"], ["frames='maybe'", "true | false"]),
     ("run", ["+bc.model.hiden=3"], ["bc.model.hiden", "hidden_dim"]),
     ("run", ["lwd.algo=bc_flow"], ["lwd.algo='bc_flow'", "divl_qam"]),
+    ("train", ["algo=drest", "algo.lam=-1"], ["algo.lam=-1", "(0, 1]"]),
+    ("train", ["algo=drest", "algo.eval_every=-1"], ["algo.eval_every=-1", "integer >= 0"]),
+    ("steer", ["actor.kind=registry", "actor.version=-1"], ["actor.version=-1", "latest | a version number >= 1"]),
+    ("steer-eval", ["actor.kind=registry", "prior.version=abc"], ["prior.version='abc'", "latest"]),
     pytest.param("train", ["device=cuda"], ["device=cuda but CUDA is not available; use device=cpu or auto"],
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
 ]
@@ -45,7 +49,8 @@ BAD = [  # (command, overrides, what the error line must name)
 @pytest.mark.parametrize("command,overrides,names", BAD, ids=lambda x: " ".join(x) if isinstance(x, list) else x)
 def test_a_bad_value_is_one_line_naming_it_and_writes_nothing(tmp_path, command, overrides, names):
     paths = {"collect": ["store=s"], "eval": ["store=s", "out_store=e"], "train": ["store=s", "run_dir=r"],
-             "report": ["run_dir=r", "eval_store=e", "out_dir=o"], "run": ["run_dir=r"]}[command]
+             "report": ["run_dir=r", "eval_store=e", "out_dir=o"], "run": ["run_dir=r"], "steer": ["store=s"],
+             "steer-eval": ["out_dir=o"]}[command]
     r = _cli(command, *paths, *overrides, cwd=tmp_path)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2, r.stderr

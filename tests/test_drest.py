@@ -67,6 +67,9 @@ def test_total_exponent_form_offsets_by_E_over_k():
         DReSTReward(0.9, 2, "llm", "total")
     with pytest.raises(DReSTConfigError, match="form"):
         DReSTReward(0.9, 2, "sequential")
+    for lam in (-1.0, 0.0, 1.5):
+        with pytest.raises(DReSTConfigError, match=rf"drest lam \(attenuation base\) must be in \(0, 1\], got {lam}"):
+            DReSTReward(lam, 2)
 
 
 def test_bernoulli_return_peaks_at_one_half():
@@ -356,3 +359,5 @@ def test_linear_schedule_anneals_learning_rate_and_entropy_to_zero():
     assert agent.model.ent_coef == pytest.approx(0.0) and agent.model.policy.optimizer.param_groups[0]["lr"] == 0.0
     with pytest.raises(DReSTConfigError, match="schedule"):
         DReSTAgent(DReSTConfig(agent="PPO", env=ENV, env_kwargs={"n_grids": 2}, schedule="cosine"))
+    with pytest.raises(DReSTConfigError, match=r"drest agent 'SAC'; choose one of \('PPO', 'A2C'\)"):
+        DReSTAgent(DReSTConfig(agent="SAC", env=ENV, env_kwargs={"n_grids": 2}))

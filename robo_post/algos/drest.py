@@ -47,6 +47,7 @@ FORMS = ("llm", "gridworld")
 EXPONENT_FORMS = ("running_mean", "total")
 REWARDS = ("drest", "default")
 SCHEDULES = ("constant", "linear")
+AGENTS = ("PPO", "A2C")  # on-policy with a discrete action distribution: the exact metrics read its probabilities
 PRIVILEGED_KEY = "meta_episode"  # the critic-only observation of MetaEpisodeEnv(privileged=True)
 
 
@@ -76,6 +77,8 @@ class DReSTReward:
             raise DReSTConfigError(f"drest exponent_form {exponent_form!r}; choose one of {EXPONENT_FORMS}")
         if exponent_form == "total" and E is None:
             raise DReSTConfigError("drest exponent_form='total' needs E, the mini-episodes per meta-episode")
+        if not 0 < lam <= 1:  # lam ** exponent: a negative base has no real powers, 0 none of negative ones
+            raise DReSTConfigError(f"drest lam (attenuation base) must be in (0, 1], got {lam}")
         self.lam, self.k, self.form, self.exponent_form, self.E = lam, k, form, exponent_form, E
         self.counts = np.zeros(k, dtype=np.int64)
 
@@ -382,6 +385,8 @@ class DReSTAgent(SB3Agent):
 
         if config.env is None:
             raise DReSTConfigError("algo=drest needs a mini-episode env: set algo.env")
+        if config.agent not in AGENTS:
+            raise DReSTConfigError(f"drest agent {config.agent!r}; choose one of {AGENTS}")
         self.config = config
         seed = config.seed or 0
         wrap = dict(E=config.E, reward=config.reward, lam=config.lam, form=config.form,
