@@ -151,3 +151,20 @@ def test_report_has_tables_plots_and_html(evals):
     with Image.open(out / "rollouts_expert-train_push.png") as im:
         strip = np.asarray(im)
     assert strip.shape[1] > 3 * strip.shape[0]  # 8 frames side by side, one successful row (no failures)
+
+
+def test_report_reads_a_killed_runs_log_and_names_a_damaged_file(tmp_path):
+    run, out = tmp_path / "run", str(tmp_path / "report")
+    run.mkdir()
+    rows = [{"update": u, "bc_loss": 1.0 / u} for u in (50, 100)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"update": 150, "bc_lo')
+    md = open(write_report(out, [], [str(run)])).read()  # the row a kill cut short is left out
+    assert "learning_curves.png" in md and report_mod._read_jsonl(str(run / "metrics.jsonl")) == rows
+    (run / "summary.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"run/summary.json is not a run summary \(a JSON list, not an object\)"):
+        write_report(out, [], [str(run)])
+    evals = tmp_path / "eval" / "evals"
+    evals.mkdir(parents=True)
+    (evals / "v1-train.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"evals/v1-train.json is not an eval result \(no created, policy"):
+        load_results(str(tmp_path / "eval"))

@@ -31,7 +31,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
 from robo_post.envs.registry import env_spec
-from robo_post.eval.rollout import format_mean, format_metric, format_rate, load_results, pct as _pct
+from robo_post.eval.rollout import format_mean, format_metric, format_rate, load_results, pct as _pct, read_result
 from robo_post.store import EpisodeInfo, Snapshot, Store
 
 N_FRAMES = 8
@@ -263,7 +263,24 @@ def _palette(n: int) -> list[Any]:
 # --- learning curves ---------------------------------------------------------------------
 def _read_jsonl(path: str) -> list[dict[str, Any]]:
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.readlines()
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()  # a row a killed (or still running) trainer had not finished writing
+    try:
+        return [json.loads(line) for line in lines if line.strip()]
+    except ValueError as e:
+        raise ValueError(f"{path} is not a metrics log ({e})") from e
+
+
+def _read_summary(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+        if not isinstance(summary, dict):
+            raise ValueError(f"a JSON {type(summary).__name__}, not an object")
+    except ValueError as e:
+        raise ValueError(f"{path} is not a run summary ({e})") from e
+    return summary
 
 
 def _numeric_columns(rows: list[dict[str, Any]]) -> list[str]:
@@ -290,8 +307,7 @@ def _learning_section(doc: _Doc, out_dir: str, run_dirs: list[str]) -> None:
         summary_path = os.path.join(run_dir, "summary.json")
         summary: dict[str, Any] = {}
         if os.path.exists(summary_path):
-            with open(summary_path) as f:
-                summary = json.load(f)
+            summary = _read_summary(summary_path)
         if os.path.exists(metrics):
             runs[name if summary.get("version") is None else f"{name} → v{summary['version']}"] = _read_jsonl(metrics)
         final = summary.get("final", {})
@@ -477,8 +493,5 @@ def report_from_config(cfg: Any) -> str:
     if cfg.results is None:
         results = load_results(cfg.eval_store) if cfg.eval_store else []
     else:
-        results = []
-        for path in cfg.results:
-            with open(path) as f:
-                results.append(json.load(f))
+        results = [read_result(path) for path in cfg.results]
     return write_report(cfg.out_dir, results, run_dirs, eval_store=cfg.eval_store, frames=cfg.frames)

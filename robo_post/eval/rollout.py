@@ -41,6 +41,7 @@ Split = Literal["train", "heldout"]
 EVAL_SEED = 1_000_003
 Z_95 = 1.959963984540054  # standard-normal quantile at 0.975
 RESULTS_DIR = "evals"
+_RESULT_KEYS = ("created", "policy", "split", "tasks", "overall", "mean_success_rate", "episodes_per_task")
 EXPERT = {"kind": "expert"}
 
 
@@ -340,12 +341,22 @@ def load_results(eval_store: str) -> list[dict[str, Any]]:
     directory = os.path.join(eval_store, RESULTS_DIR)
     if not os.path.isdir(directory):
         return []
-    results = []
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".json"):
-            with open(os.path.join(directory, name)) as f:
-                results.append(json.load(f))
+    results = [read_result(os.path.join(directory, name)) for name in sorted(os.listdir(directory))
+               if name.endswith(".json")]
     return sorted(results, key=lambda r: r["created"])
+
+
+def read_result(path: str) -> dict[str, Any]:
+    """One saved eval result; a file that is not one is a ``ValueError`` naming it."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+        missing = [k for k in _RESULT_KEYS if k not in result] if isinstance(result, dict) else list(_RESULT_KEYS)
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}")
+    except ValueError as e:
+        raise ValueError(f"{path} is not an eval result ({e})") from e
+    return result
 
 
 def _recorded_env(policy_store: str) -> str:
