@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from robo_post.cli import main
 from robo_post.envs.tabletop import PROPRIO_DIM
 from robo_post.eval import EVAL_SEED, evaluate, load_results, wilson_interval, write_report
 from robo_post.eval import report as report_mod
@@ -153,7 +154,7 @@ def test_report_has_tables_plots_and_html(evals):
     assert strip.shape[1] > 3 * strip.shape[0]  # 8 frames side by side, one successful row (no failures)
 
 
-def test_report_reads_a_killed_runs_log_and_names_a_damaged_file(tmp_path):
+def test_report_reads_a_killed_runs_log_and_names_a_damaged_file(tmp_path, capsys):
     run, out = tmp_path / "run", str(tmp_path / "report")
     run.mkdir()
     rows = [{"update": u, "bc_loss": 1.0 / u} for u in (50, 100)]
@@ -168,3 +169,8 @@ def test_report_reads_a_killed_runs_log_and_names_a_damaged_file(tmp_path):
     (evals / "v1-train.json").write_text("{}")
     with pytest.raises(ValueError, match=r"evals/v1-train.json is not an eval result \(no created, policy"):
         load_results(str(tmp_path / "eval"))
+    for bad in ("run_dir", "eval_store"):  # a mistyped path: one line naming it, no empty report
+        args = {"run_dir": str(run), "eval_store": str(tmp_path / "eval"), bad: str(tmp_path / "typo")}
+        assert main(["report", *(f"{k}={v}" for k, v in args.items()), f"out_dir={out}"]) == 1
+        assert capsys.readouterr().err.strip() == (f"robo-post report: FileNotFoundError: {bad}={tmp_path / 'typo'}: "
+                                                   "no such folder (null to leave it out of the report)")

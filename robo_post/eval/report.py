@@ -490,6 +490,10 @@ def report_from_config(cfg: Any) -> str:
     """`robo-post report`: ``cfg`` has ``run_dir`` (path, list or null), ``eval_store``,
     ``results`` (JSON paths or null = all saved in the eval store), ``out_dir``, ``frames``."""
     run_dirs = [] if cfg.run_dir is None else [cfg.run_dir] if isinstance(cfg.run_dir, str) else list(cfg.run_dir)
+    # A mistyped path would give a report of empty rows that looks like a run that logged nothing.
+    for key, path in [("run_dir", d) for d in run_dirs] + [("eval_store", cfg.eval_store)] * bool(cfg.eval_store):
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{key}={path}: no such folder (null to leave it out of the report)")
     if cfg.results is None:
         results = load_results(cfg.eval_store) if cfg.eval_store else []
     else:
