@@ -120,7 +120,9 @@ def executable_action(action: Any, space: spaces.Space) -> np.ndarray:
     a = a.astype(space.dtype).reshape(space.shape)
     if not space.contains(a):
         raise InvalidActionError(f"action {a} outside the action space {space}")
-    return a
+    # A Discrete action as its space samples it, a numpy scalar: envs that index tables
+    # with it (FrozenLake's transitions dict) refuse a 0-d array, which is unhashable.
+    return a[()] if a.ndim == 0 else a
 
 
 def episode_seed(seed: int, client_id: str, episode: int) -> int:

@@ -113,6 +113,7 @@ def test_integer_actions_are_checked_not_clipped_or_cast():
     discrete = spaces.Discrete(3, start=1)
     action = executable_action(np.int64(3), discrete)
     assert action.dtype == np.int64 and int(action) == 3
+    assert {action: "hashable"}[3] == "hashable"  # envs index dicts with it (FrozenLake, Taxi)
     with pytest.raises(InvalidActionError, match="outside"):
         executable_action(4, discrete)
     with pytest.raises(InvalidActionError, match="dtype"):
