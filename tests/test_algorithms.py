@@ -78,8 +78,8 @@ def test_a_reference_version_that_is_no_flow_policy_is_named(bc_store, tmp_path)
     shutil.copytree(bc_store, store)
     version = PolicyRegistry(store).publish({"w": torch.zeros(2)}, {"kind": "gaussian", "model": {}})  # gaussian_bc's
     cfg = OmegaConf.merge(_cfg(store, str(tmp_path / "run"), "divl_qam", 2), {"algo": {"reference_version": version}})
-    with pytest.raises(ValueError, match=rf"starts from a flow policy \(algo=bc_flow\), but version {version} of .* is "
-                                         r"a 'gaussian' policy; pick one with algo.reference_version=N"):
+    with pytest.raises(ValueError, match=rf"starts from a published flow policy \(algo=bc_flow\), but version {version} "
+                                         r"of .* is a 'gaussian' policy; set algo.reference_version to a flow version"):
         train(cfg)
 
 @pytest.mark.parametrize("algo", sorted(PAIRS))

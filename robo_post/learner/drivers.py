@@ -140,7 +140,7 @@ def measure(schema: StoreSchema, sampler: WindowSampler, model: DictConfig, gamm
 
 def load_reference(store: Store, version: int | None, device: torch.device) -> tuple[FlowPolicy, int]:
     """The published policy a method starts from (``version``; default the first)."""
-    from robo_post.models.ranked import flow_of
+    from robo_post.models.ranked import FLOW_KINDS, flow_of
 
     registry = PolicyRegistry(store.root)
     if not registry.versions():
@@ -148,9 +148,9 @@ def load_reference(store: Store, version: int | None, device: torch.device) -> t
                          "train one first with `robo-post train algo=bc_flow`")
     version = version or registry.versions()[0]
     weights, config = registry.load(version)
-    if config.get("kind") not in ("flow", "flow_ranked"):  # e.g. a gaussian_bc or SB3 version published first
-        raise ValueError(f"this method starts from a flow policy (algo=bc_flow), but version {version} of "
-                         f"{store.root} is a {config.get('kind')!r} policy; pick one with algo.reference_version=N")
+    if config.get("kind") not in FLOW_KINDS:  # e.g. a gaussian_bc or SB3 version published first
+        raise ValueError(f"this method starts from a published flow policy (algo=bc_flow), but version {version} of "
+                         f"{store.root} is a {config.get('kind')!r} policy; set algo.reference_version to a flow version")
     return flow_of(weights, config).to(device), version
 
 

@@ -92,6 +92,9 @@ class RankedFlowPolicy(nn.Module):
         return cls(policy, critic, config["best_of_n"], config["q_agg"]).to(device).eval()
 
 
+FLOW_KINDS = ("flow", "flow_ranked")  # artifact kinds that hold a flow (flow_of)
+
+
 def flow_of(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> FlowPolicy:
     """The flow of a registry artifact: a ``flow`` itself, or the proposer of a ``flow_ranked``."""
     if config["kind"] == "flow_ranked":
