@@ -5,10 +5,16 @@ round-tripped through Minari."""
 import json
 import os
 
+import gymnasium as gym
 import numpy as np
+import pytest
+from omegaconf import OmegaConf
 
+from robo_post.config import compose
 from robo_post.fleet.policies import build_policy
-from robo_post.store import PolicyRegistry, Store
+from robo_post.learner.train import train
+from robo_post.store import PolicyRegistry, Store, StoreError
+from robo_post.store.schema import StoreSchema
 from robo_post.store.integrity import validate_store
 
 from helpers import run_cli
@@ -74,3 +80,17 @@ def test_an_sb3_run_killed_after_publishing_does_not_publish_again(tmp_path):
     assert json.loads(_cli(*args))["version"] == 1
     os.remove(os.path.join(run_dir, "summary.json"))  # killed after publishing (e.g. in a final evaluation)
     assert json.loads(_cli(*args))["version"] == 1 and PolicyRegistry(store).versions() == [1]
+
+
+def test_an_agent_of_another_env_is_refused_by_a_recorded_store(tmp_path):
+    """Eval and the fleet run a store's agents in the store's env: a Pendulum agent published
+    into a CartPole store crash-looped every eval client."""
+    store = str(tmp_path / "store")
+    cartpole = gym.make("CartPole-v1")
+    Store.create(store, StoreSchema.from_spaces(cartpole.observation_space, cartpole.action_space, env="CartPole-v1"))
+    cfg = OmegaConf.merge(compose("train", ["algo=sb3"]), {
+        "store": store, "run_dir": str(tmp_path / "run"), "show": False, "device": "cpu",
+        "algo": {"env": "Pendulum-v1", "timesteps": 64}})
+    with pytest.raises(StoreError, match=r"different schema.*attrs\['env'\]: 'CartPole-v1' != 'Pendulum-v1'"):
+        train(cfg)
+    assert PolicyRegistry(store).versions() == []

@@ -295,22 +295,20 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
 
 # --- the SB3 driver ----------------------------------------------------------------------
 def _open_or_create_store(root: str, env: str | None, task: str | None, env_kwargs: dict) -> Store:
-    """The store whose registry receives the agent; created from the env's spaces when absent."""
+    """The store whose registry receives the agent; created from the env's spaces when absent.
+    An existing store must have been recorded in that env (the same schema, as ``collect``
+    checks): eval and the fleet run a store's agents in the store's env."""
     from robo_post.envs.registry import env_spec
-    from robo_post.store import StoreNotFoundError
 
-    try:
+    if env is None:
         return Store.open(root)
-    except StoreNotFoundError:
-        if env is None:
-            raise
     spec = env_spec(env)
     probe = spec.make(task, **env_kwargs)
     try:
         schema = StoreSchema.from_spaces(probe.observation_space, probe.action_space, env=spec.key)
     finally:
         probe.close()
-    return Store.create(root, schema)
+    return Store.create(root, schema, exist_ok=True)
 
 
 def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
