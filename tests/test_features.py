@@ -127,6 +127,14 @@ def test_flow_policy_refuses_discrete_actions(tmp_path):
         w.write_episode({"observation": np.zeros((4, 2), np.float32)}, np.array([0, 1, 1]), success=True)
     with pytest.raises(ValueError, match="discrete"):
         train(_cfg(str(tmp_path / "d"), str(tmp_path / "r"), "bc_flow"))
+    # MultiDiscrete actions (one integer per dimension) are refused by the same message, not a broadcast error
+    schema = StoreSchema({"observation": ArraySpec("float32", (2,))}, ArraySpec("int64", (2,), [0, 0], [2, 1]))
+    store = Store.create(str(tmp_path / "md"), schema)
+    with store.writer("x") as w:
+        w.write_episode({"observation": np.zeros((4, 2), np.float32)}, np.array([[0, 1], [2, 0], [1, 1]]), success=True)
+    for method in ("bc_flow", "gaussian_bc"):
+        with pytest.raises(ValueError, match=f"algo={method} .* this store's actions are discrete"):
+            train(_cfg(str(tmp_path / "md"), str(tmp_path / method), method))
 
 
 def test_the_registry_names_its_methods_and_takes_new_ones():

@@ -101,7 +101,8 @@ def measure(schema: StoreSchema, sampler: WindowSampler, model: DictConfig, gamm
     (its features and normalisers), else from the store schema and the sampler's data."""
     action = schema.action
     discrete = np.dtype(action.dtype).kind in "iu"
-    shape = action.shape if not discrete else (1,)
+    # One integer per discrete dimension: 1 for Discrete, n for MultiDiscrete (shape (n,))
+    shape = action.shape if not discrete else (int(np.prod(action.shape)),)
     low = np.broadcast_to(action.low if action.low is not None else -1.0, shape).astype(float)
     high = np.broadcast_to(action.high if action.high is not None else 1.0, shape).astype(float)
     if not discrete and not (np.isfinite(low).all() and np.isfinite(high).all()):
