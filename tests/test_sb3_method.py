@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from robo_post.algos.sb3_agent import SB3Agent, SB3AgentConfig
 from robo_post.config import compose
+from robo_post.envs.registry import UnsupportedSpaceError
 from robo_post.fleet.policies import build_policy
 from robo_post.learner.train import train
 from robo_post.store import PolicyRegistry, Store, StoreError
@@ -94,3 +96,30 @@ def test_an_agent_of_another_env_is_refused_by_a_recorded_store(tmp_path):
     with pytest.raises(StoreError, match=r"different schema.*attrs\['env'\]: 'CartPole-v1' != 'Pendulum-v1'"):
         train(cfg)
     assert PolicyRegistry(store).versions() == []
+
+
+class _ShiftedDiscrete(gym.Env):
+    """A Discrete observation from -2 and a Discrete action from 1 (gymnasium's ``start``)."""
+
+    observation_space = gym.spaces.Discrete(5, start=-2)
+    action_space = gym.spaces.Discrete(3, start=1)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return -2, {}
+
+    def step(self, action):
+        assert self.action_space.contains(action)
+        return -2, 0.0, False, True, {}
+
+
+gym.register("robo_post_test/ShiftedDiscrete-v0", entry_point=_ShiftedDiscrete)
+
+
+def test_discrete_spaces_that_do_not_start_at_zero_are_refused_for_sb3():
+    """SB3 one-hot encodes 0..n-1 and acts with indices: DQN crashed on the observation, PPO
+    sent action 0 to a space starting at 1."""
+    for agent in ("PPO", "DQN"):
+        with pytest.raises(UnsupportedSpaceError, match=r"start at 0; observation 'observation' Discrete\(5, "
+                           r"start=-2\), action Discrete\(3, start=1\) start elsewhere"):
+            SB3Agent(SB3AgentConfig(agent=agent, env="robo_post_test/ShiftedDiscrete-v0"))

@@ -78,6 +78,25 @@ def make_env(config: SB3AgentConfig, seed: int | None = None):
     return env
 
 
+def _check_discrete_starts(env: str, observation_space: Any, action_space: Any) -> None:
+    """SB3 takes a discrete space's values to be 0..n-1: it one-hot encodes observations and
+    acts with indices, so a space starting elsewhere would crash or get shifted actions.
+
+    Raises:
+        UnsupportedSpaceError: naming each discrete observation key or action that starts elsewhere.
+    """
+    from gymnasium import spaces
+
+    from robo_post.envs.registry import UnsupportedSpaceError
+
+    named = {f"observation {k!r}": s for k, s in observation_space.spaces.items()} | {"action": action_space}
+    shifted = [f"{name} {s}" for name, s in named.items()
+               if isinstance(s, (spaces.Discrete, spaces.MultiDiscrete)) and np.any(s.start != 0)]
+    if shifted:
+        raise UnsupportedSpaceError(f"env {env!r}: stable-baselines3 needs discrete spaces that start at 0; "
+                                    f"{', '.join(shifted)} start elsewhere")
+
+
 class SB3Agent:
     """An SB3 algorithm wrapped in the method protocol (``policy``, ``artifact``).
 
@@ -95,6 +114,11 @@ class SB3Agent:
         seed = config.seed or 0
         n = config.n_envs if n_envs is None else n_envs
         self.venv = DummyVecEnv([lambda: Monitor(make_env(config)) for _ in range(n)])  # Monitor: episode returns
+        try:
+            _check_discrete_starts(config.env, self.venv.observation_space, self.venv.action_space)
+        except ValueError:
+            self.venv.close()
+            raise
         self.venv.seed(seed)
         self.model = agent_class(config.agent)(config.policy, self.venv, seed=seed, device=str(device), verbose=0,
                                                **resolve_policy_kwargs(config.hyperparameters))
