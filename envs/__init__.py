@@ -52,6 +52,7 @@ gym.register(
 
 # After the gymnasium ids above: the registry's entries refer to them.
 from robo_post.envs.registry import (  # noqa: E402
+    EnvKwargsError,
     EnvRegistryError,
     EnvSpec,
     NoExpertError,
@@ -68,6 +69,7 @@ from robo_post.envs.registry import (  # noqa: E402
 )
 
 __all__ = [
+    "EnvKwargsError",
     "EnvRegistryError",
     "EnvSpec",
     "NoExpertError",

@@ -56,6 +56,10 @@ class UnsupportedSpaceError(EnvRegistryError):
     """An env's observation space is not a Box, a Discrete or a flat Dict of those."""
 
 
+class EnvKwargsError(EnvRegistryError):
+    """The env's constructor refused the keyword arguments it was given (unknown, missing, wrong type)."""
+
+
 class NoExpertError(EnvRegistryError):
     """The env has no scripted expert (so no ``expert`` policy and no overseer)."""
 
@@ -177,12 +181,16 @@ class EnvSpec:
         Raises:
             UnknownTaskError: a task other than the id for an env without tasks.
             UnsupportedSpaceError: the observation space is nested.
+            EnvKwargsError: the env's constructor refused the kwargs (e.g. a misspelt ``+env.kwargs.X``).
         """
         if self.task_kwarg is not None:
             kwargs[self.task_kwarg] = task if task is not None else self.default_tasks()[0]
         elif task not in (None, self.id):
             raise UnknownTaskError(f"env {self.key!r} has no tasks; its only task id is {self.id!r}, got {task!r}")
-        env = gym.make(self.id, **{**self.make_kwargs, **kwargs})
+        try:
+            env = gym.make(self.id, **{**self.make_kwargs, **kwargs})
+        except TypeError as e:  # gymnasium re-raises the constructor's own message, naming the kwarg
+            raise EnvKwargsError(f"env {self.key!r} cannot be made with kwargs {kwargs}: {e}") from None
         try:
             return flat_dict_observation(env)
         except UnsupportedSpaceError:

@@ -18,6 +18,7 @@ import pytest
 from gymnasium import spaces
 
 from robo_post.envs import (
+    EnvKwargsError,
     NoExpertError,
     UnknownEnvError,
     UnknownTaskError,
@@ -101,6 +102,16 @@ def test_generic_success_rule():
     assert generic_success({"is_success": 1.0, "success": False}) is True  # is_success first
     assert generic_success({"success": False}) is False
     assert generic_success({"x_position": 3.0}) is None  # undefined, not a failure
+
+
+def test_kwargs_the_env_refuses_are_a_typed_error_naming_them():
+    """A misspelt or missing ``+env.kwargs.X`` was a TypeError traceback from gymnasium."""
+    with pytest.raises(EnvKwargsError, match=r"'Pendulum-v1' cannot be made with kwargs \{'gravity': 5.0\}: "
+                       r".*unexpected keyword argument 'gravity'"):
+        env_spec("Pendulum-v1").make(gravity=5.0)
+    env = env_spec("Pendulum-v1").make(g=5.0)  # the env's own name for it
+    assert env.unwrapped.g == 5.0
+    env.close()
 
 
 def test_env_override_for_an_id_without_a_config_file():
