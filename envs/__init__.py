@@ -52,7 +52,7 @@ gym.register(
 
 # After the gymnasium ids above: the registry's entries refer to them.
 from robo_post.envs.registry import (  # noqa: E402
-    EnvKwargsError,
+    EnvMakeError,
     EnvRegistryError,
     EnvSpec,
     NoExpertError,
@@ -69,7 +69,7 @@ from robo_post.envs.registry import (  # noqa: E402
 )
 
 __all__ = [
-    "EnvKwargsError",
+    "EnvMakeError",
     "EnvRegistryError",
     "EnvSpec",
     "NoExpertError",

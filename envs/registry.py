@@ -56,8 +56,9 @@ class UnsupportedSpaceError(EnvRegistryError):
     """An env's observation space is not a Box, a Discrete or a flat Dict of those."""
 
 
-class EnvKwargsError(EnvRegistryError):
-    """The env's constructor refused the keyword arguments it was given (unknown, missing, wrong type)."""
+class EnvMakeError(EnvRegistryError):
+    """``gymnasium.make`` could not make a registered env: its constructor refused the keyword
+    arguments (unknown, missing, wrong type) or a dependency of the env is not installed."""
 
 
 class NoExpertError(EnvRegistryError):
@@ -181,7 +182,8 @@ class EnvSpec:
         Raises:
             UnknownTaskError: a task other than the id for an env without tasks.
             UnsupportedSpaceError: the observation space is nested.
-            EnvKwargsError: the env's constructor refused the kwargs (e.g. a misspelt ``+env.kwargs.X``).
+            EnvMakeError: the env's constructor refused the kwargs (e.g. a misspelt ``+env.kwargs.X``),
+                or a dependency of the env is not installed.
         """
         if self.task_kwarg is not None:
             kwargs[self.task_kwarg] = task if task is not None else self.default_tasks()[0]
@@ -190,7 +192,9 @@ class EnvSpec:
         try:
             env = gym.make(self.id, **{**self.make_kwargs, **kwargs})
         except TypeError as e:  # gymnasium re-raises the constructor's own message, naming the kwarg
-            raise EnvKwargsError(f"env {self.key!r} cannot be made with kwargs {kwargs}: {e}") from None
+            raise EnvMakeError(f"env {self.key!r} cannot be made with kwargs {kwargs}: {e}") from None
+        except gym.error.DependencyNotInstalled as e:  # raised when make imports the env's module
+            raise EnvMakeError(f"env {self.key!r} cannot be made: {e}") from None
         try:
             return flat_dict_observation(env)
         except UnsupportedSpaceError:

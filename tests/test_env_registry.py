@@ -18,7 +18,7 @@ import pytest
 from gymnasium import spaces
 
 from robo_post.envs import (
-    EnvKwargsError,
+    EnvMakeError,
     NoExpertError,
     UnknownEnvError,
     UnknownTaskError,
@@ -104,14 +104,22 @@ def test_generic_success_rule():
     assert generic_success({"x_position": 3.0}) is None  # undefined, not a failure
 
 
-def test_kwargs_the_env_refuses_are_a_typed_error_naming_them():
-    """A misspelt or missing ``+env.kwargs.X`` was a TypeError traceback from gymnasium."""
-    with pytest.raises(EnvKwargsError, match=r"'Pendulum-v1' cannot be made with kwargs \{'gravity': 5.0\}: "
+def test_kwargs_the_env_refuses_or_a_missing_dependency_are_a_typed_error(monkeypatch):
+    """A misspelt or missing ``+env.kwargs.X``, or an env whose module needs an uninstalled
+    package (Box2D's), was a traceback from gymnasium."""
+    with pytest.raises(EnvMakeError, match=r"'Pendulum-v1' cannot be made with kwargs \{'gravity': 5.0\}: "
                        r".*unexpected keyword argument 'gravity'"):
         env_spec("Pendulum-v1").make(gravity=5.0)
     env = env_spec("Pendulum-v1").make(g=5.0)  # the env's own name for it
     assert env.unwrapped.g == 5.0
     env.close()
+
+    def missing(*_, **__):
+        raise gym.error.DependencyNotInstalled("Box2D is not installed")
+
+    monkeypatch.setattr(gym, "make", missing)  # as gymnasium.make does when importing the env's module fails
+    with pytest.raises(EnvMakeError, match="'Pendulum-v1' cannot be made: Box2D is not installed"):
+        env_spec("Pendulum-v1").make()
 
 
 def test_env_override_for_an_id_without_a_config_file():
