@@ -20,11 +20,13 @@ from PIL import Image
 from robo_post.cli import main
 from robo_post.envs.tabletop import PROPRIO_DIM
 from robo_post.eval import EVAL_SEED, evaluate, load_results, wilson_interval, write_report
+from robo_post.envs import env_spec
 from robo_post.eval import report as report_mod
+from robo_post.eval.rollout import recorded_env_kwargs
 from robo_post.fleet.client import episode_seed, store_schema
 from robo_post.models.features import state_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
-from robo_post.store import PolicyRegistry, Store
+from robo_post.store import ArraySpec, PolicyRegistry, Store, StoreSchema
 
 ENV: dict[str, Any] = {"name": "tabletop", "render_images": False}
 TASKS = ["reach", "push"]
@@ -50,6 +52,26 @@ def test_wilson_interval_matches_hand_computed_values(k, n, expected):
 def test_wilson_interval_rejects_impossible_counts():
     with pytest.raises(ValueError):
         wilson_interval(11, 10)
+
+
+def test_eval_keeps_the_env_kwargs_all_episodes_agree_on(tmp_path, capsys):
+    """Episodes recorded with different kwargs made eval drop all of them silently: a goal
+    every episode shared ran at the env's default."""
+    schema = StoreSchema({"observation": ArraySpec("float32", (3,))}, ArraySpec("float32", (1,), -2.0, 2.0),
+                         attrs={"env": "Pendulum-v1"})
+    store = Store.create(str(tmp_path / "s"), schema)
+    spec = env_spec("Pendulum-v1")
+    with store.writer("c") as w:
+        for kwargs in ({"g": 5.0, "max_episode_steps": 10}, {"g": 5.0, "max_episode_steps": 20}):
+            w.write_episode({"observation": np.zeros((3, 3), np.float32)}, np.zeros((2, 1), np.float32),
+                            attrs={"env_kwargs": kwargs})
+    assert recorded_env_kwargs(store.root, spec) == {"g": 5.0}
+    assert "different values of env kwargs ['max_episode_steps']" in capsys.readouterr().err
+    with store.writer("d") as w:  # an episode at the env's default g
+        w.write_episode({"observation": np.zeros((3, 3), np.float32)}, np.zeros((2, 1), np.float32),
+                        attrs={"env_kwargs": {}})
+    assert recorded_env_kwargs(store.root, spec) == {}
+    assert "['g', 'max_episode_steps']" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from typing import Any, Iterable, Literal
 
@@ -377,16 +378,23 @@ def _env_of_tasks(tasks: list[str]) -> EnvSpec:
 
 
 def recorded_env_kwargs(policy_store: str, spec: EnvSpec) -> dict[str, Any] | None:
-    """The env kwargs every episode of the store was collected with, when the store records
-    ``spec``'s env and all its episodes agree (``None`` otherwise: older stores, mixed
-    settings; the env's defaults apply). The instruction split stays the eval's own choice."""
+    """The env kwargs the store's episodes were collected with, when the store records ``spec``'s
+    env: those every episode agrees on. A kwarg the episodes set to different values (or only
+    some set) is left at the env's default and named on stderr. ``None``: another env's store,
+    or episodes that record no kwargs (older stores); the env's defaults apply. The
+    instruction split stays the eval's own choice."""
     store = Store.open(policy_store)
     if store.schema.attrs.get("env") != spec.key:
         return None
-    recorded = {json.dumps(e.attrs.get("env_kwargs"), sort_keys=True) for e in store.snapshot().episodes()}
-    if len(recorded) != 1 or (kwargs := json.loads(recorded.pop())) is None:
+    recorded = [e.attrs.get("env_kwargs") for e in store.snapshot().episodes()]
+    if not recorded or any(kwargs is None for kwargs in recorded):
         return None
-    return {k: v for k, v in kwargs.items() if k != spec.split_kwarg}
+    keys = set().union(*recorded) - {spec.split_kwarg}
+    agreed = {k: recorded[0][k] for k in keys if all(k in r and r[k] == recorded[0][k] for r in recorded)}
+    if mixed := sorted(keys - set(agreed)):
+        print(f"eval: the episodes of {policy_store} were recorded with different values of env kwargs {mixed}; "
+              "they run at the env's defaults (pass env_kwargs={...} to choose)", file=sys.stderr)
+    return agreed
 
 
 class EnvMismatchError(ValueError):
