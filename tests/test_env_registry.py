@@ -240,6 +240,43 @@ def test_eval_refuses_an_env_that_observes_other_shapes_than_the_policy_was_trai
     assert r["env"] == collected and r["tasks"]["highway-fast"]["episodes"] == 2
 
 
+class _HalfTorquePendulum(gym.Env):
+    """Observes like Pendulum-v1 (float32 (3,)) but takes torques in [-1, 1], not [-2, 2]."""
+
+    observation_space = spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(3, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(3, np.float32), 0.0, False, True, {}
+
+
+gym.register("robo_post_test/HalfTorquePendulum-v0", entry_point=_HalfTorquePendulum)
+
+
+def test_eval_refuses_an_env_whose_actions_differ_from_the_training_data(tmp_path):
+    """``env=`` another env observing alike: the policy's [-2, 2] torques were silently clipped to [-1, 1]."""
+    from robo_post.eval.rollout import EnvMismatchError
+    from robo_post.models.features import state_features
+    from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
+    from robo_post.store import PolicyRegistry
+
+    store = Store.create(str(tmp_path / "store"), store_schema({"name": "Pendulum-v1"}, None))
+    model = FlowPolicy(FlowPolicyConfig(features=state_features(3, "observation"), action_dim=1, horizon=1,
+                                        use_text=False, embed_dim=8, hidden_dim=16, flow_steps=2,
+                                        action_low=[-2.0], action_high=[2.0]))
+    version = PolicyRegistry(store.root).publish(*model.artifact(algorithm="untrained"))
+    out = str(tmp_path / "eval")
+    with pytest.raises(EnvMismatchError, match=r"takes actions float32 \(1,\) in \[\[-1.0\], \[1.0\]\], but the "
+                       r"policy was trained on actions float32 \(1,\) in \[\[-2.0\], \[2.0\]\]: the policy's data "
+                       r"was recorded in env 'Pendulum-v1'"):
+        evaluate(store.root, version, None, 1, n_clients=1, env="robo_post_test/HalfTorquePendulum-v0", out_store=out)
+    assert not os.path.exists(out)
+
+
 def test_fleet_records_a_cartpole_sb3_agent_with_integer_actions(tmp_path):
     from stable_baselines3 import PPO
 

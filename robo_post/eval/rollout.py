@@ -398,22 +398,45 @@ def recorded_env_kwargs(policy_store: str, spec: EnvSpec) -> dict[str, Any] | No
 
 
 class EnvMismatchError(ValueError):
-    """The eval env's observations differ from those of the data the policy was trained on."""
+    """The eval env's observations or actions differ from those of the data the policy was trained on."""
 
 
 def _check_observations(trained: Any, evaluated: Any, env_cfg: dict[str, Any], policy_config: dict[str, Any]) -> None:
     """Fail before any client starts when the env built for the eval observes the keys the
     policy reads (its feature spec; else every key both have) with other shapes than the
-    policy store recorded: an env kwarg of the training data that was not repeated."""
+    policy store recorded (an env kwarg of the training data that was not repeated), or
+    takes other actions (dtype, shape, bounds: the policy's actions would be clipped to
+    another range, e.g. on another env given as ``env=``)."""
     features = (policy_config.get("model") or {}).get("features")
     keys = list(features) if isinstance(features, dict) else [k for k in trained.observations if k in evaluated.observations]
     want = {k: (s.dtype, tuple(s.shape)) for k, s in trained.observations.items() if k in keys}
     got = {k: (s.dtype, tuple(s.shape)) for k, s in evaluated.observations.items() if k in keys}
+    kwargs = {k: v for k, v in env_cfg.items() if k != "name"}
+    recorded_in = trained.attrs.get("env")
+    hint = (f"the policy's data was recorded in env {recorded_in!r}" if recorded_in not in (None, env_cfg["name"])
+            else "pass the env kwargs its data was collected with (env_kwargs={...})")
     if want != got:
-        kwargs = {k: v for k, v in env_cfg.items() if k != "name"}
         raise EnvMismatchError(
-            f"env {env_cfg['name']!r} with kwargs {kwargs} observes {got}, but the policy was trained on {want}: "
-            "pass the env kwargs its data was collected with (env_kwargs={...})")
+            f"env {env_cfg['name']!r} with kwargs {kwargs} observes {got}, but the policy was trained on {want}: {hint}")
+    if not _same_action(trained.action, evaluated.action):
+        raise EnvMismatchError(
+            f"env {env_cfg['name']!r} with kwargs {kwargs} takes actions {_action_text(evaluated.action)}, but the "
+            f"policy was trained on actions {_action_text(trained.action)}: {hint}")
+
+
+def _same_action(a: Any, b: Any) -> bool:
+    """Equal dtype, shape and bounds (to float32 precision: a dataset may store its bounds rounded)."""
+    def close(x: Any, y: Any) -> bool:
+        if x is None or y is None:
+            return x is None and y is None
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        return x.shape == y.shape and bool(np.allclose(x, y, rtol=1e-6, atol=0.0))
+
+    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and close(a.low, b.low) and close(a.high, b.high)
+
+
+def _action_text(spec: Any) -> str:
+    return f"{spec.dtype} {tuple(spec.shape)} in [{spec.low}, {spec.high}]"
 
 
 def _env_kwargs(spec: EnvSpec, policy_config: dict[str, Any], env_kwargs: dict[str, Any] | None,
