@@ -123,3 +123,27 @@ def test_discrete_spaces_that_do_not_start_at_zero_are_refused_for_sb3():
         with pytest.raises(UnsupportedSpaceError, match=r"start at 0; observation 'observation' Discrete\(5, "
                            r"start=-2\), action Discrete\(3, start=1\) start elsewhere"):
             SB3Agent(SB3AgentConfig(agent=agent, env="robo_post_test/ShiftedDiscrete-v0"))
+
+
+class _SmallCamera(gym.Env):
+    """A 24 x 24 RGB camera: an image to SB3, too small for its default CNN."""
+
+    observation_space = gym.spaces.Box(0, 255, (24, 24, 3), np.uint8)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros((24, 24, 3), np.uint8), {}
+
+    def step(self, action):
+        return np.zeros((24, 24, 3), np.uint8), 0.0, False, True, {}
+
+
+gym.register("robo_post_test/SmallCamera-v0", entry_point=_SmallCamera)
+
+
+def test_an_image_too_small_for_sb3s_cnn_is_refused_naming_it():
+    """It failed in the first forward pass with torch's 'Kernel size can't be greater than actual input size'."""
+    with pytest.raises(UnsupportedSpaceError, match=r"at least 36 x 36 pixels; observation 'observation' "
+                       r"\(24, 24, 3\) is smaller"):
+        SB3Agent(SB3AgentConfig(env="robo_post_test/SmallCamera-v0"))

@@ -78,14 +78,20 @@ def make_env(config: SB3AgentConfig, seed: int | None = None):
     return env
 
 
-def _check_discrete_starts(env: str, observation_space: Any, action_space: Any) -> None:
-    """SB3 takes a discrete space's values to be 0..n-1: it one-hot encodes observations and
-    acts with indices, so a space starting elsewhere would crash or get shifted actions.
+# SB3's default image CNN (NatureCNN: 8x8 stride 4, 4x4 stride 2, 3x3) needs this many pixels a side.
+SB3_MIN_IMAGE_SIDE = 36
+
+
+def _check_spaces(env: str, observation_space: Any, action_space: Any, hyperparameters: dict[str, Any]) -> None:
+    """Refuse, naming them, spaces SB3 would crash on or misuse: discrete spaces not starting
+    at 0 (SB3 one-hot encodes observations and acts with indices 0..n-1), and images smaller
+    than its default CNN takes (unless the policy names its own features extractor).
 
     Raises:
-        UnsupportedSpaceError: naming each discrete observation key or action that starts elsewhere.
+        UnsupportedSpaceError: naming each such observation key or the action.
     """
     from gymnasium import spaces
+    from stable_baselines3.common.preprocessing import is_image_space, is_image_space_channels_first
 
     from robo_post.envs.registry import UnsupportedSpaceError
 
@@ -95,6 +101,14 @@ def _check_discrete_starts(env: str, observation_space: Any, action_space: Any) 
     if shifted:
         raise UnsupportedSpaceError(f"env {env!r}: stable-baselines3 needs discrete spaces that start at 0; "
                                     f"{', '.join(shifted)} start elsewhere")
+    if (hyperparameters.get("policy_kwargs") or {}).get("features_extractor_class") is None:
+        small = [f"observation {k!r} {s.shape}" for k, s in observation_space.spaces.items()
+                 if is_image_space(s, check_channels=True)
+                 and min(s.shape[1:] if is_image_space_channels_first(s) else s.shape[:2]) < SB3_MIN_IMAGE_SIDE]
+        if small:
+            raise UnsupportedSpaceError(f"env {env!r}: stable-baselines3's image CNN needs images of at least "
+                                        f"{SB3_MIN_IMAGE_SIDE} x {SB3_MIN_IMAGE_SIDE} pixels; {', '.join(small)} "
+                                        "is smaller (give policy_kwargs.features_extractor_class)")
 
 
 class SB3Agent:
@@ -115,7 +129,7 @@ class SB3Agent:
         n = config.n_envs if n_envs is None else n_envs
         self.venv = DummyVecEnv([lambda: Monitor(make_env(config)) for _ in range(n)])  # Monitor: episode returns
         try:
-            _check_discrete_starts(config.env, self.venv.observation_space, self.venv.action_space)
+            _check_spaces(config.env, self.venv.observation_space, self.venv.action_space, config.hyperparameters)
         except ValueError:
             self.venv.close()
             raise
