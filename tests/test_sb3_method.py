@@ -147,3 +147,22 @@ def test_an_image_too_small_for_sb3s_cnn_is_refused_naming_it():
     with pytest.raises(UnsupportedSpaceError, match=r"at least 36 x 36 pixels; observation 'observation' "
                        r"\(24, 24, 3\) is smaller"):
         SB3Agent(SB3AgentConfig(env="robo_post_test/SmallCamera-v0"))
+
+
+def test_the_agent_trains_in_the_env_the_store_was_recorded_in_with_its_kwargs(tmp_path):
+    """Eval and the fleet rebuild a store's env with the kwargs its episodes recorded; the agent
+    trained at the env's defaults (Pendulum's g=10 for data recorded at g=5)."""
+    from robo_post.learner.drivers import _open_or_create_store
+
+    pendulum = gym.make("Pendulum-v1")
+    schema = StoreSchema.from_spaces(pendulum.observation_space, pendulum.action_space, env="Pendulum-v1")
+    store = Store.create(str(tmp_path / "store"), schema)
+    with store.writer("c") as w:
+        w.write_episode({"observation": np.zeros((3, 3), np.float32)}, np.zeros((2, 1), np.float32),
+                        attrs={"env_kwargs": {"g": 5.0}})
+    config = SB3AgentConfig()
+    _open_or_create_store(store.root, config)
+    assert (config.env, config.env_kwargs) == ("Pendulum-v1", {"g": 5.0})
+    given = SB3AgentConfig(env="Pendulum-v1", env_kwargs={"g": 9.0})  # the user's own kwargs win
+    _open_or_create_store(store.root, given)
+    assert given.env_kwargs == {"g": 9.0}

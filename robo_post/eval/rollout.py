@@ -392,8 +392,8 @@ def recorded_env_kwargs(policy_store: str, spec: EnvSpec) -> dict[str, Any] | No
     keys = set().union(*recorded) - {spec.split_kwarg}
     agreed = {k: recorded[0][k] for k in keys if all(k in r and r[k] == recorded[0][k] for r in recorded)}
     if mixed := sorted(keys - set(agreed)):
-        print(f"eval: the episodes of {policy_store} were recorded with different values of env kwargs {mixed}; "
-              "they run at the env's defaults (pass env_kwargs={...} to choose)", file=sys.stderr)
+        print(f"the episodes of {policy_store} were recorded with different values of env kwargs {mixed}; "
+              "the env's defaults apply to them unless given", file=sys.stderr)
     return agreed
 
 

@@ -12,6 +12,7 @@ store's policy registry with its provenance. Methods that need another loop
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -295,21 +296,40 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
 
 
 # --- the SB3 driver ----------------------------------------------------------------------
-def _open_or_create_store(root: str, env: str | None, task: str | None, env_kwargs: dict) -> Store:
+def _open_or_create_store(root: str, config: Any) -> Store:
     """The store whose registry receives the agent; created from the env's spaces when absent.
-    An existing store must have been recorded in that env (the same schema, as ``collect``
-    checks): eval and the fleet run a store's agents in the store's env."""
+    An unset ``config.env`` becomes the env the store was recorded in, and unset
+    ``config.env_kwargs`` the kwargs its episodes agree on: eval and the fleet run a store's
+    agents in that env, so the agent trains in it. An existing store must have been recorded
+    in the agent's env (the same schema, as ``collect`` checks)."""
     from robo_post.envs.registry import env_spec
+    from robo_post.eval.rollout import recorded_env_kwargs
+    from robo_post.store import StoreNotFoundError
 
-    if env is None:
-        return Store.open(root)
-    spec = env_spec(env)
-    probe = spec.make(task, **env_kwargs)
+    store = None
+    try:
+        store = Store.open(root)
+    except StoreNotFoundError:
+        if config.env is None:
+            raise
+    else:
+        config.env = config.env or store.schema.attrs.get("env")
+        if config.env is None:
+            return store  # the agent names the missing algo.env
+        if not config.env_kwargs:
+            config.env_kwargs = recorded_env_kwargs(root, env_spec(config.env)) or {}
+    spec = env_spec(config.env)
+    probe = spec.make(config.task, **config.env_kwargs)
     try:
         schema = StoreSchema.from_spaces(probe.observation_space, probe.action_space, env=spec.key)
     finally:
         probe.close()
-    return Store.create(root, schema, exist_ok=True)
+    if store is None:
+        return Store.create(root, schema)
+    # The spaces and the env must match; the store's other metadata (an import's success rule, ...) is its own.
+    recorded = store.schema.attrs.get("env")
+    attrs = {**store.schema.attrs, "env": recorded if recorded in (spec.key, spec.id) else spec.key}
+    return Store.create(root, dataclasses.replace(schema, attrs=attrs, extras=store.schema.extras), exist_ok=True)
 
 
 def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
@@ -330,9 +350,7 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     torch.set_num_threads(cfg.torch_threads)
     values = {k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"}
     config = spec.make_config(values)
-    store = _open_or_create_store(cfg.store, config.env, config.task, config.env_kwargs)
-    if config.env is None:
-        config.env = store.schema.attrs.get("env")
+    store = _open_or_create_store(cfg.store, config)
     if config.seed is None:
         config.seed = cfg.seed
     agent = spec.build(config, None, resolve_device(cfg.device), None)
