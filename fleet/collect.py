@@ -7,7 +7,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from robo_post.fleet.client import ClientConfig, store_schema
+from robo_post.envs.registry import EnvSpec, NoExpertError, env_spec
+from robo_post.fleet.client import ClientConfig, Overseer, store_schema
 from robo_post.fleet.launcher import LocalLauncher, RayLauncher, raise_unfinished
 from robo_post.store import Store
 from robo_post.store.schema import infer_role
@@ -57,6 +58,23 @@ def client_configs(cfg: DictConfig, store: Store) -> list[ClientConfig]:
     return configs
 
 
+def check_env_supports(cfg: DictConfig, spec: EnvSpec) -> None:
+    """Refuse, before the store or any client is made, a scripted expert or an overseer the env's
+    registry entry does not have: every client would crash on it, restart and crash again.
+
+    Raises:
+        NoExpertError: ``policy=expert`` (the default) with nothing published to run instead.
+        OverseerUnsupportedError: ``fleet.overseer.enabled`` for an env without an overseer.
+    """
+    fleet = cfg.fleet
+    if fleet.overseer.enabled:
+        Overseer(spec, **OmegaConf.to_container(fleet.overseer, resolve=True))
+    runs_expert = not fleet.follow_registry and fleet.get("policy_version") is None
+    if cfg.policy.kind == "expert" and runs_expert and spec.expert is None:
+        raise NoExpertError(f"env {spec.key!r} has no scripted expert; collect with another policy "
+                            "(policy=random) or run a published version (fleet.follow_registry=true)")
+
+
 def make_launcher(cfg: DictConfig, configs: list[ClientConfig]):
     if cfg.fleet.launcher == "ray":
         return RayLauncher(configs, cfg.fleet.max_restarts, cfg.fleet.address, cfg.fleet.num_cpus)
@@ -72,6 +90,7 @@ def collect(cfg: DictConfig) -> list[dict[str, Any]]:
         FleetError: a client did not reach its target.
     """
     env, tasks = env_config(cfg)
+    check_env_supports(cfg, env_spec(env["name"]))
     store = Store.create(cfg.store, store_schema(env, tasks[0] if tasks else None), exist_ok=True)
     statuses = make_launcher(cfg, client_configs(cfg, store)).run(show=cfg.show)
     raise_unfinished(statuses, "fleet clients", store.root)

@@ -25,7 +25,10 @@ from omegaconf import OmegaConf
 
 from robo_post.envs.tabletop import TabletopEnv
 from robo_post.fleet import policies
-from robo_post.fleet.collect import client_configs
+from robo_post.config import compose
+from robo_post.envs import NoExpertError
+from robo_post.fleet.client import OverseerUnsupportedError
+from robo_post.fleet.collect import client_configs, collect
 from robo_post.fleet.client import ClientConfig, make_env, read_status, run_client, store_schema
 from robo_post.fleet.launcher import FleetError, LocalLauncher, RayLauncher, raise_unfinished
 from robo_post.fleet.policies import ExpertPolicy, register_policy_kind
@@ -353,6 +356,19 @@ def test_collect_cli_end_to_end(tmp_path):
     info = json.loads(proc.stdout)
     assert info["episodes"] == 4 and info["shards"] == 2
     assert validate_store(root)[1] == []
+
+
+def test_collect_refuses_an_expert_or_overseer_the_env_lacks_before_any_client(tmp_path):
+    """The default policy=expert on a gymnasium id crashed every client (and its restarts)
+    only after the store was made."""
+    root = str(tmp_path / "store")
+    cfg = compose("collect", ["env=gym", "env.name=FrozenLake-v1", f"store={root}", "episodes=2", "show=false"])
+    with pytest.raises(NoExpertError, match="'FrozenLake-v1' has no scripted expert; collect with another policy"):
+        collect(cfg)
+    cfg.policy.kind, cfg.fleet.overseer.enabled = "random", True
+    with pytest.raises(OverseerUnsupportedError, match="'FrozenLake-v1' has no overseer"):
+        collect(cfg)
+    assert not os.path.exists(root)
 
 
 def test_same_config_and_seed_give_identical_episodes(tmp_path):
