@@ -108,6 +108,24 @@ def test_methods_train_on_any_keys_with_value_support_from_the_data(tmp_path):
     assert PolicyRegistry(store).load(pinned["version"])[1]["config"]["algo"]["value"] == {"v_min": -1.0, "v_max": 2.0}
 
 
+def test_a_scalar_observation_is_one_state_column(tmp_path):
+    """A Box of shape () (a user's env observing one number) failed in the encoder's flatten."""
+    schema = StoreSchema({"x": ArraySpec("float32", ()), "v": ArraySpec("float32", (2,))}, ArraySpec("float32", (1,), -1.0, 1.0))
+    store = Store.create(str(tmp_path / "s"), schema)
+    rng = np.random.default_rng(0)
+    with store.writer("data") as w:
+        for _ in range(3):
+            w.write_episode({"x": rng.normal(size=T + 1).astype(np.float32), "v": np.zeros((T + 1, 2), np.float32)},
+                            rng.uniform(-1, 1, (T, 1)).astype(np.float32), success=None)
+    summary = train(_cfg(store.root, str(tmp_path / "bc"), "bc_flow"))
+    assert np.isfinite(summary["final"]["bc_loss"])
+    policy = FlowPolicy.from_artifact(*PolicyRegistry(store.root).load(summary["version"]))
+    assert policy.config.features["x"].shape == () and policy.encoder.state_mean.shape == (3,)
+    obs = {"x": torch.tensor([0.0, 1.0]), "v": torch.zeros(2, 2)}
+    z = policy.encode(obs)
+    assert not torch.allclose(z[0], z[1])  # the scalar is read
+
+
 def test_value_range_brackets_returns_and_zero():
     assert value_range(np.array([0.2, 0.8])) == pytest.approx((-0.08, 0.88))
     assert value_range(np.array([-3.0, -1.0])) == pytest.approx((-3.3, 0.3))
