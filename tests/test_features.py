@@ -2,6 +2,7 @@
 any flat Dict of Box/Discrete observations, any reward scale, old artifacts."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -153,6 +154,18 @@ def test_flow_policy_refuses_discrete_actions(tmp_path):
     for method in ("bc_flow", "gaussian_bc"):
         with pytest.raises(ValueError, match=f"algo={method} .* this store's actions are discrete"):
             train(_cfg(str(tmp_path / "md"), str(tmp_path / method), method))
+
+
+@pytest.mark.parametrize("shape", [(), (2, 3)])
+def test_a_box_action_that_is_no_vector_is_refused_naming_its_shape(tmp_path, shape):
+    """A scalar or a matrix Box action failed deep in training (list() of a 0-d array, a tensor size mismatch)."""
+    schema = StoreSchema({"observation": ArraySpec("float32", (2,))}, ArraySpec("float32", shape, -1.0, 1.0))
+    store = Store.create(str(tmp_path / "s"), schema)
+    with store.writer("x") as w:
+        w.write_episode({"observation": np.zeros((4, 2), np.float32)}, np.zeros((3, *shape), np.float32), success=None)
+    for method in ("bc_flow", "gaussian_bc"):
+        with pytest.raises(ValueError, match=re.escape(f"actions are a Box of shape {shape}; flow and Gaussian")):
+            train(_cfg(store.root, str(tmp_path / method), method))
 
 
 def test_the_registry_names_its_methods_and_takes_new_ones():

@@ -102,6 +102,9 @@ def measure(schema: StoreSchema, sampler: WindowSampler, model: DictConfig, gamm
     (its features and normalisers), else from the store schema and the sampler's data."""
     action = schema.action
     discrete = np.dtype(action.dtype).kind in "iu"
+    if not discrete and len(action.shape) != 1:  # the sampler and the policies carry actions as (A,) vectors
+        raise ValueError(f"this store's actions are a Box of shape {tuple(action.shape)}; flow and Gaussian "
+                         "policies act in a flat action vector, a Box of shape (A,)")
     # One integer per discrete dimension: 1 for Discrete, n for MultiDiscrete (shape (n,))
     shape = action.shape if not discrete else (int(np.prod(action.shape)),)
     low = np.broadcast_to(action.low if action.low is not None else -1.0, shape).astype(float)
