@@ -129,7 +129,8 @@ class ObservationEncoder(nn.Module):
         self.state_std.copy_(torch.as_tensor(np.where(std > 1e-8, std, 1.0), dtype=torch.float32))
 
     def state_vector(self, obs: dict[str, Any]) -> torch.Tensor:
-        """The concatenated, flattened state keys (B, state_dim), float32, unstandardised (a scalar key, (B,), is one column)."""
+        """The concatenated, flattened state keys (B, state_dim), float32, unstandardised; a
+        scalar key, (B,), is one column."""
         device = self.state_mean.device
         values = [torch.as_tensor(obs[k]).to(device).float() for k in self.state_keys]
         return torch.cat([v.reshape(len(v), -1) for v in values], dim=-1)
