@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from robo_post.algos.fql import FQLCritic
 from robo_post.algos.actor_critic import PAIRS, ActorCritic
 from robo_post.config import compose
 from robo_post.fleet.policies import build_policy
+from robo_post.learner.drivers import load_reference
 from robo_post.learner.train import train
 from robo_post.models.critic import CriticConfig
 from robo_post.models.features import Feature
@@ -71,16 +73,24 @@ def test_train_publishes_the_extracted_policy_with_provenance(bc_store, tmp_path
     assert ("tau_mean" in rows[-1]) == (algo == "divl_qam")
 
 
-def test_a_reference_version_that_is_no_flow_policy_is_named(bc_store, tmp_path):
-    import shutil
-
-    store = str(tmp_path / "store")
-    shutil.copytree(bc_store, store)
-    version = PolicyRegistry(store).publish({"w": torch.zeros(2)}, {"kind": "gaussian", "model": {}})  # gaussian_bc's
-    cfg = OmegaConf.merge(_cfg(store, str(tmp_path / "run"), "divl_qam", 2), {"algo": {"reference_version": version}})
-    with pytest.raises(ValueError, match=rf"starts from a published flow policy \(algo=bc_flow\), but version {version} "
-                                         r"of .* is a 'gaussian' policy; set algo.reference_version to a flow version"):
+def test_the_reference_is_the_first_flow_version_and_another_kind_is_named(bc_store, tmp_path):
+    store = Store.create(str(tmp_path / "store"), Store.open(bc_store).schema)
+    registry = PolicyRegistry(store.root)
+    registry.publish({"w": torch.zeros(2)}, {"kind": "gaussian", "model": {}})  # a gaussian_bc version first
+    with pytest.raises(ValueError, match=r"starts from a published flow policy \(algo=bc_flow\), but in .* version 1 "
+                                         r"is a 'gaussian' policy; train one with .* or set algo.reference_version"):
+        load_reference(store, None, torch.device("cpu"))
+    flow_weights, flow_config = PolicyRegistry(bc_store).load(1)
+    registry.publish(flow_weights, flow_config)
+    policy, version = load_reference(store, None, torch.device("cpu"))  # the first flow version
+    assert version == 2 and all(torch.equal(policy.state_dict()[k], v) for k, v in flow_weights.items())
+    shutil.copytree(bc_store, tmp_path / "data")  # a pinned version of another kind, from the CLI's train
+    PolicyRegistry(str(tmp_path / "data")).publish({"w": torch.zeros(2)}, {"kind": "gaussian", "model": {}})
+    cfg = OmegaConf.merge(_cfg(str(tmp_path / "data"), str(tmp_path / "run"), "divl_qam", 2),
+                          {"algo": {"reference_version": 2}})
+    with pytest.raises(ValueError, match=r"version 2 is a 'gaussian' policy"):
         train(cfg)
+
 
 @pytest.mark.parametrize("algo", sorted(PAIRS))
 def test_resume_matches_uninterrupted_run(bc_store, tmp_path, algo):

@@ -144,19 +144,23 @@ def measure(schema: StoreSchema, sampler: WindowSampler, model: DictConfig, gamm
 
 
 def load_reference(store: Store, version: int | None, device: torch.device) -> tuple[FlowPolicy, int]:
-    """The published policy a method starts from (``version``; default the first)."""
+    """The published flow policy a method starts from (``version``; default the first flow
+    version: a store may also hold Gaussian or SB3 versions)."""
     from robo_post.models.ranked import FLOW_KINDS, flow_of
 
     registry = PolicyRegistry(store.root)
-    if not registry.versions():
+    kinds = {}
+    for v in [version] if version else registry.versions():
+        weights, config = registry.load(v)
+        if config.get("kind") in FLOW_KINDS:
+            return flow_of(weights, config).to(device), v
+        kinds[v] = config.get("kind")
+    if not kinds:
         raise ValueError(f"this method starts from a published (BC) policy, but the registry of {store.root} is empty; "
                          "train one first with `robo-post train algo=bc_flow`")
-    version = version or registry.versions()[0]
-    weights, config = registry.load(version)
-    if config.get("kind") not in FLOW_KINDS:  # e.g. a gaussian_bc or SB3 version published first
-        raise ValueError(f"this method starts from a published flow policy (algo=bc_flow), but version {version} of "
-                         f"{store.root} is a {config.get('kind')!r} policy; set algo.reference_version to a flow version")
-    return flow_of(weights, config).to(device), version
+    found = ", ".join(f"version {v} is a {k!r} policy" for v, k in kinds.items())
+    raise ValueError(f"this method starts from a published flow policy (algo=bc_flow), but in {store.root} {found}; "
+                     "train one with `robo-post train algo=bc_flow` or set algo.reference_version to a flow version")
 
 
 def imitation_sampler(config: Any, method: Any, samplers: list[WindowSampler], seed: int) -> ImitationSampler | None:
