@@ -361,17 +361,22 @@ def test_policy_registry(store):
     assert torch.equal(reg.load()[0]["w"], weights["w"] * 2)
 
 
+def flip_last_byte(path):
+    """Damage a file so that it still parses: one byte of a safetensors file's tensor data."""
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
 def test_a_damaged_policy_version_is_an_error_naming_it(store):
     reg = PolicyRegistry(store.root)
     weights = {"w": torch.arange(6.0).reshape(2, 3)}
     for _ in range(4):
         reg.publish(weights, {"arch": "mlp"})
     path = lambda v, name: os.path.join(reg.dir, f"v{v:06d}", name)  # noqa: E731
-    with open(path(1, "model.safetensors"), "r+b") as f:  # one byte of tensor data: the file still parses
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last[0] ^ 0xFF]))
+    flip_last_byte(path(1, "model.safetensors"))  # one byte of tensor data: the file still parses
     with pytest.raises(PolicyArtifactError, match=r"policy version 1: .*model.safetensors does not match"):
         reg.load(1)
     with open(path(2, "config.json"), "w") as f:
@@ -393,7 +398,6 @@ def test_a_damaged_policy_version_is_an_error_naming_it(store):
     assert r.returncode == 1 and "PolicyArtifactError: policy version 1" in r.stderr and "Traceback" not in r.stderr
 
 
-
 def test_a_version_without_its_checksums_or_in_another_folder_is_refused(store):
     import shutil
 
@@ -402,12 +406,8 @@ def test_a_version_without_its_checksums_or_in_another_folder_is_refused(store):
     for _ in range(2):
         reg.publish(weights, {"arch": "mlp"})
     v1, v2 = (os.path.join(reg.dir, f"v{v:06d}") for v in (1, 2))
-    os.remove(os.path.join(v1, "checksums.json"))  # deleted, then a byte of tensor data changed: still parses
-    with open(os.path.join(v1, "model.safetensors"), "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last[0] ^ 0xFF]))
+    os.remove(os.path.join(v1, "checksums.json"))  # deleted, then a byte of tensor data changed
+    flip_last_byte(os.path.join(v1, "model.safetensors"))
     with pytest.raises(PolicyArtifactError, match=r"policy version 1: .*v000001/checksums.json is missing"):
         reg.load(1)
     shutil.copytree(v2, os.path.join(reg.dir, "v000003"))  # a version folder copied by hand
