@@ -703,3 +703,16 @@ def test_target_kl_stops_a_batchs_passes_after_the_first_step_past_it():
     assert all(torch.equal(a, b) for a, b in zip(wide.policy.parameters(), again.policy.parameters()))
     with pytest.raises(CraftConfigError, match="target_kl"):
         CraftConfig(target_kl=0.0)
+
+
+@pytest.mark.parametrize("setting, shown", [({"event_weights": [-1, -0.3, 0, 0, "x"]}, "event_weights must be a list of finite"),
+                                            ({"event_weights": [-1, -0.3, 0, 0, math.nan]}, "event_weights must be a list of finite"),
+                                            ({"event_weights": [[-1], 0]}, "event_weights must be a list of finite"),
+                                            ({"lambda_res": math.nan}, "lambda_res must be a finite number, got nan"),
+                                            ({"dual_c": math.nan}, "dual_c must be a finite number, got nan"),
+                                            ({"lr": math.inf}, "lr must be a finite number, got inf")])
+def test_non_numeric_or_non_finite_settings_are_config_errors(setting, shown):
+    # a NaN weight passed every range check and trained NaN losses into published versions
+    with pytest.raises(CraftConfigError, match=shown):
+        CraftConfig(**setting)
+    assert CraftConfig(lambda_res=1, event_weights=[-1, 0, 0, 0, 0]).lambda_res == 1  # integers are numbers

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterator
 
 import torch
@@ -480,6 +480,11 @@ def chunk_bc_pretrain(policy: ProposalPolicy, obs: dict[str, Any], chunks: torch
 
 
 # --- the method -------------------------------------------------------------------------------
+def _is_number(value: Any) -> bool:
+    """A real number from a config (a bool or a string is not one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass
 class CraftConfig:
     """CRAFT's hyperparameters.
@@ -602,6 +607,15 @@ class CraftConfig:
                 raise CraftConfigError(f"craft {name}={value!r}; choose one of {choices}")
         if not (self.use_proxy or self.use_residual):
             raise CraftConfigError("craft use_proxy and use_residual are both off: no policy-gradient term left")
+        # a NaN passes every comparison below and would only surface as NaN losses after a published version
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "float" and not (_is_number(value) and math.isfinite(value)):
+                raise CraftConfigError(f"craft {f.name} must be a finite number, got {value!r}")
+        if not (isinstance(self.event_weights, (list, tuple))
+                and all(_is_number(w) and math.isfinite(w) for w in self.event_weights)):
+            raise CraftConfigError(f"craft event_weights must be a list of finite numbers, one per event, "
+                                   f"got {self.event_weights!r}")
         if not 0.0 < self.eps_clip < 1.0:
             raise CraftConfigError(f"craft eps_clip must be in (0, 1), got {self.eps_clip}")
         if math.isnan(self.evpo_threshold):
