@@ -291,3 +291,13 @@ def test_craft_runs_the_scene_its_demonstrations_were_recorded_in(tmp_path):
     # no algo.env_kwargs: the on-policy clients drove the roundabout, not the default highway
     episodes = Store.open(summary["online_store"]).snapshot(record=False).episodes()
     assert len(episodes) == 1 and episodes[0].attrs["env_kwargs"] == {"scenario": "roundabout"}
+
+
+def test_an_online_store_of_another_schema_fails_before_pretraining_publishes(craft_run, tmp_path):
+    store, _, args = craft_run
+    before = PolicyRegistry(store).versions()
+    bad = run_cli("train", "algo=craft", f"store={store}", f"run_dir={tmp_path / 'r'}", "algo.bc_updates=5",
+                  f"algo.online_store={store}", "show=false", ok=False)  # the demos: no candidate extras
+    assert bad.returncode == 1 and "different schema" in bad.stderr and "Traceback" not in bad.stderr
+    assert PolicyRegistry(store).versions() == before  # no orphan pretrained version
+    assert not (tmp_path / "r" / "craft_state.json").exists()

@@ -355,6 +355,19 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         parent = state["pretrained_version"]
         reference = load_policy(registry, parent, kind)
     else:
+        reference = None
+    if isinstance(reference, ProposalPolicy):  # K and H are the policy's (a reference keeps its own)
+        c = reference.config
+        if c.action_dim != int(np.prod(action.shape)):
+            raise CraftDataError(f"the proposal policy acts in {c.action_dim} dimensions; env {env!r}'s actions "
+                                 f"have shape {action.shape}")
+        k, candidate_shape = c.n_candidates, (c.horizon, c.action_dim)
+    elif kind == "proposal":
+        k, candidate_shape = config.n_proposals, (horizon, int(np.prod(action.shape)))
+    # before pretraining publishes anything: a damaged online store or one of another schema fails first
+    online = online_store(config.online_store or f"{store.root.rstrip('/')}-online", env, env_kwargs, k,
+                          config.oracle, candidate_shape, tasks[0] if tasks else None)
+    if reference is None:
         reference = (pretrain(store, cfg, config, vocabulary) if kind == "candidate"
                      else pretrain_proposals(store, cfg, config, horizon, action))
         parent = registry.publish(*reference.artifact(algorithm="craft", phase="pretrain", deterministic=True,
@@ -368,14 +381,6 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
             state = {k: v for k, v in state.items() if k != "acting_version"} | saved
     truncate_log(log_path, state.get("updates", 0))  # rows of an update the checkpoint does not hold
 
-    if isinstance(reference, ProposalPolicy):  # K and H are the policy's (a reference keeps its own)
-        c = reference.config
-        if c.action_dim != int(np.prod(action.shape)):
-            raise CraftDataError(f"the proposal policy acts in {c.action_dim} dimensions; env {env!r}'s actions "
-                                 f"have shape {action.shape}")
-        k, candidate_shape = c.n_candidates, (c.horizon, c.action_dim)
-    online = online_store(config.online_store or f"{store.root.rstrip('/')}-online", env, env_kwargs, k,
-                          config.oracle, candidate_shape, tasks[0] if tasks else None)
     t0 = time.perf_counter()
     while state["iteration"] < config.iterations:
         i = state["iteration"]
