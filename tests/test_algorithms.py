@@ -85,10 +85,10 @@ def test_the_reference_is_the_first_flow_version_and_another_kind_is_named(bc_st
     policy, version = load_reference(store, None, torch.device("cpu"))  # the first flow version
     assert version == 2 and all(torch.equal(policy.state_dict()[k], v) for k, v in flow_weights.items())
     shutil.copytree(bc_store, tmp_path / "data")  # a pinned version of another kind, from the CLI's train
-    PolicyRegistry(str(tmp_path / "data")).publish({"w": torch.zeros(2)}, {"kind": "gaussian", "model": {}})
+    pinned = PolicyRegistry(str(tmp_path / "data")).publish({"w": torch.zeros(2)}, {"kind": "gaussian", "model": {}})
     cfg = OmegaConf.merge(_cfg(str(tmp_path / "data"), str(tmp_path / "run"), "divl_qam", 2),
-                          {"algo": {"reference_version": 2}})
-    with pytest.raises(ValueError, match=r"version 2 is a 'gaussian' policy"):
+                          {"algo": {"reference_version": pinned}})
+    with pytest.raises(ValueError, match=rf"version {pinned} is a 'gaussian' policy"):
         train(cfg)
 
 
