@@ -411,8 +411,8 @@ def test_importing_again_adds_only_the_episodes_the_store_lacks(tmp_path, monkey
     changed = _buffers(4)
     changed[1].rewards[:] = 1.0
     _dataset(root, monkeypatch, "part/ep-v0", changed)
-    with pytest.raises(StoreError, match="episode 1: imported before as minari/1 with 3 steps and return 0, but .* "
-                                         "return 3: the dataset changed"):
+    with pytest.raises(StoreError, match=r"^Minari dataset 'part/ep-v0', episode 1: imported before as minari/1 with 3 "
+                                         "steps and return 0, but .* return 3: the dataset changed"):
         import_minari("part/ep-v0", store, minari_root=root, success_from="none")
     assert len(Store.open(store).snapshot()) == 4
 

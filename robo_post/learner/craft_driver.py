@@ -423,9 +423,9 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         write_json_atomic(state_path, state)
     save_checkpoint(ckpt, method.modules, method.optimizers, {}, {"iteration": state["iteration"],
                                                                   "updates": state.get("updates", 0)})
-    final = publish_once(registry, *method.artifact(phase="final", parent_version=parent, iterations=config.iterations,
-                                              deterministic=True, env_extras=False,
-                                              config=OmegaConf.to_container(cfg, resolve=True)))
+    final = publish_once(registry, *method.artifact(phase="final", parent_version=parent,
+                                                    iterations=config.iterations, deterministic=True,
+                                                    env_extras=False, config=OmegaConf.to_container(cfg, resolve=True)))
     rows = [json.loads(line) for line in open(log_path)] if os.path.exists(log_path) else []
     summary = {"algo": spec.name, "version": final, "pretrained_version": state.get("pretrained_version", parent),
                "iterations": config.iterations, "online_store": online.root, "wall_s": time.perf_counter() - t0,

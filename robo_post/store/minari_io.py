@@ -398,7 +398,7 @@ def import_minari(
                 with _reading(dataset_id, path):
                     episode = next(episodes)
                 if index in held:
-                    _check_same(held[index], episode, dataset_id, index)
+                    _check_same(held[index], episode)
                     continue
                 record = json.loads(meta[META_KEY]) if META_KEY in meta else {}
                 shard = client_id if client_id is not None else record.get("client_id", "minari")
@@ -448,15 +448,15 @@ def import_minari(
     return MinariImport(imported=n, skipped=len(metas) - n)
 
 
-def _check_same(held: EpisodeInfo, episode: Any, dataset_id: str, index: int) -> None:
+def _check_same(held: EpisodeInfo, episode: Any) -> None:
     """Skipping an episode imported before is only right if it is the same episode:
     a dataset recreated under the same id would otherwise be merged silently."""
     ret = float(np.sum(episode.rewards, dtype=np.float64))
     if held.length != len(episode) or not np.isclose(held.ret, ret, rtol=1e-6, atol=1e-9):
-        raise StoreError(
-            f"Minari dataset {dataset_id!r}, episode {index}: imported before as {held.key} with "
-            f"{held.length} steps and return {held.ret:.6g}, but the dataset's episode now has {len(episode)} steps "
-            f"and return {ret:.6g}: the dataset changed since; import it into another store, or under another id"
+        raise StoreError(  # import_minari's handler prefixes the dataset and episode
+            f"imported before as {held.key} with {held.length} steps and return {held.ret:.6g}, but the dataset's "
+            f"episode now has {len(episode)} steps and return {ret:.6g}: the dataset changed since; import it into "
+            "another store, or under another id"
         )
 
 
