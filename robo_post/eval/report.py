@@ -31,7 +31,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
 from robo_post.envs.registry import env_spec
-from robo_post.eval.rollout import format_mean, format_metric, format_rate, load_results, pct as _pct, read_result
+from robo_post.eval.rollout import (format_mean, format_metric, format_rate, load_results, pct as _pct,
+                                   read_json_object, read_result)
 from robo_post.store import EpisodeInfo, Snapshot, Store
 
 N_FRAMES = 8
@@ -272,17 +273,6 @@ def _read_jsonl(path: str) -> list[dict[str, Any]]:
         raise ValueError(f"{path} is not a metrics log ({e})") from e
 
 
-def _read_summary(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            summary = json.load(f)
-        if not isinstance(summary, dict):
-            raise ValueError(f"a JSON {type(summary).__name__}, not an object")
-    except ValueError as e:
-        raise ValueError(f"{path} is not a run summary ({e})") from e
-    return summary
-
-
 def _numeric_columns(rows: list[dict[str, Any]]) -> list[str]:
     cols = dict.fromkeys(k for row in rows for k, v in row.items()
                          if k not in ("update", "time") and isinstance(v, (int, float)) and not isinstance(v, bool))
@@ -307,7 +297,7 @@ def _learning_section(doc: _Doc, out_dir: str, run_dirs: list[str]) -> None:
         summary_path = os.path.join(run_dir, "summary.json")
         summary: dict[str, Any] = {}
         if os.path.exists(summary_path):
-            summary = _read_summary(summary_path)
+            summary = read_json_object(summary_path, "a run summary")
         if os.path.exists(metrics):
             runs[name if summary.get("version") is None else f"{name} → v{summary['version']}"] = _read_jsonl(metrics)
         final = summary.get("final", {})

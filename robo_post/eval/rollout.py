@@ -347,17 +347,23 @@ def load_results(eval_store: str) -> list[dict[str, Any]]:
     return sorted(results, key=lambda r: r["created"])
 
 
-def read_result(path: str) -> dict[str, Any]:
-    """One saved eval result; a file that is not one is a ``ValueError`` naming it."""
+def read_json_object(path: str, what: str, keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A JSON object holding ``keys``; anything else is a ``ValueError`` naming the file as not ``what``."""
     try:
         with open(path) as f:
-            result = json.load(f)
-        missing = [k for k in _RESULT_KEYS if k not in result] if isinstance(result, dict) else list(_RESULT_KEYS)
-        if missing:
+            value = json.load(f)
+        if not isinstance(value, dict):
+            raise ValueError(f"a JSON {type(value).__name__}, not an object")
+        if missing := [k for k in keys if k not in value]:
             raise ValueError(f"no {', '.join(missing)}")
     except ValueError as e:
-        raise ValueError(f"{path} is not an eval result ({e})") from e
-    return result
+        raise ValueError(f"{path} is not {what} ({e})") from e
+    return value
+
+
+def read_result(path: str) -> dict[str, Any]:
+    """One saved eval result; a file that is not one is a ``ValueError`` naming it."""
+    return read_json_object(path, "an eval result", _RESULT_KEYS)
 
 
 def _recorded_env(policy_store: str) -> str:
