@@ -585,6 +585,23 @@ def test_a_checkpoint_with_a_damaged_or_missing_state_file_is_a_typed_error(tmp_
         with pytest.raises(CheckpointError, match=r"ckpt is unreadable \((ValueError|FileNotFoundError)"):
             checkpoint_state(ckpt)
 
+
+@pytest.mark.parametrize("counter", [None, "3", -1, True])
+def test_a_checkpoint_whose_step_counter_was_edited_is_a_typed_error(tmp_path, counter):
+    net = torch.nn.Linear(2, 2)
+    modules, optimizers = {"net": net}, {"net": torch.optim.Adam(net.parameters())}
+    ckpt = str(tmp_path / "ckpt")
+    save_checkpoint(ckpt, modules, optimizers, {}, {"update": 3})
+    state_file = os.path.join(ckpt, "state.json")
+    with open(state_file) as f:
+        payload = json.load(f)
+    payload["state"] = {} if counter is None else {"update": counter}
+    with open(state_file, "w") as f:
+        json.dump(payload, f)
+    assert load_checkpoint(ckpt, modules, optimizers, {}) == payload["state"]  # no counter asked for
+    with pytest.raises(CheckpointError, match=rf"ckpt is damaged: its state.json holds update={counter!r}, not the step"):
+        load_checkpoint(ckpt, modules, optimizers, {}, ("update",))
+
 def test_bc_pretraining_fits_a_separable_candidate_set():
     g = gen(12)
     x = torch.randn(512, 4, generator=g)

@@ -95,14 +95,21 @@ def load_checkpoint(
     modules: dict[str, torch.nn.Module],
     optimizers: dict[str, torch.optim.Optimizer],
     rngs: dict[str, np.random.Generator],
+    counters: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Restore a checkpoint in place; returns the saved ``state`` dict."""
+    """Restore a checkpoint in place; returns the saved ``state`` dict, in which each of
+    ``counters`` (the steps the run resumes from) is a non-negative int."""
     path = _complete(path)
     try:
         tensors = load_file(os.path.join(path, TENSORS))
         payload = _payload(path)
     except Exception as e:  # safetensors raises its own error type for a malformed file
         raise _unreadable(path, e) from e
+    for name in counters:
+        value = payload["state"].get(name)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise CheckpointError(f"checkpoint {path} is damaged: its {STATE} holds {name}={value!r}, not the "
+                                  f"step count this run resumes from; a new run_dir starts over")
     for name, module in modules.items():
         head = f"module.{name}."
         try:

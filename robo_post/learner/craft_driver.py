@@ -376,7 +376,7 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         write_json_atomic(state_path, state)
     method = spec.build(config, None, device, reference)
     if has_checkpoint(ckpt):
-        saved = load_checkpoint(ckpt, method.modules, method.optimizers, {})
+        saved = load_checkpoint(ckpt, method.modules, method.optimizers, {}, ("iteration", "updates"))
         if saved["iteration"] > state["iteration"]:  # killed after an update's checkpoint, before the state file
             state = {k: v for k, v in state.items() if k != "acting_version"} | saved
     truncate_log(log_path, state.get("updates", 0))  # rows of an update the checkpoint does not hold

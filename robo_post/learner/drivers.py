@@ -365,7 +365,7 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     begin_run(run_dir, cfg)
     ckpt, log_path = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "metrics.jsonl")
     if has_checkpoint(ckpt):
-        agent.model.num_timesteps = load_checkpoint(ckpt, agent.modules, agent.optimizers, {})["timesteps"]
+        agent.model.num_timesteps = load_checkpoint(ckpt, agent.modules, agent.optimizers, {}, ("timesteps",))["timesteps"]
     truncate_log(log_path, agent.model.num_timesteps)  # also the rows of a run killed before its first checkpoint
 
     class Log(BaseCallback):

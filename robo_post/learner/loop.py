@@ -131,7 +131,7 @@ def train_loop(
     if compile:
         compile_networks(algo.modules.values())
     if has_checkpoint(ckpt):
-        start = load_checkpoint(ckpt, algo.modules, algo.optimizers, rngs)["update"]
+        start = load_checkpoint(ckpt, algo.modules, algo.optimizers, rngs, ("update",))["update"]
         if hasattr(algo, "updates"):  # algorithms that schedule on the step count
             algo.updates = start
     truncate_log(log_path, start)  # also the rows of a run killed before its first checkpoint
