@@ -205,6 +205,31 @@ def test_a_run_killed_after_publishing_does_not_publish_again(tiny_store, tmp_pa
     larger = OmegaConf.merge(cfg, {"updates": 20})  # continuing it is a new version
     assert train(larger)["version"] == first + 1 and registry.latest() == first + 1
 
+
+
+def test_a_resumed_run_trains_on_the_snapshot_it_started_on(tiny_store, tmp_path):
+    import shutil
+
+    store = str(tmp_path / "store")
+    shutil.copytree(tiny_store, store)
+    full = train(_train_cfg(store, str(tmp_path / "full"), 30))
+    train(_train_cfg(store, str(tmp_path / "split"), 20))  # "killed" after its update-20 checkpoint
+    os.remove(tmp_path / "split" / "summary.json")
+    r = subprocess.run([sys.executable, "-m", "robo_post.cli", "collect", f"store={store}", "episodes=1",
+                        "env.tasks=[reach]", "env.kwargs.render_images=false", "fleet.n_clients=1",
+                        "fleet.client_prefix=later", "show=false"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert len(Store.open(store).snapshot()) == 7
+    published = OmegaConf.merge(_train_cfg(store, str(tmp_path / "split"), 30), {"publish": True})
+    split = train(published)  # resumes from update 20 on the 6 episodes it started with
+    read = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+    assert [r["bc_loss"] for r in read("split")] == pytest.approx([r["bc_loss"] for r in read("full")], rel=1e-6)
+    assert split["snapshot"] == full["snapshot"] and split["episodes"] == 6
+    os.remove(tmp_path / "split" / "summary.json")  # killed after publishing, before its summary
+    assert train(published)["version"] == split["version"] == PolicyRegistry(store).latest()
+    assert train(_train_cfg(store, str(tmp_path / "fresh"), 5))["episodes"] == 7  # a new run sees the newest
+
+
 def test_in_process_success_reports_each_episode_outcome_in_order():
     from robo_post.eval.rollout import in_process_success
     from robo_post.envs.tabletop import PROPRIO_DIM

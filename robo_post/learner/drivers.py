@@ -242,6 +242,27 @@ def begin_run(run_dir: str, cfg: DictConfig) -> None:
 
 
 # --- the off-policy driver ----------------------------------------------------------------
+SNAPSHOT_FILE = "snapshot.json"
+
+
+def _resumed_snapshot(run_dir: str) -> str | None:
+    """The snapshot a run resuming from its checkpoint started on (None for a fresh run): the
+    windows it trains on, and so its resumed weights and published version, stay those of an
+    uninterrupted run, however many episodes the store gained meanwhile."""
+    from robo_post.learner.checkpoint import has_checkpoint
+
+    if not has_checkpoint(os.path.join(run_dir, "checkpoint")):
+        return None
+    try:
+        with open(os.path.join(run_dir, SNAPSHOT_FILE)) as f:
+            return json.load(f)["snapshot"]
+    except FileNotFoundError:  # a store that could not record its snapshot: the newest one
+        return None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{os.path.join(run_dir, SNAPSHOT_FILE)} is damaged ({e!r}); pin data.snapshot, "
+                         f"or a new run_dir starts over") from None
+
+
 def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     """`robo-post train` for a method trained on snapshot windows; publishes the result
     (a run that already finished returns its summary instead)."""
@@ -252,7 +273,7 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     torch.set_num_threads(cfg.torch_threads)
     device = resolve_device(cfg.device)
     store = Store.open(cfg.store)
-    snap = store.snapshot(cfg.data.snapshot) if cfg.data.snapshot else store.snapshot()
+    snap = store.snapshot(cfg.data.snapshot or _resumed_snapshot(cfg.run_dir))
     episodes = select_episodes(snap, cfg.data)
     values = {k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"}
     if "model" in spec.config.__dataclass_fields__:
@@ -273,6 +294,8 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
 
     run_dir = cfg.run_dir
     begin_run(run_dir, cfg)
+    if snap.recorded:
+        write_json_atomic(os.path.join(run_dir, SNAPSHOT_FILE), {"snapshot": snap.id})
     evaluate = None
     if cfg.eval.every:
         from robo_post.eval.rollout import in_process_success
