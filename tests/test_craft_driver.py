@@ -68,6 +68,16 @@ def test_a_finished_run_is_not_trained_again(craft_run):
     assert again == summary and PolicyRegistry(store).versions() == [1, 2, 3]  # nothing published again
 
 
+def test_a_smaller_iteration_target_than_the_run_trained_is_refused(craft_run):
+    from robo_post.learner.checkpoint import CheckpointError
+    from robo_post.learner.drivers import refuse_smaller_target
+
+    run_dir = craft_run[2][3].split("=", 1)[1]
+    refuse_smaller_target(run_dir, "iteration", 1, "algo.iterations")
+    with pytest.raises(CheckpointError, match="has already trained iteration 1, more than algo.iterations=0"):
+        refuse_smaller_target(run_dir, "iteration", 0, "algo.iterations")
+
+
 def test_a_run_that_stopped_early_is_not_taken_for_finished(craft_run, tmp_path):
     store, summary, args = craft_run
     run_dir = tmp_path / "run"

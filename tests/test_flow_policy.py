@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from robo_post.config import compose
+from robo_post.learner.checkpoint import CheckpointError
 from robo_post.learner.train import train
 from robo_post.models.features import Feature, state_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig, FlowPolicyRunner
@@ -204,6 +205,10 @@ def test_a_run_killed_after_publishing_does_not_publish_again(tiny_store, tmp_pa
     assert train(cfg)["version"] == first and registry.latest() == first
     larger = OmegaConf.merge(cfg, {"updates": 20})  # continuing it is a new version
     assert train(larger)["version"] == first + 1 and registry.latest() == first + 1
+    with pytest.raises(CheckpointError, match=r"run has already trained update 20, more than updates=10: set "
+                                              r"updates>=20 to continue it"):
+        train(OmegaConf.merge(cfg, {"seed": 1}))  # not the finished run's settings: it would publish again
+    assert registry.latest() == first + 1
 
 
 

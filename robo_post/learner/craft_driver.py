@@ -49,8 +49,8 @@ from robo_post.algos.craft import (PROXY_NORMS, CraftConfig, CraftConfigError, S
 from robo_post.algos.registry import MethodSpec
 from robo_post.envs.registry import env_spec
 from robo_post.eval.rollout import recorded_env_kwargs
-from robo_post.learner.drivers import (begin_run, finished_run, publish_once, register_driver, resolve_device,
-                                       select_episodes)
+from robo_post.learner.drivers import (begin_run, finished_run, publish_once, refuse_smaller_target, register_driver,
+                                       resolve_device, select_episodes)
 from robo_post.learner.loop import truncate_log
 from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyConfig
 from robo_post.models.features import infer_features, state_keys
@@ -322,6 +322,7 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     config: CraftConfig = spec.make_config(values)
     if (done := finished_run(cfg.run_dir, "iteration", config.iterations, cfg)) is not None:
         return done  # re-running a finished run publishes nothing
+    refuse_smaller_target(cfg.run_dir, "iteration", config.iterations, "algo.iterations")
     store = Store.open(cfg.store)
     env = config.env or store.schema.attrs.get("env")
     if env is None:

@@ -213,6 +213,18 @@ def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig) -> di
     return summary
 
 
+def refuse_smaller_target(run_dir: str, counter: str, target: int, setting: str) -> None:
+    """A ``CheckpointError`` when ``run_dir``'s checkpoint has trained past ``target``: fewer
+    steps cannot be undone, and publishing those weights under the smaller count would mislabel them."""
+    from robo_post.learner.checkpoint import CheckpointError, checkpoint_state, has_checkpoint
+
+    ckpt = os.path.join(run_dir, "checkpoint")
+    done = checkpoint_state(ckpt).get(counter) if has_checkpoint(ckpt) else None
+    if isinstance(done, int) and done > target:
+        raise CheckpointError(f"{run_dir} has already trained {counter} {done}, more than {setting}={target}: "
+                              f"set {setting}>={done} to continue it, or a new run_dir starts over")
+
+
 def publish_once(registry: PolicyRegistry, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> int:
     """Publish ``(weights, config)``, or return the registry's newest version when it already is
     exactly that: a run killed after publishing, before its ``summary.json``, resumes at its
@@ -268,6 +280,7 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     (a run that already finished returns its summary instead)."""
     if (done := finished_run(cfg.run_dir, "update", cfg.updates, cfg)) is not None:
         return done
+    refuse_smaller_target(cfg.run_dir, "update", cfg.updates, "updates")
     tracking_settings(cfg.get("tracking"))  # an enabled tracker that is not installed fails before any work
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.torch_threads)
