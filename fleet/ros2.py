@@ -49,9 +49,11 @@ topics arrive in; events may overtake data, so several episodes can be open at o
 episode owns the stamps in [start.stamp, end.stamp]. An episode commits once it holds
 T + 1 observations and T actions. A malformed message (joint names or lengths that do
 not match the description, NaN/inf, an action out of bounds, wrong image encoding or
-size, an unset (zero) stamp, a stamp not after the previous one on its topic, a bad
-event, an ``end`` without a ``start``) is counted by kind in ``malformed``, logged and
-dropped, and the episode that owns its stamp (if any) is discarded at its end; a bad end
+size, an unset (zero) stamp, a stamp not after the previous message's on its topic or one
+that topic already delivered, a bad event, an ``end`` without a ``start``) is counted by
+kind in ``malformed``, logged and dropped, and the episode that owns its stamp (if any) is
+discarded at its end (one stamp far ahead thus costs its own episode and the next
+message's, not the topic); a bad end
 event (even one without a stamp) discards its own episode; ``success``, ``terminated``
 and ``truncated`` (and ``aborted``, ``final`` if given) must be JSON booleans. An
 episode that receives nothing for ``timeout`` seconds is discarded; one still awaiting
@@ -1030,8 +1032,12 @@ class BridgeNode(Node):
         if ns == 0:  # the usual mistake behind it; "not after 0" would not say so
             self._reject("no_stamp", None, f"{topic}: header.stamp is unset (0); stamp every message")
             return
-        if ns <= last:
-            self._reject("out_of_order", ns, f"{topic} stamp {ns} is not after {last}")
+        if ns <= last or key in self._pool.get(ns, {}):
+            # The next message is compared with this one, not with the newest stamp seen: one
+            # stamp far ahead (a node on another clock) would otherwise refuse the topic for good.
+            self._last[topic] = ns
+            detail = f"stamp {ns} is not after {last}" if ns <= last else f"stamp {ns} came before, with other data"
+            self._reject("out_of_order", ns, f"{topic} {detail}")
             return
         self._last[topic] = ns
         self._last_rx = time.monotonic()
