@@ -50,8 +50,8 @@ from robo_post.store.schema import (
     EpisodeValidationError,
     ShardDamagedError,
     ShardLockedError,
-    StoreError,
     StoreIntegrityError,
+    UnsupportedFormatError,
     check_name,
     check_role,
     stack_field,
@@ -187,12 +187,14 @@ class ShardWriter:
                     arr = new_array(root, name, spec.dtype, spec.shape, time_chunk(spec))
                 end = self.n_steps + self.n_episodes if name.startswith("obs/") else self.n_steps
                 self._columns[name] = open_appender(arr, end, self.fsync)
-        except StoreError:
+        except UnsupportedFormatError:
             raise
         except Exception as e:  # a damaged zarr.json or tail chunk: zarr and the codecs raise almost anything
             where = data if name is None else os.path.join(data, name)
-            raise StoreIntegrityError(f"shard {self.client_id!r}: cannot append to {where}: {e!r} "
-                                      "(`robo-post store validate` lists the damaged episodes)") from e
+            detail = str(e) if isinstance(e, StoreIntegrityError) else repr(e)
+            raise StoreIntegrityError(f"shard {self.client_id!r}: cannot append to {where}: {detail} (`robo-post "
+                                      "store validate` lists the damaged episodes; new ones can go to another "
+                                      "client id)") from e
         self._commit = CommitRecord(self.path, commit, self.fsync)
         if self.fsync:
             self._sync_layout(root)
