@@ -1378,20 +1378,32 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+class BridgeStatusError(ValueError):
+    """A bridge's status file is damaged: not a JSON object, or its ``pid`` or ``heartbeat`` unreadable."""
+
+
 def read_bridge_status(root: str, client_id: str, stale_s: float = STALE_S, now: float | None = None) -> dict[str, Any]:
     """A bridge's status file, with ``state`` set to ``dead`` (and ``dead_reason``) when it
     says ``running`` but its pid is gone (same host) or its heartbeat is older than ``stale_s``.
 
     Raises:
         FileNotFoundError: no status file for ``client_id``.
+        BridgeStatusError: the file is damaged.
     """
-    with open(os.path.join(root, "fleet", f"{client_id}.json")) as f:
-        status = json.load(f)
-    if status.get("state") != "running":
-        return status
+    path = os.path.join(root, "fleet", f"{client_id}.json")
+    try:
+        with open(path) as f:
+            status = json.load(f)
+        if not isinstance(status, dict):
+            raise TypeError(f"a JSON {type(status).__name__}, not an object")
+        if status.get("state") != "running":
+            return status
+        pid, heartbeat = int(status["pid"]), float(status.get("heartbeat", 0.0))
+    except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError is a ValueError
+        raise BridgeStatusError(f"{path} is not a bridge status ({e!r})") from None
     now = time.time() if now is None else now
-    age = now - float(status.get("heartbeat", 0.0))
-    if status.get("host") == socket.gethostname() and not _pid_alive(int(status["pid"])):
+    age = now - heartbeat
+    if status.get("host") == socket.gethostname() and not _pid_alive(pid):
         return {**status, "state": "dead", "dead_reason": f"process {status['pid']} is gone"}
     if age > stale_s:
         return {**status, "state": "dead", "dead_reason": f"no heartbeat for {age:.1f} s (> {stale_s} s)"}
@@ -1404,10 +1416,10 @@ def bridge_statuses(root: str, stale_s: float = STALE_S) -> list[dict[str, Any]]
     out = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:
-            kind = json.loads(path.read_text()).get("kind")
+            status = json.loads(path.read_text())
         except (OSError, ValueError):
             continue  # being replaced, or not a status file
-        if kind == "ros2-bridge":
+        if isinstance(status, dict) and status.get("kind") == "ros2-bridge":
             out.append(read_bridge_status(root, path.stem, stale_s))
     return out
 
@@ -1516,6 +1528,9 @@ def main(argv: list[str]) -> int:
             statuses = run(cfg)
         except FileNotFoundError as e:
             print(f"robo-post fleet ros2-status: no status file: {e.filename}", file=sys.stderr)
+            return 1
+        except BridgeStatusError as e:
+            print(f"robo-post fleet ros2-status: {e}", file=sys.stderr)
             return 1
         if not statuses:  # printing nothing would read as "all fine"
             what = "no store" if not os.path.isdir(cfg.store) else "no ROS 2 bridge has run on the store"

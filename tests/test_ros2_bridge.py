@@ -635,6 +635,32 @@ def test_a_repeated_stamp_never_replaces_recorded_data(tmp_path):
     assert [e.attrs["robot_episode"] for e in snap.episodes(client="unit")] == [1]
 
 
+def test_a_damaged_status_file_is_named_in_one_line(tmp_path, capsys):
+    """`ros2-status` on a status file that is not a JSON object used to end in an AttributeError
+    traceback, and on one with an unreadable pid or heartbeat in a ValueError naming no file."""
+    (tmp_path / "fleet").mkdir()
+    path = tmp_path / "fleet" / "arm-0.json"
+    good = {"client_id": "arm-0", "kind": "ros2-bridge", "state": "running", "pid": os.getpid(), "host": "h",
+            "heartbeat": time.time()}
+    # A scan of the store cannot tell a file that is no JSON object from another client's.
+    for text, why, scan_skips in [("[1]", "a JSON list, not an object", True),
+                                  ('{"state": "run', "JSONDecodeError", True),
+                                  (json.dumps({**good, "pid": "x"}), "invalid literal for int", False),
+                                  (json.dumps({**good, "heartbeat": None}), "float", False)]:
+        path.write_text(text)
+        for args in ([], ["client_id=arm-0"]):
+            capsys.readouterr()
+            assert cli_main(["fleet", "ros2-status", f"store={tmp_path}", *args]) == 1
+            err = capsys.readouterr().err.strip()
+            if not args and scan_skips:
+                assert err == f"robo-post fleet ros2-status: no ROS 2 bridge has run on the store {tmp_path}"
+            else:
+                assert err.startswith(f"robo-post fleet ros2-status: {path} is not a bridge status (") and why in err
+                assert "\n" not in err
+    path.write_text(json.dumps(good))
+    assert cli_main(["fleet", "ros2-status", f"store={tmp_path}"]) == 0
+
+
 def test_image_rows_may_be_padded():
     """A valid ROS image may pad its rows (step > width * channels); the padding is not
     recorded, and an image whose data do not fill height * step is still refused."""
