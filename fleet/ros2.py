@@ -52,8 +52,8 @@ not match the description, NaN/inf, an action out of bounds, wrong image encodin
 size, an unset (zero) stamp, a stamp not after the previous message's on its topic or one
 that topic already delivered, a bad event, an ``end`` without a ``start``) is counted by
 kind in ``malformed``, logged and dropped, and the episode that owns its stamp (if any) is
-discarded at its end (one stamp far ahead thus costs its own episode and the next
-message's, not the topic); a bad end
+discarded at its end (a stamp far ahead, from a node on another clock, thus costs its own
+episode and the next message's, never the later ones); a bad end
 event (even one without a stamp) discards its own episode; ``success``, ``terminated``
 and ``truncated`` (and ``aborted``, ``final`` if given) must be JSON booleans. An
 episode that receives nothing for ``timeout`` seconds is discarded; one still awaiting
@@ -934,6 +934,7 @@ class BridgeNode(Node):
         self._seq: dict[tuple[str, bytes], tuple[int, int]] = {}  # (topic, publisher) -> (sequence, stamp)
         self._open: list[_Episode] = []  # by start stamp
         self._floor = 0  # every stamp up to here belongs to a closed episode (or none)
+        self._newest = 0  # newest data stamp accepted: the floor never passes it
         self._closed: list[tuple[int, int]] = []  # stamp ranges of closed episodes above the floor
         self._closed_index: dict[int, None] = {}  # recent closed episode indices, oldest first
         self._final_seen = False
@@ -1040,6 +1041,7 @@ class BridgeNode(Node):
             self._reject("out_of_order", ns, f"{topic} {detail}")
             return
         self._last[topic] = ns
+        self._newest = max(self._newest, ns)
         self._last_rx = time.monotonic()
         if self._is_closed(ns):
             return  # straggler of an episode already closed
@@ -1114,7 +1116,7 @@ class BridgeNode(Node):
                                   "(its clock restarted): forgetting the old stamps")
         for ep in list(self._open):
             self._discard(ep, "abandoned")
-        self._floor, self._closed, self._last, self._pool, self._faults = 0, [], {}, {}, []
+        self._floor, self._newest, self._closed, self._last, self._pool, self._faults = 0, 0, [], {}, {}, []
 
     def _on_start(self, ev: dict[str, Any], start: int) -> None:
         index, seed, task = int(ev["episode"]), int(ev["seed"]), str(ev["task"])
@@ -1289,7 +1291,9 @@ class BridgeNode(Node):
         limit = min((e.start for e in self._open), default=None)
         below = [r for r in self._closed if limit is None or r[0] < limit]
         if below:
-            top = max(h for _, h in below)
+            # Capped by the data: an episode whose start or end stamp was far ahead (a node on
+            # another clock) would otherwise close every stamp the robot sends afterwards.
+            top = min(max(h for _, h in below), self._newest)
             self._floor = max(self._floor, top if limit is None else min(top, limit - 1))
         self._closed = [r for r in self._closed if r[1] > self._floor]
         self._pool = {ns: v for ns, v in self._pool.items() if not (ep.start <= ns <= hi) and ns > self._floor}

@@ -616,6 +616,35 @@ def test_one_stamp_far_ahead_costs_one_episode_not_the_topic(tmp_path):
     assert [e.attrs["robot_episode"] for e in snap.episodes(client="unit")] == [0, 2, 3]
 
 
+def test_a_start_stamp_far_ahead_costs_its_episode_not_every_later_one(tmp_path):
+    """A start event stamped far ahead (another clock), its data and end stamped right: its bad
+    end closed stamps up to the bogus start, so every later episode was refused as "not after the
+    episodes already seen" until the bridge restarted. Likewise once such a start alone times out."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.episode(0, 1_000, 3)
+        bridge.event(event="start", episode=1, seed=1, task="fold", instruction="fold", stamp=1_700_000_000 * 10**9)
+        for t in range(4):
+            bridge.node._on_joint(ARM2.joint_msg(2_000 + t, np.zeros(4)), bridge.info(ros2.JOINT_TOPIC))
+            if t < 3:
+                bridge.node._on_action(ARM2.action_msg(2_000 + t, np.array([0.5, 0.1, 0.5])),
+                                       bridge.info(ros2.ACTION_TOPIC))
+        bridge.event(event="end", episode=1, seed=1, task="fold", length=3, rewards=[0.0] * 3, success=False,
+                     terminated=True, truncated=False, stamp=2_003)
+        bridge.episode(2, 3_000, 3)
+        bridge.event(event="start", episode=3, seed=3, task="fold", instruction="fold", stamp=1_800_000_000 * 10**9)
+        bridge.node.cfg.timeout = 0.0  # the robot sends nothing more for a while
+        bridge.node.tick()
+        bridge.node.cfg.timeout = 5.0
+        bridge.episode(4, 4_000, 3)
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"]) == (3, {"malformed": 1, "timeout": 1})
+    snap = Store.open(root).snapshot()
+    assert [e.attrs["robot_episode"] for e in snap.episodes(client="unit")] == [0, 2, 4]
+
+
 def test_a_repeated_stamp_never_replaces_recorded_data(tmp_path):
     """Comparing with the previous message only, a stamp repeated after an older one would pass
     the order check: its data must not silently replace what that stamp already holds."""
