@@ -49,9 +49,11 @@ topics arrive in; events may overtake data, so several episodes can be open at o
 episode owns the stamps in [start.stamp, end.stamp]. An episode commits once it holds
 T + 1 observations and T actions. A malformed message (joint names or lengths that do
 not match the description, NaN/inf, an action out of bounds, wrong image encoding or
-size, an unset (zero) stamp, a stamp not after the previous one on its topic, a bad
-event, an ``end`` without a ``start``) is counted by kind in ``malformed``, logged and
-dropped, and the episode that owns its stamp (if any) is discarded at its end; a bad end
+size, an unset (zero) stamp, a stamp not after the previous message's on its topic or one
+that topic already delivered, a bad event, an ``end`` without a ``start``) is counted by
+kind in ``malformed``, logged and dropped, and the episode that owns its stamp (if any) is
+discarded at its end (a stamp far ahead, from a node on another clock, thus costs its own
+episode and the next message's, never the later ones); a bad end
 event (even one without a stamp) discards its own episode; ``success``, ``terminated``
 and ``truncated`` (and ``aborted``, ``final`` if given) must be JSON booleans. An
 episode that receives nothing for ``timeout`` seconds is discarded; one still awaiting
@@ -932,6 +934,7 @@ class BridgeNode(Node):
         self._seq: dict[tuple[str, bytes], tuple[int, int]] = {}  # (topic, publisher) -> (sequence, stamp)
         self._open: list[_Episode] = []  # by start stamp
         self._floor = 0  # every stamp up to here belongs to a closed episode (or none)
+        self._newest = 0  # newest data stamp accepted: the floor never passes it
         self._closed: list[tuple[int, int]] = []  # stamp ranges of closed episodes above the floor
         self._closed_index: dict[int, None] = {}  # recent closed episode indices, oldest first
         self._final_seen = False
@@ -1030,10 +1033,15 @@ class BridgeNode(Node):
         if ns == 0:  # the usual mistake behind it; "not after 0" would not say so
             self._reject("no_stamp", None, f"{topic}: header.stamp is unset (0); stamp every message")
             return
-        if ns <= last:
-            self._reject("out_of_order", ns, f"{topic} stamp {ns} is not after {last}")
+        if ns <= last or key in self._pool.get(ns, {}):
+            # The next message is compared with this one, not with the newest stamp seen: one
+            # stamp far ahead (a node on another clock) would otherwise refuse the topic for good.
+            self._last[topic] = ns
+            detail = f"stamp {ns} is not after {last}" if ns <= last else f"stamp {ns} came before, with other data"
+            self._reject("out_of_order", ns, f"{topic} {detail}")
             return
         self._last[topic] = ns
+        self._newest = max(self._newest, ns)
         self._last_rx = time.monotonic()
         if self._is_closed(ns):
             return  # straggler of an episode already closed
@@ -1108,7 +1116,7 @@ class BridgeNode(Node):
                                   "(its clock restarted): forgetting the old stamps")
         for ep in list(self._open):
             self._discard(ep, "abandoned")
-        self._floor, self._closed, self._last, self._pool, self._faults = 0, [], {}, {}, []
+        self._floor, self._newest, self._closed, self._last, self._pool, self._faults = 0, 0, [], {}, {}, []
 
     def _on_start(self, ev: dict[str, Any], start: int) -> None:
         index, seed, task = int(ev["episode"]), int(ev["seed"]), str(ev["task"])
@@ -1283,7 +1291,9 @@ class BridgeNode(Node):
         limit = min((e.start for e in self._open), default=None)
         below = [r for r in self._closed if limit is None or r[0] < limit]
         if below:
-            top = max(h for _, h in below)
+            # Capped by the data: an episode whose start or end stamp was far ahead (a node on
+            # another clock) would otherwise close every stamp the robot sends afterwards.
+            top = min(max(h for _, h in below), self._newest)
             self._floor = max(self._floor, top if limit is None else min(top, limit - 1))
         self._closed = [r for r in self._closed if r[1] > self._floor]
         self._pool = {ns: v for ns, v in self._pool.items() if not (ep.start <= ns <= hi) and ns > self._floor}
@@ -1372,20 +1382,32 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+class BridgeStatusError(ValueError):
+    """A bridge's status file is damaged: not a JSON object, or its ``pid`` or ``heartbeat`` unreadable."""
+
+
 def read_bridge_status(root: str, client_id: str, stale_s: float = STALE_S, now: float | None = None) -> dict[str, Any]:
     """A bridge's status file, with ``state`` set to ``dead`` (and ``dead_reason``) when it
     says ``running`` but its pid is gone (same host) or its heartbeat is older than ``stale_s``.
 
     Raises:
         FileNotFoundError: no status file for ``client_id``.
+        BridgeStatusError: the file is damaged.
     """
-    with open(os.path.join(root, "fleet", f"{client_id}.json")) as f:
-        status = json.load(f)
-    if status.get("state") != "running":
-        return status
+    path = os.path.join(root, "fleet", f"{client_id}.json")
+    try:
+        with open(path) as f:
+            status = json.load(f)
+        if not isinstance(status, dict):
+            raise TypeError(f"a JSON {type(status).__name__}, not an object")
+        if status.get("state") != "running":
+            return status
+        pid, heartbeat = int(status["pid"]), float(status.get("heartbeat", 0.0))
+    except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError is a ValueError
+        raise BridgeStatusError(f"{path} is not a bridge status ({e!r})") from None
     now = time.time() if now is None else now
-    age = now - float(status.get("heartbeat", 0.0))
-    if status.get("host") == socket.gethostname() and not _pid_alive(int(status["pid"])):
+    age = now - heartbeat
+    if status.get("host") == socket.gethostname() and not _pid_alive(pid):
         return {**status, "state": "dead", "dead_reason": f"process {status['pid']} is gone"}
     if age > stale_s:
         return {**status, "state": "dead", "dead_reason": f"no heartbeat for {age:.1f} s (> {stale_s} s)"}
@@ -1398,10 +1420,10 @@ def bridge_statuses(root: str, stale_s: float = STALE_S) -> list[dict[str, Any]]
     out = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:
-            kind = json.loads(path.read_text()).get("kind")
+            status = json.loads(path.read_text())
         except (OSError, ValueError):
             continue  # being replaced, or not a status file
-        if kind == "ros2-bridge":
+        if isinstance(status, dict) and status.get("kind") == "ros2-bridge":
             out.append(read_bridge_status(root, path.stem, stale_s))
     return out
 
@@ -1510,6 +1532,9 @@ def main(argv: list[str]) -> int:
             statuses = run(cfg)
         except FileNotFoundError as e:
             print(f"robo-post fleet ros2-status: no status file: {e.filename}", file=sys.stderr)
+            return 1
+        except BridgeStatusError as e:
+            print(f"robo-post fleet ros2-status: {e}", file=sys.stderr)
             return 1
         if not statuses:  # printing nothing would read as "all fine"
             what = "no store" if not os.path.isdir(cfg.store) else "no ROS 2 bridge has run on the store"

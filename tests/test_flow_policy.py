@@ -212,6 +212,23 @@ def test_a_run_killed_after_publishing_does_not_publish_again(tiny_store, tmp_pa
 
 
 
+@pytest.mark.parametrize("record", ["config.yaml", "summary.json"])
+def test_a_damaged_run_record_resumes_the_run_with_a_warning_naming_it(tiny_store, tmp_path, capsys, record):
+    """A finished run's config.yaml or summary.json torn by a crash or a full disk: the rerun
+    warns naming it and resumes from the checkpoint (publishing nothing new), instead of a YAML
+    traceback or a JSONDecodeError that names no file."""
+    cfg = OmegaConf.merge(_train_cfg(tiny_store, str(tmp_path / "run"), 10), {"publish": True})
+    first = train(cfg)["version"]
+    path = tmp_path / "run" / record
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2] + b"\n  - [\xff")
+    capsys.readouterr()
+    again = train(cfg)
+    assert f"warning: {path} is damaged" in capsys.readouterr().err
+    assert again["version"] == first == PolicyRegistry(tiny_store).latest()
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["version"] == first
+    assert OmegaConf.load(tmp_path / "run" / "config.yaml").updates == 10
+
+
 def test_a_resumed_run_trains_on_the_snapshot_it_started_on(tiny_store, tmp_path):
     import shutil
 

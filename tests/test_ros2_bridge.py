@@ -590,6 +590,106 @@ def test_unstamped_message_is_named_as_such(tmp_path):
     assert (status["committed"], status["malformed"]) == (1, {"no_stamp": 2})
 
 
+def test_one_stamp_far_ahead_costs_one_episode_not_the_topic(tmp_path):
+    """A node on another clock stamps one joint message far ahead (wall time among sim time).
+    Every later joint message used to be refused as out of order, so nothing was recorded again
+    until the bridge restarted; now the order check resumes after the message that follows it."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.episode(0, 1_000, 3)
+        bridge.event(event="start", episode=1, seed=1, task="fold", instruction="fold", stamp=2_000)
+        bridge.node._on_joint(ARM2.joint_msg(2_000, np.zeros(4)), bridge.info(ros2.JOINT_TOPIC))
+        bridge.node._on_joint(ARM2.joint_msg(1_700_000_000 * 10**9, np.zeros(4)), bridge.info(ros2.JOINT_TOPIC))
+        for t in range(1, 4):  # the rest of episode 1
+            bridge.node._on_joint(ARM2.joint_msg(2_000 + t, np.zeros(4)), bridge.info(ros2.JOINT_TOPIC))
+        for t in range(3):
+            bridge.node._on_action(ARM2.action_msg(2_000 + t, np.array([0.5, 0.1, 0.5])), bridge.info(ros2.ACTION_TOPIC))
+        bridge.event(event="end", episode=1, seed=1, task="fold", length=3, rewards=[0.0] * 3, success=False,
+                     terminated=True, truncated=False, stamp=2_003)
+        bridge.episode(2, 3_000, 3)
+        bridge.episode(3, 4_000, 3)
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"], status["malformed"]) == (3, {"malformed": 1}, {"out_of_order": 1})
+    snap = Store.open(root).snapshot()
+    assert [e.attrs["robot_episode"] for e in snap.episodes(client="unit")] == [0, 2, 3]
+
+
+def test_a_start_stamp_far_ahead_costs_its_episode_not_every_later_one(tmp_path):
+    """A start event stamped far ahead (another clock), its data and end stamped right: its bad
+    end closed stamps up to the bogus start, so every later episode was refused as "not after the
+    episodes already seen" until the bridge restarted. Likewise once such a start alone times out."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.episode(0, 1_000, 3)
+        bridge.event(event="start", episode=1, seed=1, task="fold", instruction="fold", stamp=1_700_000_000 * 10**9)
+        for t in range(4):
+            bridge.node._on_joint(ARM2.joint_msg(2_000 + t, np.zeros(4)), bridge.info(ros2.JOINT_TOPIC))
+            if t < 3:
+                bridge.node._on_action(ARM2.action_msg(2_000 + t, np.array([0.5, 0.1, 0.5])),
+                                       bridge.info(ros2.ACTION_TOPIC))
+        bridge.event(event="end", episode=1, seed=1, task="fold", length=3, rewards=[0.0] * 3, success=False,
+                     terminated=True, truncated=False, stamp=2_003)
+        bridge.episode(2, 3_000, 3)
+        bridge.event(event="start", episode=3, seed=3, task="fold", instruction="fold", stamp=1_800_000_000 * 10**9)
+        bridge.node.cfg.timeout = 0.0  # the robot sends nothing more for a while
+        bridge.node.tick()
+        bridge.node.cfg.timeout = 5.0
+        bridge.episode(4, 4_000, 3)
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"]) == (3, {"malformed": 1, "timeout": 1})
+    snap = Store.open(root).snapshot()
+    assert [e.attrs["robot_episode"] for e in snap.episodes(client="unit")] == [0, 2, 4]
+
+
+def test_a_repeated_stamp_never_replaces_recorded_data(tmp_path):
+    """Comparing with the previous message only, a stamp repeated after an older one would pass
+    the order check: its data must not silently replace what that stamp already holds."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.episode(0, 1_000, 3, end=False)
+        bridge.node._on_joint(ARM2.joint_msg(500, np.zeros(4)), bridge.info(ros2.JOINT_TOPIC))  # out of order
+        bridge.node._on_joint(ARM2.joint_msg(1_001, np.full(4, 9.0)), bridge.info(ros2.JOINT_TOPIC))  # repeated
+        bridge.event(event="end", episode=0, seed=0, task="fold", length=3, rewards=[0.0] * 3, success=False,
+                     terminated=True, truncated=False, stamp=1_003)
+        bridge.episode(1, 2_000, 3)
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"], status["malformed"]) == (1, {"malformed": 1}, {"out_of_order": 2})
+    snap = Store.open(root).snapshot()
+    assert [e.attrs["robot_episode"] for e in snap.episodes(client="unit")] == [1]
+
+
+def test_a_damaged_status_file_is_named_in_one_line(tmp_path, capsys):
+    """`ros2-status` on a status file that is not a JSON object used to end in an AttributeError
+    traceback, and on one with an unreadable pid or heartbeat in a ValueError naming no file."""
+    (tmp_path / "fleet").mkdir()
+    path = tmp_path / "fleet" / "arm-0.json"
+    good = {"client_id": "arm-0", "kind": "ros2-bridge", "state": "running", "pid": os.getpid(), "host": "h",
+            "heartbeat": time.time()}
+    # A scan of the store cannot tell a file that is no JSON object from another client's.
+    for text, why, scan_skips in [("[1]", "a JSON list, not an object", True),
+                                  ('{"state": "run', "JSONDecodeError", True),
+                                  (json.dumps({**good, "pid": "x"}), "invalid literal for int", False),
+                                  (json.dumps({**good, "heartbeat": None}), "float", False)]:
+        path.write_text(text)
+        for args in ([], ["client_id=arm-0"]):
+            capsys.readouterr()
+            assert cli_main(["fleet", "ros2-status", f"store={tmp_path}", *args]) == 1
+            err = capsys.readouterr().err.strip()
+            if not args and scan_skips:
+                assert err == f"robo-post fleet ros2-status: no ROS 2 bridge has run on the store {tmp_path}"
+            else:
+                assert err.startswith(f"robo-post fleet ros2-status: {path} is not a bridge status (") and why in err
+                assert "\n" not in err
+    path.write_text(json.dumps(good))
+    assert cli_main(["fleet", "ros2-status", f"store={tmp_path}"]) == 0
+
+
 def test_image_rows_may_be_padded():
     """A valid ROS image may pad its rows (step > width * channels); the padding is not
     recorded, and an image whose data do not fill height * step is still refused."""

@@ -2,14 +2,16 @@
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
+import pytest
 
-from robo_post.store import ArraySpec, Store, StoreSchema
+from robo_post.store import ArraySpec, Store, StoreIntegrityError, StoreSchema
 from robo_post.store.integrity import validate_store
 
 SCHEMA = StoreSchema(
@@ -87,3 +89,43 @@ def test_four_concurrent_writers_200_episodes(tmp_path):
     checked, problems = validate_store(root)
     assert problems == [] and checked == 200
     np.testing.assert_array_equal(snap.load(snap.episodes(client="w3")[49])["obs"]["proprio"][:, 0], 49)
+
+
+def _small_store(tmp_path, close: bool) -> tuple[str, str]:
+    """Three committed episodes in shard "x" (partial last chunks), its writer closed (chunks
+    sealed) or gone without closing (a killed writer: the partial chunks still in their regions)."""
+    root = str(tmp_path / "store")
+    Store.create(root, SCHEMA)
+    proc = subprocess.run([sys.executable, "-c", WRITER, root, "x", "3"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    if close:
+        Store.open(root).writer("x").close()
+    return root, os.path.join(root, "shards", "x", "data")
+
+
+def test_a_writer_refuses_a_chunk_file_cut_short_after_commit(tmp_path):
+    """zarr reads a cut-off chunk file's missing bytes as zeros: a writer used to append to it
+    silently (rc 0 from `collect`) and seal those zeros into the chunk."""
+    for close in (False, True):
+        root, data = _small_store(tmp_path / str(close), close)
+        path = os.path.join(data, "action", "c.0.0")
+        size = os.path.getsize(path)
+        for cut in (size - 3, 100):  # inside the last chunk's bytes; inside the shard index
+            with open(path, "r+b") as f:
+                f.truncate(cut)
+            with pytest.raises(StoreIntegrityError, match=rf"{re.escape(path)}: {cut} bytes, .*cut short after commit"):
+                Store.open(root).writer("x")
+            assert os.path.getsize(path) == cut  # nothing appended
+        Store.open(root).writer("y").close()  # the lock of the refused shard only is released
+
+
+def test_a_writer_names_the_array_whose_metadata_is_damaged(tmp_path):
+    """A damaged zarr.json used to reach `collect` as a bare JSONDecodeError naming no file."""
+    root, data = _small_store(tmp_path, close=True)
+    with open(os.path.join(data, "action", "zarr.json"), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(StoreIntegrityError, match=rf"shard 'x': cannot append to {re.escape(data)}/action: "
+                                                  "JSONDecodeError"):
+        Store.open(root).writer("x")
+    with pytest.raises(StoreIntegrityError):  # the shard was released: a retry fails the same way
+        Store.open(root).writer("x")

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from robo_post.algos.divl import DIVL
@@ -200,17 +201,38 @@ def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig) -> di
     config_path = os.path.join(run_dir, "config.yaml")
     if not (os.path.exists(summary_path) and os.path.exists(config_path) and has_checkpoint(ckpt)):
         return None
-    saved = OmegaConf.to_container(OmegaConf.load(config_path))
+    saved, summary = _run_record(config_path, OmegaConf.load), _run_record(summary_path, _load_json)
+    if saved is None or summary is None:
+        return None
     if {**saved, "show": None} != {**OmegaConf.to_container(cfg, resolve=True), "show": None}:
         return None
     done = checkpoint_state(ckpt).get(counter, 0)
     if done < target:
         return None
-    with open(summary_path) as f:
-        summary = json.load(f)
     print(f"{run_dir} is already done ({counter} {done} of {target}, published version {summary.get('version')}); "
           f"nothing trained or published. A larger target continues it; a new run_dir starts over.", file=sys.stderr)
     return summary
+
+
+def _load_json(path: str) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _run_record(path: str, load: Callable[[str], Any]) -> dict[str, Any] | None:
+    """A run's ``config.yaml`` or ``summary.json`` as a dict; None, with a warning naming it, when
+    it is damaged. Both are records a run rewrites as it goes, so a damaged one only means the
+    run is not known to be finished: it resumes from its checkpoint (whose damage is an error)."""
+    try:
+        value = load(path)
+        value = OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
+        if not isinstance(value, dict):
+            raise ValueError(f"a {type(value).__name__}, not a mapping")
+        return value
+    except (yaml.YAMLError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        print(f"warning: {path} is damaged ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+              "resuming the run from its checkpoint", file=sys.stderr)
+        return None
 
 
 def refuse_smaller_target(run_dir: str, counter: str, target: int, setting: str) -> None:

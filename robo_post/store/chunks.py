@@ -343,9 +343,11 @@ class ShardAppender(_Appender):
         super().__init__(arr, end, fsync)
         self.per_shard = arr.shards[0] // self.chunk
         self._grow_unit = arr.shards[0]
+        index = self.tail_start // self.chunk
+        key = arr.metadata.encode_chunk_key((index // self.per_shard,) + (0,) * len(self.row_shape))
+        _check_not_cut(os.path.join(self.dir, key), self.per_shard, index, end - self.tail_start, self.row_nbytes)
         self.tail = read_rows(arr, self.tail_start, end, end)
         self._shard: ShardFile | None = None
-        index = self.tail_start // self.chunk
         # Opening the shard file of the partial chunk drops what a crashed writer left
         # past the committed rows; later shard files hold none of them.
         self._open_shard(index // self.per_shard, None)
@@ -482,6 +484,33 @@ class ShardAppender(_Appender):
         committed = -(-self.end // self.chunk) - shard * self.per_shard
         key = self.arr.metadata.encode_chunk_key((shard,) + (0,) * len(self.row_shape))
         self._shard = ShardFile(os.path.join(self.dir, key), shard, self.per_shard, committed, sync)
+
+
+def _check_not_cut(path: str, per_shard: int, index: int, tail_rows: int, row_nbytes: int) -> None:
+    """Refuse the shard file of partial chunk ``index`` when it was cut short after commit (a
+    full disk, a copy cut off): zarr reads missing bytes as zeros, so a writer would append
+    to it silently and seal those zeros into the chunk."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return  # read_rows names a missing file that holds committed rows
+    try:
+        size, slot = os.fstat(fd).st_size, index % per_shard
+        raw = os.pread(fd, per_shard * 16, 0)
+        if len(raw) != per_shard * 16:
+            raise StoreIntegrityError(f"{path}: {size} bytes, shorter than its shard index (cut short after commit)")
+        entries = np.frombuffer(raw, "<u8").reshape(-1, 2)
+        needed = [int(o + n) for o, n in entries[:slot] if o != _EMPTY]
+        offset, nbytes = (int(v) for v in entries[slot])
+        if tail_rows and offset != _EMPTY:
+            # A region holds only the rows committed so far; a sealed chunk all its bytes.
+            in_region = os.pread(fd, _BLOSC_HEADER, offset) == _region_header(index)
+            needed.append(offset + (_BLOSC_HEADER + tail_rows * row_nbytes if in_region else nbytes))
+    finally:
+        os.close(fd)
+    if needed and size < max(needed):
+        raise StoreIntegrityError(f"{path}: {size} bytes, but its committed chunks reach byte {max(needed)} "
+                                  "(cut short after commit)")
 
 
 class ShardFile:

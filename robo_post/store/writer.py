@@ -50,6 +50,8 @@ from robo_post.store.schema import (
     EpisodeValidationError,
     ShardDamagedError,
     ShardLockedError,
+    StoreIntegrityError,
+    UnsupportedFormatError,
     check_name,
     check_role,
     stack_field,
@@ -170,18 +172,29 @@ class ShardWriter:
         meta_path = os.path.join(self.path, "episodes.jsonl")
         with open(meta_path, "ab") as f:  # creates the file on first open
             f.truncate(self._meta_bytes)
-        root = zarr.open_group(os.path.join(self.path, "data"), mode="a")
+        data = os.path.join(self.path, "data")
         specs = {f"obs/{k}": s for k, s in self.schema.observations.items()}
         specs["action"] = self.schema.action
         specs["step"] = ArraySpec("float64", (len(STEP_COLUMNS),))
         specs.update({f"extras/{k}": s for k, s in self.schema.extras.items()})
-        for name, spec in specs.items():
-            if name in root:
-                arr = root[name]
-            else:
-                arr = new_array(root, name, spec.dtype, spec.shape, time_chunk(spec))
-            end = self.n_steps + self.n_episodes if name.startswith("obs/") else self.n_steps
-            self._columns[name] = open_appender(arr, end, self.fsync)
+        name = None
+        try:
+            root = zarr.open_group(data, mode="a")
+            for name, spec in specs.items():
+                if name in root:
+                    arr = root[name]
+                else:
+                    arr = new_array(root, name, spec.dtype, spec.shape, time_chunk(spec))
+                end = self.n_steps + self.n_episodes if name.startswith("obs/") else self.n_steps
+                self._columns[name] = open_appender(arr, end, self.fsync)
+        except UnsupportedFormatError:
+            raise
+        except Exception as e:  # a damaged zarr.json or tail chunk: zarr and the codecs raise almost anything
+            where = data if name is None else os.path.join(data, name)
+            detail = str(e) if isinstance(e, StoreIntegrityError) else repr(e)
+            raise StoreIntegrityError(f"shard {self.client_id!r}: cannot append to {where}: {detail} (`robo-post "
+                                      "store validate` lists the damaged episodes; new ones can go to another "
+                                      "client id)") from e
         self._commit = CommitRecord(self.path, commit, self.fsync)
         if self.fsync:
             self._sync_layout(root)
