@@ -46,11 +46,10 @@ def _sources(cfg: DictConfig, env: Any, prior_cfg: dict[str, Any] | None = None)
     obs, _ = env.reset(seed=0)
     batch = {k: np.asarray(v)[None] for k, v in obs.items()}
     for what, source in (("actor", actor), ("prior", prior)):
-        try:
-            shape = tuple(source.distribution(batch).mean.shape[1:])
-        except KeyError as e:  # built for another env's observations
-            raise SteeringSourceError(f"{what} reads observation key {e}; env {spec_for_env(env).key!r} observes "
-                                      f"{sorted(obs)}") from None
+        # A learned source built for another env would fail deep in its network, or act in other units.
+        if hasattr(source, "mismatch") and (why := source.mismatch(obs, env.action_space)):
+            raise SteeringSourceError(f"{what} {why} (env {spec_for_env(env).key!r})")
+        shape = tuple(source.distribution(batch).mean.shape[1:])
         if shape != env.action_space.shape:
             raise SteeringSourceError(f"{what} acts in shape {shape}; the env's actions are {env.action_space.shape}")
     return actor_art, prior_art, actor, prior
