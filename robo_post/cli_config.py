@@ -11,6 +11,7 @@ sources (one comment per option) of the files the overrides select.
 from __future__ import annotations
 
 import importlib.resources
+import math
 from typing import Any, Callable, Iterable
 
 from omegaconf import DictConfig, OmegaConf
@@ -54,13 +55,17 @@ def integer(low: int, optional: bool = False) -> Check:
     return check
 
 
-def number(low: float, high: float | None = None, low_open: bool = False, optional: bool = False) -> Check:
-    """A number in [low, high] (``low_open``: (low, high]), or null when ``optional``."""
-    lo, hi = ("(" if low_open else "[") + f"{low:g}", "inf)" if high is None else f"{high:g}]"
+def number(low: float, high: float | None = None, low_open: bool = False, high_open: bool = False,
+           optional: bool = False) -> Check:
+    """A finite number in [low, high] (``low_open`` / ``high_open``: excluding that end; no ``high``:
+    any finite number above ``low``), or null when ``optional``."""
+    lo = ("(" if low_open else "[") + f"{low:g}"
+    hi = "inf)" if high is None else f"{high:g}" + (")" if high_open else "]")
 
     def check(key: str, v: Any) -> None:
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v > low if low_open else v >= low) and (
-            high is None or v <= high)
+        # inf passed `v >= low` and reached the job (a JSON record refuses it, a std of inf divides to NaN)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (
+            v > low if low_open else v >= low) and (high is None or (v < high if high_open else v <= high))
         if not (ok or (optional and v is None)):
             raise ConfigError(key, v, f"a number in {lo}, {hi}" + (" or null" if optional else ""))
     return check
@@ -210,7 +215,7 @@ _STEER_SOURCES = {
     "actor.version": _registry_version, "prior.version": _registry_version,
     "device": device, "seed": _COUNT0, "env.name": text(),
 }
-_ALPHAS = items(number(0, 1), "alphas in [0, 1)", optional=False)
+_ALPHAS = items(number(0, 1, high_open=True), "alphas in [0, 1)", optional=False)
 RULES["steer"] = {
     **_STEER_SOURCES, **_FLEET, "store": text(), "episodes": _COUNT, "alpha": number(0, 1),
     "rule": choice("poe", "klreg", "additive", "prior", "frozen"), "klreg_form": choice("tilt", "geometric"),
