@@ -246,3 +246,22 @@ def test_steer_refuses_an_sb3_actor_built_for_other_action_bounds(tmp_path):
                                                   r"\[\[-1.0\], \[1.0\]\]"):
         steer(cfg)
     assert not os.path.exists(out)
+
+
+def test_selector_store_of_another_env_is_refused_by_its_observations(tmp_path):
+    """States recorded in InvertedPendulum (4 values) for an actor and an env observing 3."""
+    from robo_post.config import compose as compose_config
+    from robo_post.pipelines.steer import steer
+
+    other = str(tmp_path / "other")
+    run_cli("collect", "env=InvertedPendulum-v5", "policy=random", "episodes=1", "fleet.n_clients=1",
+            f"store={other}", "show=false")
+    actor = _pendulum_actor(str(tmp_path / "actor"))
+    out = str(tmp_path / "deploy")
+    cfg = compose_config("steer", ["env=gym", "env.name=Pendulum-v1", "actor.kind=registry", f"actor.store={actor}",
+                                   "prior.kind=registry", f"prior.store={actor}", "selector.kl_budget=1",
+                                   f"selector.store={other}", f"store={out}", "show=false"])
+    with pytest.raises(SteeringSourceError, match=r"selector.store .* records observations \{'observation': \(4,\)\}; "
+                                                  r"env 'Pendulum-v1' observes \{'observation': \(3,\)\}"):
+        steer(cfg)
+    assert not os.path.exists(out)

@@ -60,7 +60,15 @@ def _visited_states(cfg: DictConfig, env_cfg: dict[str, Any], task: str | None, 
     """States the selector reads: the observations of ``selector.store``'s episodes, else those the
     frozen actor visits in ``selector.episodes`` calibration episodes (seeds apart from the fleet's)."""
     if cfg.selector.store:
-        snap = Store.open(cfg.selector.store).snapshot(record=False)
+        store = Store.open(cfg.selector.store)
+        # the sources read the env's observations; another env's store fails inside their networks
+        want = {k: tuple(s.shape) for k, s in store_schema(env_cfg, task).observations.items()}
+        got = {k: tuple(store.schema.observations[k].shape) for k in want if k in store.schema.observations}
+        if got != want:
+            recorded = {k: tuple(s.shape) for k, s in store.schema.observations.items()}
+            raise SteeringSourceError(f"selector.store {cfg.selector.store} records observations {recorded}; "
+                                      f"env {spec.key!r} observes {want}")
+        snap = store.snapshot(record=False)
         episodes = list(snap.episodes())
         if not episodes:
             raise SteeringSourceError(f"selector.store {cfg.selector.store} has no episodes to read states from")
