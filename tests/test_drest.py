@@ -361,3 +361,15 @@ def test_linear_schedule_anneals_learning_rate_and_entropy_to_zero():
         DReSTAgent(DReSTConfig(agent="PPO", env=ENV, env_kwargs={"n_grids": 2}, schedule="cosine"))
     with pytest.raises(DReSTConfigError, match=r"drest agent 'SAC'; choose one of \('PPO', 'A2C'\)"):
         DReSTAgent(DReSTConfig(agent="SAC", env=ENV, env_kwargs={"n_grids": 2}))
+
+
+@pytest.mark.parametrize("kwargs", ["algo.env_kwargs.n_grids=0", "algo.heldout_kwargs.n_grids=-1"])
+def test_an_empty_world_set_is_a_grid_error_naming_n_grids(tmp_path, kwargs):
+    """An empty set made the env, then failed at its first reset with numpy's 'high <= 0'."""
+    store = str(tmp_path / "store")
+    r = run_cli("train", "algo=drest", "algo.timesteps=64", "algo.n_envs=1", "algo.E=2", "algo.eval_every=0", kwargs,
+                f"store={store}", f"run_dir={tmp_path / 'drest'}", "show=false", ok=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"GridError: n_grids={kwargs.split('=')[1]} for split" in r.stderr.strip().splitlines()[-1]
+    assert "at least 1 world" in r.stderr
+    assert not os.path.exists(os.path.join(store, "policies", "v000001"))
