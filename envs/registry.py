@@ -106,6 +106,7 @@ class EnvSpec:
         make_kwargs: extra ``gymnasium.make`` keywords (e.g. ``disable_env_checker``).
         expert: factory ``(env, noise, mode, seed) -> act(obs)`` of a scripted expert
             for the episode just reset; ``None``: the env has none.
+        expert_modes: the ``mode`` values ``expert`` takes (``near_miss``: plausible failures).
         overseer_key: observation key whose stalls the overseer watches; ``None``:
             no overseer (it also needs ``expert``).
         step_limit: ``env -> int | None``, the episode step limit (overseer deadline).
@@ -145,6 +146,7 @@ class EnvSpec:
     task_kwarg: str | None = None
     make_kwargs: Mapping[str, Any] = field(default_factory=dict)
     expert: ExpertFactory | None = None
+    expert_modes: tuple[str, ...] = ("expert",)
     overseer_key: str | None = None
     step_limit: Callable[[gym.Env], int | None] = _time_limit
     success: Callable[[Mapping[str, Any]], bool | None] = generic_success
@@ -373,6 +375,7 @@ register_env(EnvSpec(
     task_kwarg="task",
     make_kwargs={"disable_env_checker": True},
     expert=_tabletop_expert,
+    expert_modes=("expert", "near_miss"),
     overseer_key="proprio",
     step_limit=lambda env: env.unwrapped.max_steps,
     success=lambda info: bool(info["success"]),
