@@ -92,3 +92,25 @@ def test_collect_refuses_an_expert_mode_the_env_lacks(tmp_path):
     assert r.stderr.strip().splitlines()[-1] == ("robo-post collect: UnknownExpertModeError: env 'point_mass': its "
                                                  "expert has no mode 'near_miss'; modes: expert")
     assert not store.exists()
+
+
+def test_a_run_dir_reused_with_other_settings_is_refused(tmp_path):
+    """A rerun skipped the finished BC stage (v1 kept its 10 updates) while config.yaml recorded the new 20."""
+    run_dir = tmp_path / "run"
+    tiny = [f"run_dir={run_dir}", "env=point_mass", "recipe=none", "play.mode=expert", "demos.episodes=3",
+            "play.episodes=0", "bc.eval.every=0", "lwd.enabled=false", "eval.episodes_per_task=1", "fleet.n_clients=1"]
+
+    def run(*overrides):
+        return subprocess.run([sys.executable, "-m", "robo_post.cli", "run", *tiny, *overrides], capture_output=True,
+                              text=True, timeout=300)
+
+    assert run("bc.updates=10", "show=false").returncode == 0
+    changed = run("bc.updates=20", "show=false")
+    assert changed.returncode == 1
+    assert changed.stderr.strip().splitlines()[-1] == (
+        f"robo-post run: RunSettingsChangedError: {run_dir} holds a run with other settings (bc.updates: 10 -> 20); "
+        "its finished stages would be kept as they are. Rerun with the recorded settings to resume it, or use a new "
+        "run_dir")
+    assert "updates: 10" in (run_dir / "config.yaml").read_text()
+    assert run("bc.updates=10", "show=true").returncode == 0  # display settings may change
+    assert PolicyRegistry(str(run_dir / "store")).versions() == [1]

@@ -67,6 +67,47 @@ def _stage_config(cfg: DictConfig, store_root: str, prefix: str, episodes: int, 
     return collect_cfg
 
 
+class RunSettingsChangedError(ValueError):
+    """A run dir reused with other settings than the run it holds was started with."""
+
+
+# Settings (at any level: `lwd.show`) that change what is printed or logged, not what a stage produces.
+_DISPLAY_SETTINGS = ("show", "tracking")
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as ``{dotted.key: leaf}`` (an empty dict is a leaf)."""
+    if not (isinstance(node, dict) and node):
+        return {prefix: node}
+    return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}.{key}" if prefix else key).items()}
+
+
+def check_same_settings(cfg: DictConfig) -> None:
+    """Refuse a ``run_dir`` whose ``config.yaml`` records other settings: finished stages are
+    skipped on a rerun, so their data and versions would stay those of the recorded settings
+    while ``config.yaml`` and the report claimed the new ones.
+
+    Raises:
+        RunSettingsChangedError: names the changed settings with their recorded and new values.
+    """
+    path = os.path.join(cfg.run_dir, "config.yaml")
+    if not os.path.exists(path):
+        return
+
+    def settings(node: Any) -> dict[str, Any]:
+        return {k: v for k, v in _flat(node).items() if not set(k.split(".")) & set(_DISPLAY_SETTINGS)}
+
+    recorded = settings(OmegaConf.to_container(OmegaConf.load(path)))
+    given = settings(OmegaConf.to_container(cfg, resolve=True))
+    changed = sorted(k for k in recorded.keys() | given.keys() if recorded.get(k) != given.get(k))
+    if changed:
+        shown = ", ".join(f"{k}: {recorded.get(k)!r} -> {given.get(k)!r}" for k in changed[:5])
+        raise RunSettingsChangedError(
+            f"{cfg.run_dir} holds a run with other settings ({shown}{', ...' if len(changed) > 5 else ''}); its "
+            "finished stages would be kept as they are. Rerun with the recorded settings to resume it, or use a "
+            "new run_dir")
+
+
 def check_stages(cfg: DictConfig) -> None:
     """Refuse, before the run dir is made, an env the recipe's fleet stages cannot run in: a
     missing expert, play mode or overseer otherwise failed a later stage, after the earlier
@@ -106,6 +147,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     tracking_settings(cfg.get("tracking"))  # an enabled tracker that is not installed fails before any work
     check_stages(cfg)
+    check_same_settings(cfg)
     os.makedirs(cfg.run_dir, exist_ok=True)
     store_root = os.path.join(cfg.run_dir, "store")
     eval_store = os.path.join(cfg.run_dir, "eval-store")
