@@ -187,7 +187,7 @@ RULES: dict[str, dict[str, Check]] = {
         "episodes_per_task": _COUNT, "split": items(_SPLIT, "splits (train | heldout)", single=True, optional=False),
         "n_clients": _COUNT, "out_store": text(optional=True), "device": device,
     },
-    "report": {"run_dir": items(text(), "run dirs", single=True), "eval_store": text(),
+    "report": {"run_dir": items(text(), "run dirs", single=True), "eval_store": text(optional=True),
                "results": items(text(), "result files"), "out_dir": text()},
     "run": {
         "run_dir": text(), "device": device, "env.name": text(), "env.tasks": items(text(), "task ids"), **_FLEET,

@@ -213,3 +213,15 @@ def test_eval_checks_every_listed_version_before_running_any(tmp_path, versions,
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert error in r.stderr.strip().splitlines()[-1]
     assert not os.path.exists(str(tmp_path / "s-eval"))  # nothing was evaluated
+
+
+def test_report_of_a_killed_run_without_an_eval_store(tmp_path, capsys):
+    """eval_store=null, which the report's own error suggests, was refused as 'not a non-empty string'; and
+    the table showed '–' for the updates and loss a killed run had logged."""
+    run, out = tmp_path / "bc", str(tmp_path / "report")
+    run.mkdir()
+    rows = [{"update": u, "bc_loss": 1.0 / u} for u in (50, 100)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", f"run_dir={run}", "eval_store=null", f"out_dir={out}"]) == 0, capsys.readouterr().err
+    md = open(os.path.join(out, "report.md")).read()
+    assert f"| `{run}` | – (not finished) | – | 100 | – | 0.0100 |" in md
