@@ -224,7 +224,8 @@ RULES["steer"] = {
     "selector.store": text(optional=True),
 }
 RULES["steer-eval"] = {
-    **_STEER_SOURCES, "episodes": _COUNT, "calibration_episodes": _COUNT, "alpha_grid": _ALPHAS,
+    # one paired difference bootstraps to a zero-width CI: a HELP/HURT label from a single episode
+    **_STEER_SOURCES, "episodes": integer(2), "calibration_episodes": _COUNT, "alpha_grid": _ALPHAS,
     "kl_budgets": items(number(0), "KL budgets >= 0", optional=False), "alpha_max": number(0, 1, optional=True),
     "rules": items(choice("poe", "klreg", "additive"), "rules (poe | klreg | additive)", optional=False),
     "qualities": items(choice("good", "degraded", "random_honest", "random_overconfident"), "prior qualities",
