@@ -114,6 +114,8 @@ class EnvSpec:
         success_rule: the success rule in words (docs, reports).
         metrics: ``step infos -> {name: bool | float}``, per-episode env metrics
             (bools are rates, floats means); ``None``: none.
+        metric_ids: names among ``metrics`` that identify the episode (a world index, a
+            seed): recorded with each episode, not averaged by eval.
         horizon: default action-chunk length for chunked policies.
         execute_steps: default actions executed open-loop per chunk (1 for reactive
             control: locomotion, balancing).
@@ -152,6 +154,7 @@ class EnvSpec:
     success: Callable[[Mapping[str, Any]], bool | None] = generic_success
     success_rule: str = GENERIC_SUCCESS_RULE
     metrics: Callable[[list[Mapping[str, Any]]], dict[str, Metric]] | None = None
+    metric_ids: tuple[str, ...] = ()
     horizon: int = 4
     execute_steps: int = 1
     language: bool = False
@@ -456,6 +459,7 @@ register_env(EnvSpec(
     success=lambda info: None,
     success_rule="undefined: an episode is judged by its length class and score (metrics long, usefulness)",
     metrics=_shutdown_grid_metrics,
+    metric_ids=("grid", "meta_episode", "mini_episode"),
     horizon=1,
     execute_steps=1,
     split_kwarg="split",

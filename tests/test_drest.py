@@ -373,3 +373,17 @@ def test_an_empty_world_set_is_a_grid_error_naming_n_grids(tmp_path, kwargs):
     assert f"GridError: n_grids={kwargs.split('=')[1]} for split" in r.stderr.strip().splitlines()[-1]
     assert "at least 1 world" in r.stderr
     assert not os.path.exists(os.path.join(store, "policies", "v000001"))
+
+
+def test_eval_averages_the_grid_metrics_but_not_the_world_and_meta_episode_ids(tmp_path):
+    """Eval printed a 'meta_episode 2297445340.75 [95% CI]': the mean of seeds and world indices."""
+    from robo_post.eval import evaluate
+    from robo_post.fleet.client import store_schema
+    from robo_post.store import Store
+
+    store = Store.create(str(tmp_path / "store"), store_schema({"name": "shutdown_grid", "n_grids": 4}, None))
+    result = evaluate(store.root, 0, None, 2, n_clients=1, out_store=str(tmp_path / "eval"), policy={"kind": "random"},
+                      env_kwargs={"n_grids": 4}, show=False)
+    assert set(result["overall"]["metrics"]) == {"long", "score", "usefulness"}
+    assert set(next(iter(result["tasks"].values()))["metrics"]) == {"long", "score", "usefulness"}
+    assert {"grid", "meta_episode", "mini_episode"} <= set(result["episodes"][0]["metrics"])  # still recorded

@@ -213,7 +213,7 @@ def evaluate(
 
     snap = store.snapshot()
     episodes = [e for c in configs for e in snap.episodes(client=c.client_id)[: c.episodes]]
-    result = _summarise(episodes, tasks)
+    result = _summarise(episodes, tasks, spec.metric_ids)
     result.update(
         policy={"version": version or 0, "label": label, "store": policy_store,
                 "config": _provenance(policy_config)},
@@ -502,14 +502,15 @@ def _metric_stats(values: list[bool | float]) -> dict[str, Any]:
     return {"mean": float(np.mean(values)), "ci95": mean_interval(values), "episodes": len(values)}
 
 
-def _task_stats(episodes: list[EpisodeInfo]) -> dict[str, Any]:
+def _task_stats(episodes: list[EpisodeInfo], ids: Iterable[str] = ()) -> dict[str, Any]:
     n = len(episodes)
     judged = [e for e in episodes if e.success is not None]
     k = sum(bool(e.success) for e in judged)
     metrics: dict[str, list] = {}
     for e in episodes:
         for name, value in e.attrs.get("metrics", {}).items():
-            metrics.setdefault(name, []).append(value)
+            if name not in ids:  # a mean of world indices or seeds is no statistic
+                metrics.setdefault(name, []).append(value)
     return {
         "episodes": n,
         "successes": k,
@@ -524,13 +525,15 @@ def _task_stats(episodes: list[EpisodeInfo]) -> dict[str, Any]:
     }
 
 
-def _summarise(episodes: list[EpisodeInfo], tasks: list[str]) -> dict[str, Any]:
-    per_task = {t: _task_stats([e for e in episodes if e.task_id == t]) for t in tasks}
+def _summarise(episodes: list[EpisodeInfo], tasks: list[str], ids: Iterable[str] = ()) -> dict[str, Any]:
+    """Per-task and overall statistics, and one row per episode; metrics named in ``ids`` (the
+    env's ``metric_ids``) stay in the rows only."""
+    per_task = {t: _task_stats([e for e in episodes if e.task_id == t], ids) for t in tasks}
     rates = [s["success_rate"] for s in per_task.values() if s["success_rate"] is not None]
     return {
         "tasks": per_task,
         "mean_success_rate": float(np.mean(rates)) if rates else None,
-        "overall": _task_stats(episodes),
+        "overall": _task_stats(episodes, ids),
         "episodes": [
             {"key": e.key, "task": e.task_id, "seed": e.seed, "success": e.success, "length": e.length,
              "return": e.ret, "metrics": e.attrs.get("metrics", {}), "policy_version": e.policy_version,
