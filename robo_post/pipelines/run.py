@@ -50,21 +50,14 @@ def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, 
     done = sum(1 for e in store.snapshot() if e.client_id.startswith(f"{prefix}-")) if store else 0
     if done >= episodes:
         return
-    collect(_stage_config(cfg, store_root, prefix, episodes - done, policy, follow_registry,
-                          cfg.show if show is None else show, layout_repeats, overseer))
-
-
-def _stage_config(cfg: DictConfig, store_root: str, prefix: str, episodes: int, policy: dict[str, Any],
-                  follow_registry: bool, show: bool, layout_repeats: int = 1,
-                  overseer: dict[str, Any] | None = None) -> DictConfig:
-    """The ``collect`` config of a fleet stage (``collect_stage``'s arguments)."""
     collect_cfg = _compose("collect", {
-        "store": store_root, "episodes": episodes, "seed": cfg.seed, "show": show, "policy": policy,
+        "store": store_root, "episodes": episodes - done, "seed": cfg.seed, "show": cfg.show if show is None else show,
+        "policy": policy,
         "fleet": {"n_clients": cfg.fleet.n_clients, "client_prefix": prefix, "follow_registry": follow_registry,
                   "layout_repeats": layout_repeats, **({"overseer": overseer} if overseer else {})},
     })
     collect_cfg.env = cfg.env  # replaced whole: another env's kwargs must not merge in
-    return collect_cfg
+    collect(collect_cfg)
 
 
 class RunSettingsChangedError(ValueError):
@@ -116,10 +109,10 @@ def check_stages(cfg: DictConfig) -> None:
     Raises:
         NoExpertError: the env has no scripted expert (the demonstrations need one).
         UnknownExpertModeError: a ``play.mode`` the env's expert does not have.
-        OverseerUnsupportedError: ``fleet.overseer`` on an env without an overseer.
+        OverseerUnsupportedError: ``fleet.overseer.enabled`` on an env without an overseer.
     """
     from robo_post.envs.registry import NoExpertError, UnknownExpertModeError, env_spec
-    from robo_post.fleet.collect import check_env_supports
+    from robo_post.fleet.client import Overseer
 
     spec = env_spec(cfg.env.name)
     if spec.expert is None:
@@ -128,15 +121,9 @@ def check_stages(cfg: DictConfig) -> None:
     if cfg.play.episodes and cfg.play.mode not in spec.expert_modes:
         raise UnknownExpertModeError(f"play.mode={cfg.play.mode}: the expert of env {spec.key!r} has no such mode; "
                                      f"modes: {', '.join(spec.expert_modes)} (or play.episodes=0)")
-    overseer = OmegaConf.to_container(cfg.fleet.overseer, resolve=True)
-    stages = [("demo", cfg.demos.episodes, {"kind": "expert"}, False, None),
-              ("play", cfg.play.episodes, {"kind": "expert", "mode": cfg.play.mode}, False, None),
-              ("deploy", cfg.deploy.episodes, {"kind": "expert"}, True, overseer),
-              ("online", cfg.lwd.online.episodes if cfg.lwd.enabled else 0, {"kind": "expert"}, True, overseer)]
-    for prefix, episodes, policy, follow_registry, watch in stages:
-        if episodes:
-            check_env_supports(_stage_config(cfg, "", prefix, episodes, policy, follow_registry, False,
-                                             overseer=watch), spec)
+    # the overseer watches the fleet's own policies: the deploy and online stages
+    if cfg.fleet.overseer.enabled and (cfg.deploy.episodes or (cfg.lwd.enabled and cfg.lwd.online.episodes)):
+        Overseer(spec, **OmegaConf.to_container(cfg.fleet.overseer, resolve=True))
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
