@@ -106,6 +106,7 @@ class EnvSpec:
         make_kwargs: extra ``gymnasium.make`` keywords (e.g. ``disable_env_checker``).
         expert: factory ``(env, noise, mode, seed) -> act(obs)`` of a scripted expert
             for the episode just reset; ``None``: the env has none.
+        expert_modes: the ``mode`` values ``expert`` takes (``near_miss``: plausible failures).
         overseer_key: observation key whose stalls the overseer watches; ``None``:
             no overseer (it also needs ``expert``).
         step_limit: ``env -> int | None``, the episode step limit (overseer deadline).
@@ -113,6 +114,8 @@ class EnvSpec:
         success_rule: the success rule in words (docs, reports).
         metrics: ``step infos -> {name: bool | float}``, per-episode env metrics
             (bools are rates, floats means); ``None``: none.
+        metric_ids: names among ``metrics`` that identify the episode (a world index, a
+            seed): recorded with each episode, not averaged by eval.
         horizon: default action-chunk length for chunked policies.
         execute_steps: default actions executed open-loop per chunk (1 for reactive
             control: locomotion, balancing).
@@ -145,11 +148,13 @@ class EnvSpec:
     task_kwarg: str | None = None
     make_kwargs: Mapping[str, Any] = field(default_factory=dict)
     expert: ExpertFactory | None = None
+    expert_modes: tuple[str, ...] = ("expert",)
     overseer_key: str | None = None
     step_limit: Callable[[gym.Env], int | None] = _time_limit
     success: Callable[[Mapping[str, Any]], bool | None] = generic_success
     success_rule: str = GENERIC_SUCCESS_RULE
     metrics: Callable[[list[Mapping[str, Any]]], dict[str, Metric]] | None = None
+    metric_ids: tuple[str, ...] = ()
     horizon: int = 4
     execute_steps: int = 1
     language: bool = False
@@ -373,6 +378,7 @@ register_env(EnvSpec(
     task_kwarg="task",
     make_kwargs={"disable_env_checker": True},
     expert=_tabletop_expert,
+    expert_modes=("expert", "near_miss"),
     overseer_key="proprio",
     step_limit=lambda env: env.unwrapped.max_steps,
     success=lambda info: bool(info["success"]),
@@ -453,6 +459,7 @@ register_env(EnvSpec(
     success=lambda info: None,
     success_rule="undefined: an episode is judged by its length class and score (metrics long, usefulness)",
     metrics=_shutdown_grid_metrics,
+    metric_ids=("grid", "meta_episode", "mini_episode"),
     horizon=1,
     execute_steps=1,
     split_kwarg="split",

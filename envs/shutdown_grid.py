@@ -241,6 +241,8 @@ def grid_set(split: str, n: int | None = None, seed: int = 0, size: int = 5, shu
     full training set of the same ``seed``."""
     if split not in DEFAULT_SETS:
         raise GridError(f"unknown split {split!r}; splits: {sorted(DEFAULT_SETS)}")
+    if n is not None and int(n) < 1:  # an empty set made the env, then failed at reset drawing a world
+        raise GridError(f"n_grids={n} for split {split!r}; a world set needs at least 1 world")
     return _grid_set(split, DEFAULT_SETS[split] if n is None else int(n), seed, size, shutdown_time)
 
 

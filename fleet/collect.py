@@ -7,7 +7,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from robo_post.envs.registry import EnvSpec, NoExpertError, env_spec
+from robo_post.envs.registry import EnvSpec, NoExpertError, UnknownExpertModeError, env_spec
 from robo_post.fleet.client import ClientConfig, Overseer, store_schema
 from robo_post.fleet.launcher import LocalLauncher, RayLauncher, raise_unfinished
 from robo_post.store import Store
@@ -64,15 +64,21 @@ def check_env_supports(cfg: DictConfig, spec: EnvSpec) -> None:
 
     Raises:
         NoExpertError: ``policy=expert`` (the default) with nothing published to run instead.
+        UnknownExpertModeError: a ``policy.mode`` the env's expert does not have.
         OverseerUnsupportedError: ``fleet.overseer.enabled`` for an env without an overseer.
     """
     fleet = cfg.fleet
     if fleet.overseer.enabled:
         Overseer(spec, **OmegaConf.to_container(fleet.overseer, resolve=True))
     runs_expert = not fleet.follow_registry and fleet.get("policy_version") is None
-    if cfg.policy.kind == "expert" and runs_expert and spec.expert is None:
+    if cfg.policy.kind != "expert" or not runs_expert:
+        return
+    if spec.expert is None:
         raise NoExpertError(f"env {spec.key!r} has no scripted expert; collect with another policy "
                             "(policy=random) or run a published version (fleet.follow_registry=true)")
+    if (mode := cfg.policy.get("mode", "expert")) not in spec.expert_modes:
+        raise UnknownExpertModeError(f"env {spec.key!r}: its expert has no mode {mode!r}; "
+                                     f"modes: {', '.join(spec.expert_modes)}")
 
 
 def make_launcher(cfg: DictConfig, configs: list[ClientConfig]):

@@ -11,6 +11,7 @@ sources (one comment per option) of the files the overrides select.
 from __future__ import annotations
 
 import importlib.resources
+import math
 from typing import Any, Callable, Iterable
 
 from omegaconf import DictConfig, OmegaConf
@@ -54,13 +55,17 @@ def integer(low: int, optional: bool = False) -> Check:
     return check
 
 
-def number(low: float, high: float | None = None, low_open: bool = False, optional: bool = False) -> Check:
-    """A number in [low, high] (``low_open``: (low, high]), or null when ``optional``."""
-    lo, hi = ("(" if low_open else "[") + f"{low:g}", "inf)" if high is None else f"{high:g}]"
+def number(low: float, high: float | None = None, low_open: bool = False, high_open: bool = False,
+           optional: bool = False) -> Check:
+    """A finite number in [low, high] (``low_open`` / ``high_open``: excluding that end; no ``high``:
+    any finite number above ``low``), or null when ``optional``."""
+    lo = ("(" if low_open else "[") + f"{low:g}"
+    hi = "inf)" if high is None else f"{high:g}" + (")" if high_open else "]")
 
     def check(key: str, v: Any) -> None:
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v > low if low_open else v >= low) and (
-            high is None or v <= high)
+        # inf passed `v >= low` and reached the job (a JSON record refuses it, a std of inf divides to NaN)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (
+            v > low if low_open else v >= low) and (high is None or (v < high if high_open else v <= high))
         if not (ok or (optional and v is None)):
             raise ConfigError(key, v, f"a number in {lo}, {hi}" + (" or null" if optional else ""))
     return check
@@ -182,7 +187,7 @@ RULES: dict[str, dict[str, Check]] = {
         "episodes_per_task": _COUNT, "split": items(_SPLIT, "splits (train | heldout)", single=True, optional=False),
         "n_clients": _COUNT, "out_store": text(optional=True), "device": device,
     },
-    "report": {"run_dir": items(text(), "run dirs", single=True), "eval_store": text(),
+    "report": {"run_dir": items(text(), "run dirs", single=True), "eval_store": text(optional=True),
                "results": items(text(), "result files"), "out_dir": text()},
     "run": {
         "run_dir": text(), "device": device, "env.name": text(), "env.tasks": items(text(), "task ids"), **_FLEET,
@@ -210,7 +215,7 @@ _STEER_SOURCES = {
     "actor.version": _registry_version, "prior.version": _registry_version,
     "device": device, "seed": _COUNT0, "env.name": text(),
 }
-_ALPHAS = items(number(0, 1), "alphas in [0, 1)", optional=False)
+_ALPHAS = items(number(0, 1, high_open=True), "alphas in [0, 1)", optional=False)
 RULES["steer"] = {
     **_STEER_SOURCES, **_FLEET, "store": text(), "episodes": _COUNT, "alpha": number(0, 1),
     "rule": choice("poe", "klreg", "additive", "prior", "frozen"), "klreg_form": choice("tilt", "geometric"),
@@ -219,7 +224,8 @@ RULES["steer"] = {
     "selector.store": text(optional=True),
 }
 RULES["steer-eval"] = {
-    **_STEER_SOURCES, "episodes": _COUNT, "calibration_episodes": _COUNT, "alpha_grid": _ALPHAS,
+    # one paired difference bootstraps to a zero-width CI: a HELP/HURT label from a single episode
+    **_STEER_SOURCES, "episodes": integer(2), "calibration_episodes": _COUNT, "alpha_grid": _ALPHAS,
     "kl_budgets": items(number(0), "KL budgets >= 0", optional=False), "alpha_max": number(0, 1, optional=True),
     "rules": items(choice("poe", "klreg", "additive"), "rules (poe | klreg | additive)", optional=False),
     "qualities": items(choice("good", "degraded", "random_honest", "random_overconfident"), "prior qualities",

@@ -41,6 +41,13 @@ BAD = [  # (command, overrides, what the error line must name)
     ("train", ["algo=drest", "algo.eval_every=-1"], ["algo.eval_every=-1", "integer >= 0"]),
     ("steer", ["actor.kind=registry", "actor.version=-1"], ["actor.version=-1", "latest | a version number >= 1"]),
     ("steer-eval", ["actor.kind=registry", "prior.version=abc"], ["prior.version='abc'", "latest"]),
+    # inf passed the range check and failed after the deployment store was created
+    ("steer", ["actor.kind=registry", "selector.kl_budget=inf"], ["selector.kl_budget=inf", "[0, inf) or null"]),
+    ("steer", ["actor.kind=registry", "prior.std=inf"], ["prior.std=inf", "(0, inf) or null"]),
+    # one episode per arm labelled arms HELP/HURT from a zero-width bootstrap CI
+    ("steer-eval", ["actor.kind=registry", "episodes=1"], ["episodes=1", "integer >= 2"]),
+    # alpha 1 passed as "in [0, 1)" and failed at the klreg arms, after the poe arms had run
+    ("steer-eval", ["actor.kind=registry", "alpha_grid=[0.5,1.0]"], ["alpha_grid=[0.5, 1.0]", "item 1 is 1.0"]),
     pytest.param("train", ["device=cuda"], ["device=cuda but CUDA is not available; use device=cpu or auto"],
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
 ]

@@ -361,3 +361,29 @@ def test_linear_schedule_anneals_learning_rate_and_entropy_to_zero():
         DReSTAgent(DReSTConfig(agent="PPO", env=ENV, env_kwargs={"n_grids": 2}, schedule="cosine"))
     with pytest.raises(DReSTConfigError, match=r"drest agent 'SAC'; choose one of \('PPO', 'A2C'\)"):
         DReSTAgent(DReSTConfig(agent="SAC", env=ENV, env_kwargs={"n_grids": 2}))
+
+
+@pytest.mark.parametrize("kwargs", ["algo.env_kwargs.n_grids=0", "algo.heldout_kwargs.n_grids=-1"])
+def test_an_empty_world_set_is_a_grid_error_naming_n_grids(tmp_path, kwargs):
+    """An empty set made the env, then failed at its first reset with numpy's 'high <= 0'."""
+    store = str(tmp_path / "store")
+    r = run_cli("train", "algo=drest", "algo.timesteps=64", "algo.n_envs=1", "algo.E=2", "algo.eval_every=0", kwargs,
+                f"store={store}", f"run_dir={tmp_path / 'drest'}", "show=false", ok=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"GridError: n_grids={kwargs.split('=')[1]} for split" in r.stderr.strip().splitlines()[-1]
+    assert "at least 1 world" in r.stderr
+    assert not os.path.exists(os.path.join(store, "policies", "v000001"))
+
+
+def test_eval_averages_the_grid_metrics_but_not_the_world_and_meta_episode_ids(tmp_path):
+    """Eval printed a 'meta_episode 2297445340.75 [95% CI]': the mean of seeds and world indices."""
+    from robo_post.eval import evaluate
+    from robo_post.fleet.client import store_schema
+    from robo_post.store import Store
+
+    store = Store.create(str(tmp_path / "store"), store_schema({"name": "shutdown_grid", "n_grids": 4}, None))
+    result = evaluate(store.root, 0, None, 2, n_clients=1, out_store=str(tmp_path / "eval"), policy={"kind": "random"},
+                      env_kwargs={"n_grids": 4}, show=False)
+    assert set(result["overall"]["metrics"]) == {"long", "score", "usefulness"}
+    assert set(next(iter(result["tasks"].values()))["metrics"]) == {"long", "score", "usefulness"}
+    assert {"grid", "meta_episode", "mini_episode"} <= set(result["episodes"][0]["metrics"])  # still recorded

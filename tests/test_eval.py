@@ -196,3 +196,32 @@ def test_report_reads_a_killed_runs_log_and_names_a_damaged_file(tmp_path, capsy
         assert main(["report", *(f"{k}={v}" for k, v in args.items()), f"out_dir={out}"]) == 1
         assert capsys.readouterr().err.strip() == (f"robo-post report: FileNotFoundError: {bad}={tmp_path / 'typo'}: "
                                                    "no such folder (null to leave it out of the report)")
+
+
+@pytest.mark.parametrize("versions, error", [
+    ("[1,5,7]", "PolicyNotFoundError: policy version(s) [5, 7] not found in"),
+    ("[1,0]", "NoExpertError: env 'Pendulum-v1' has no scripted expert"),  # version 0 runs the expert by default
+])
+def test_eval_checks_every_listed_version_before_running_any(tmp_path, versions, error):
+    """A missing version (or an expert the env lacks) later in the list failed after the earlier evals had run."""
+    from helpers import run_cli
+
+    store = Store.create(str(tmp_path / "s"), store_schema({"name": "Pendulum-v1"}, None))
+    assert PolicyRegistry(store.root).publish({}, {"kind": "random"}) == 1
+    r = run_cli("eval", f"store={store.root}", f"version={versions}", "episodes_per_task=1", "n_clients=1",
+                "show=false", ok=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert error in r.stderr.strip().splitlines()[-1]
+    assert not os.path.exists(str(tmp_path / "s-eval"))  # nothing was evaluated
+
+
+def test_report_of_a_killed_run_without_an_eval_store(tmp_path, capsys):
+    """eval_store=null, which the report's own error suggests, was refused as 'not a non-empty string'; and
+    the table showed '–' for the updates and loss a killed run had logged."""
+    run, out = tmp_path / "bc", str(tmp_path / "report")
+    run.mkdir()
+    rows = [{"update": u, "bc_loss": 1.0 / u} for u in (50, 100)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", f"run_dir={run}", "eval_store=null", f"out_dir={out}"]) == 0, capsys.readouterr().err
+    md = open(os.path.join(out, "report.md")).read()
+    assert f"| `{run}` | – (not finished) | – | 100 | – | 0.0100 |" in md

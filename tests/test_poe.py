@@ -151,3 +151,6 @@ def test_paired_bootstrap_labels():
     assert label(*paired_bootstrap(rng.normal(1.0, 1.0, 200))[1:]) == "HELP"
     assert label(*paired_bootstrap(rng.normal(-1.0, 1.0, 200))[1:]) == "HURT"
     assert label(*paired_bootstrap(rng.normal(0.0, 1.0, 200))[1:]) == "FROZEN"
+    # one difference resamples to itself: a zero-width CI that labelled any nonzero difference
+    with pytest.raises(ValueError, match="at least 2 differences, got 1"):
+        paired_bootstrap(np.array([-3.0]))

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from robo_post.config import compose
 from robo_post.store import PolicyRegistry, Store
 
@@ -60,3 +62,55 @@ def test_run_recipes():
     assert "base" not in plain.lwd.actor and not plain.lwd.imitation.enabled
     tuned = compose("run", ["preset.deploy_episodes=40", "fleet.overseer.deadline=0.3"])
     assert (tuned.preset.deploy_episodes, tuned.fleet.overseer.deadline) == (40, 0.3)
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["env=Pendulum-v1"], "NoExpertError: robo-post run records scripted demonstrations; env 'Pendulum-v1' has no "
+                          "scripted expert"),
+    # the play stage ran near misses the point mass's expert does not have: clients crashed after the demos
+    (["env=point_mass", "recipe=none"], "UnknownExpertModeError: play.mode=near_miss: the expert of env "
+                                        "'point_mass' has no such mode; modes: expert"),
+    # the recipe's overseer watched deploy episodes only after the demos, play and BC training had run
+    (["env=point_mass", "play.mode=expert"], "OverseerUnsupportedError: env 'point_mass' has no overseer"),
+])
+def test_run_refuses_an_env_its_stages_cannot_run_in_before_any_stage(tmp_path, overrides, error):
+    run_dir = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "robo_post.cli", "run", f"run_dir={run_dir}", *overrides,
+                        "demos.episodes=2", "play.episodes=1", "bc.updates=5", "deploy.episodes=1", "show=false"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"robo-post run: {error}"), r.stderr[-2000:]
+    assert not run_dir.exists()
+
+
+def test_collect_refuses_an_expert_mode_the_env_lacks(tmp_path):
+    """Every client crashed on the mode, restarted and crashed again before the fleet gave up."""
+    store = tmp_path / "store"
+    r = subprocess.run([sys.executable, "-m", "robo_post.cli", "collect", "env=point_mass", "policy.mode=near_miss",
+                        "episodes=2", f"store={store}", "show=false"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == ("robo-post collect: UnknownExpertModeError: env 'point_mass': its "
+                                                 "expert has no mode 'near_miss'; modes: expert")
+    assert not store.exists()
+
+
+def test_a_run_dir_reused_with_other_settings_is_refused(tmp_path):
+    """A rerun skipped the finished BC stage (v1 kept its 10 updates) while config.yaml recorded the new 20."""
+    run_dir = tmp_path / "run"
+    tiny = [f"run_dir={run_dir}", "env=point_mass", "recipe=none", "play.mode=expert", "demos.episodes=3",
+            "play.episodes=0", "bc.eval.every=0", "lwd.enabled=false", "eval.episodes_per_task=1", "fleet.n_clients=1"]
+
+    def run(*overrides):
+        return subprocess.run([sys.executable, "-m", "robo_post.cli", "run", *tiny, *overrides], capture_output=True,
+                              text=True, timeout=300)
+
+    assert run("bc.updates=10", "show=false").returncode == 0
+    changed = run("bc.updates=20", "show=false")
+    assert changed.returncode == 1
+    assert changed.stderr.strip().splitlines()[-1] == (
+        f"robo-post run: RunSettingsChangedError: {run_dir} holds a run with other settings (bc.updates: 10 -> 20); "
+        "its finished stages would be kept as they are. Rerun with the recorded settings to resume it, or use a new "
+        "run_dir")
+    assert "updates: 10" in (run_dir / "config.yaml").read_text()
+    assert run("bc.updates=10", "show=true").returncode == 0  # display settings may change
+    assert PolicyRegistry(str(run_dir / "store")).versions() == [1]

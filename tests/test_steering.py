@@ -3,6 +3,7 @@
 import json
 import os
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -134,7 +135,7 @@ def test_bad_sources_are_typed_errors(actor_store, tmp_path):
     assert not os.path.exists(tmp_path / "x")
     wrong_env = run_cli("steer", "actor.kind=registry", f"actor.store={actor_store}", "env=reacher",
                         f"store={tmp_path / 'y'}", "show=false", ok=False)
-    assert wrong_env.returncode == 1 and "actor reads observation key 'position'" in wrong_env.stderr
+    assert wrong_env.returncode == 1 and "actor reads observations {position" in wrong_env.stderr
     assert "Traceback" not in wrong_env.stderr and not os.path.exists(tmp_path / "y")
 
 
@@ -178,3 +179,89 @@ def test_a_prior_learned_from_store_data_steers_with_its_fitted_std(actor_store,
     obs, _ = env.reset(seed=0)
     std = prior.distribution({k: v[None] for k, v in obs.items()}).std.numpy()
     assert 0.15 < std.mean() < 0.5  # fitted to the demonstrations' noise, not a chosen constant
+
+
+class _HalfTorquePendulum(gym.Env):
+    """Observes like Pendulum-v1 (float32 (3,)) but takes torques in [-1, 1], not [-2, 2]."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(3, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(3, np.float32), 0.0, False, True, {}
+
+
+gym.register("robo_post_test/SteerHalfTorque-v0", entry_point=_HalfTorquePendulum)
+
+
+def _pendulum_actor(root):
+    """A (untrained) Gaussian actor for Pendulum-v1's observations and [-2, 2] torques, published in ``root``."""
+    from robo_post.models.features import state_features
+    from robo_post.models.gaussian import GaussianPolicy, GaussianPolicyConfig
+
+    model = GaussianPolicy(GaussianPolicyConfig(features=state_features(3, "observation"), action_dim=1,
+                                                embed_dim=8, hidden_dim=16, action_low=[-2.0], action_high=[2.0]))
+    PolicyRegistry(root).publish(*model.artifact(algorithm="untrained"))
+    return root
+
+
+@pytest.mark.parametrize("env, message", [
+    # same observations, half the torque range: the actor's means were clipped to [-1, 1]
+    ("robo_post_test/SteerHalfTorque-v0",
+     r"actor acts in \[\[-2.0\], \[2.0\]\]; the env's actions are in \[\[-1.0\], \[1.0\]\]"),
+    # 4 observed values, not 3: a bare torch shape error from inside the network
+    ("InvertedPendulum-v5", r"actor reads observations \{observation: \(3,\)\}; the env observes \{observation: \(4,\)\}"),
+])
+def test_steer_refuses_an_actor_built_for_other_observations_or_action_bounds(tmp_path, env, message):
+    from robo_post.config import compose as compose_config
+    from robo_post.pipelines.steer import steer
+
+    actor = _pendulum_actor(str(tmp_path / "actor"))
+    out = str(tmp_path / "deploy")
+    cfg = compose_config("steer", ["env=gym", f"env.name={env}", "actor.kind=registry", f"actor.store={actor}",
+                                   "prior.kind=registry", f"prior.store={actor}", f"store={out}", "show=false"])
+    with pytest.raises(SteeringSourceError, match=message):
+        steer(cfg)
+    assert not os.path.exists(out)
+
+
+def test_steer_refuses_an_sb3_actor_built_for_other_action_bounds(tmp_path):
+    from stable_baselines3 import PPO
+
+    from robo_post.config import compose as compose_config
+    from robo_post.pipelines.steer import steer
+
+    path = str(tmp_path / "ppo.zip")
+    PPO("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=32, device="cpu", seed=0).save(path)
+    prior = _pendulum_actor(str(tmp_path / "prior"))
+    out = str(tmp_path / "deploy")
+    cfg = compose_config("steer", ["env=gym", "env.name=robo_post_test/SteerHalfTorque-v0", "actor.kind=sb3",
+                                   f"actor.path={path}", "actor.algo=PPO", "prior.kind=registry",
+                                   f"prior.store={prior}", f"store={out}", "show=false"])
+    with pytest.raises(SteeringSourceError, match=r"actor acts in \[\[-2.0\], \[2.0\]\]; the env's actions are in "
+                                                  r"\[\[-1.0\], \[1.0\]\]"):
+        steer(cfg)
+    assert not os.path.exists(out)
+
+
+def test_selector_store_of_another_env_is_refused_by_its_observations(tmp_path):
+    """States recorded in InvertedPendulum (4 values) for an actor and an env observing 3."""
+    from robo_post.config import compose as compose_config
+    from robo_post.pipelines.steer import steer
+
+    other = str(tmp_path / "other")
+    run_cli("collect", "env=InvertedPendulum-v5", "policy=random", "episodes=1", "fleet.n_clients=1",
+            f"store={other}", "show=false")
+    actor = _pendulum_actor(str(tmp_path / "actor"))
+    out = str(tmp_path / "deploy")
+    cfg = compose_config("steer", ["env=gym", "env.name=Pendulum-v1", "actor.kind=registry", f"actor.store={actor}",
+                                   "prior.kind=registry", f"prior.store={actor}", "selector.kl_budget=1",
+                                   f"selector.store={other}", f"store={out}", "show=false"])
+    with pytest.raises(SteeringSourceError, match=r"selector.store .* records observations \{'observation': \(4,\)\}; "
+                                                  r"env 'Pendulum-v1' observes \{'observation': \(3,\)\}"):
+        steer(cfg)
+    assert not os.path.exists(out)

@@ -298,11 +298,15 @@ def _learning_section(doc: _Doc, out_dir: str, run_dirs: list[str]) -> None:
         summary: dict[str, Any] = {}
         if os.path.exists(summary_path):
             summary = read_json_object(summary_path, "a run summary")
+        logged = _read_jsonl(metrics) if os.path.exists(metrics) else []
         if os.path.exists(metrics):
-            runs[name if summary.get("version") is None else f"{name} → v{summary['version']}"] = _read_jsonl(metrics)
-        final = summary.get("final", {})
+            runs[name if summary.get("version") is None else f"{name} → v{summary['version']}"] = logged
+        # a killed (or running) run has no summary yet: its last logged row is how far it got
+        final = summary.get("final", {}) if summary else (logged[-1] if logged else {})
+        published = ("– (not finished)" if not summary
+                     else "–" if summary.get("version") is None else f"v{summary['version']}")
         rows.append([
-            f"`{run_dir}`", "–" if summary.get("version") is None else f"v{summary['version']}",
+            f"`{run_dir}`", published,
             str(summary.get("episodes", "–")), str(final.get("update", "–")),
             f"{summary['wall_s']:.0f} s" if "wall_s" in summary else "–",
             f"{final['bc_loss']:.4f}" if "bc_loss" in final else "–",

@@ -32,7 +32,7 @@ import safetensors.torch
 from robo_post.envs.registry import EnvSpec, NoExpertError, env_spec
 from robo_post.fleet.client import ClientConfig, store_schema
 from robo_post.fleet.launcher import LocalLauncher, raise_unfinished
-from robo_post.store import EpisodeInfo, PolicyRegistry, Store
+from robo_post.store import EpisodeInfo, PolicyNotFoundError, PolicyRegistry, Store
 from robo_post.store.writer import write_json_atomic
 
 Split = Literal["train", "heldout"]
@@ -178,9 +178,7 @@ def evaluate(
     tasks = list(tasks or spec.default_tasks())
     version = version or None
     baseline = dict(policy or EXPERT)
-    if version is None and baseline.get("kind") == "expert" and spec.expert is None:
-        raise NoExpertError(f"env {spec.key!r} has no scripted expert: evaluate a registry version, or pass "
-                            "a policy for version 0 (e.g. {'kind': 'random'})")
+    _check_baseline(spec, version, baseline)
     policy_config, weights_digest = _policy_identity(policy_store, version, baseline)
     recorded = recorded_env_kwargs(policy_store, spec) if env_kwargs is None else None
     env_cfg = {"name": spec.key, **_env_kwargs(spec, policy_config, env_kwargs, split, recorded)}
@@ -215,7 +213,7 @@ def evaluate(
 
     snap = store.snapshot()
     episodes = [e for c in configs for e in snap.episodes(client=c.client_id)[: c.episodes]]
-    result = _summarise(episodes, tasks)
+    result = _summarise(episodes, tasks, spec.metric_ids)
     result.update(
         policy={"version": version or 0, "label": label, "store": policy_store,
                 "config": _provenance(policy_config)},
@@ -286,6 +284,13 @@ def in_process_success(model: Any, tasks: Iterable[str], episodes_per_task: int,
     return out
 
 
+def _check_baseline(spec: EnvSpec, version: int | None, baseline: dict[str, Any]) -> None:
+    """Version 0/None runs ``baseline``; the default, the scripted expert, needs an env that has one."""
+    if not version and baseline.get("kind") == "expert" and spec.expert is None:
+        raise NoExpertError(f"env {spec.key!r} has no scripted expert: evaluate a registry version, or pass "
+                            "a policy for version 0 (e.g. {'kind': 'random'})")
+
+
 def eval_from_config(cfg: Any) -> list[dict[str, Any]]:
     """`robo-post eval`: evaluate every ``cfg.version`` x ``cfg.split`` and print a table.
 
@@ -307,10 +312,17 @@ def eval_from_config(cfg: Any) -> list[dict[str, Any]]:
     env_kwargs = None if cfg.env_kwargs is None else OmegaConf.to_container(cfg.env_kwargs, resolve=True)
     policy = None if cfg.policy is None else OmegaConf.to_container(cfg.policy, resolve=True)
     tasks = list(cfg.tasks or cfg.env.tasks or env_spec(env_name).default_tasks())
+    # None (cfg.policy) for `latest` while nothing is published
+    versions = [registry.latest() if v == "latest" else v for v in versions]
+    # every version up front: a missing one in a list failed only after the others' evals had run
+    published = registry.versions()
+    if missing := [v for v in versions if v not in (None, 0) and v not in published]:
+        raise PolicyNotFoundError(f"policy version(s) {missing} not found in {registry.dir}; published: "
+                                  f"{published or 'none'}")
+    for version in versions:
+        _check_baseline(env_spec(env_name), version, dict(policy or EXPERT))
     results = []
     for version in versions:
-        if version == "latest":
-            version = registry.latest()  # None (cfg.policy) while nothing is published
         for split in splits:
             results.append(evaluate(
                 cfg.store, version, tasks, cfg.episodes_per_task, split=split, n_clients=cfg.n_clients,
@@ -490,14 +502,15 @@ def _metric_stats(values: list[bool | float]) -> dict[str, Any]:
     return {"mean": float(np.mean(values)), "ci95": mean_interval(values), "episodes": len(values)}
 
 
-def _task_stats(episodes: list[EpisodeInfo]) -> dict[str, Any]:
+def _task_stats(episodes: list[EpisodeInfo], ids: Iterable[str] = ()) -> dict[str, Any]:
     n = len(episodes)
     judged = [e for e in episodes if e.success is not None]
     k = sum(bool(e.success) for e in judged)
     metrics: dict[str, list] = {}
     for e in episodes:
         for name, value in e.attrs.get("metrics", {}).items():
-            metrics.setdefault(name, []).append(value)
+            if name not in ids:  # a mean of world indices or seeds is no statistic
+                metrics.setdefault(name, []).append(value)
     return {
         "episodes": n,
         "successes": k,
@@ -512,13 +525,15 @@ def _task_stats(episodes: list[EpisodeInfo]) -> dict[str, Any]:
     }
 
 
-def _summarise(episodes: list[EpisodeInfo], tasks: list[str]) -> dict[str, Any]:
-    per_task = {t: _task_stats([e for e in episodes if e.task_id == t]) for t in tasks}
+def _summarise(episodes: list[EpisodeInfo], tasks: list[str], ids: Iterable[str] = ()) -> dict[str, Any]:
+    """Per-task and overall statistics, and one row per episode; metrics named in ``ids`` (the
+    env's ``metric_ids``) stay in the rows only."""
+    per_task = {t: _task_stats([e for e in episodes if e.task_id == t], ids) for t in tasks}
     rates = [s["success_rate"] for s in per_task.values() if s["success_rate"] is not None]
     return {
         "tasks": per_task,
         "mean_success_rate": float(np.mean(rates)) if rates else None,
-        "overall": _task_stats(episodes),
+        "overall": _task_stats(episodes, ids),
         "episodes": [
             {"key": e.key, "task": e.task_id, "seed": e.seed, "success": e.success, "length": e.length,
              "return": e.ret, "metrics": e.attrs.get("metrics", {}), "policy_version": e.policy_version,

@@ -60,6 +60,72 @@ def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, 
     collect(collect_cfg)
 
 
+class RunSettingsChangedError(ValueError):
+    """A run dir reused with other settings than the run it holds was started with."""
+
+
+# Settings (at any level: `lwd.show`) that change what is printed or logged, not what a stage produces.
+_DISPLAY_SETTINGS = ("show", "tracking")
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as ``{dotted.key: leaf}`` (an empty dict is a leaf)."""
+    if not (isinstance(node, dict) and node):
+        return {prefix: node}
+    return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}.{key}" if prefix else key).items()}
+
+
+def check_same_settings(cfg: DictConfig) -> None:
+    """Refuse a ``run_dir`` whose ``config.yaml`` records other settings: finished stages are
+    skipped on a rerun, so their data and versions would stay those of the recorded settings
+    while ``config.yaml`` and the report claimed the new ones.
+
+    Raises:
+        RunSettingsChangedError: names the changed settings with their recorded and new values.
+    """
+    path = os.path.join(cfg.run_dir, "config.yaml")
+    if not os.path.exists(path):
+        return
+
+    def settings(node: Any) -> dict[str, Any]:
+        return {k: v for k, v in _flat(node).items() if not set(k.split(".")) & set(_DISPLAY_SETTINGS)}
+
+    recorded = settings(OmegaConf.to_container(OmegaConf.load(path)))
+    given = settings(OmegaConf.to_container(cfg, resolve=True))
+    changed = sorted(k for k in recorded.keys() | given.keys() if recorded.get(k) != given.get(k))
+    if changed:
+        shown = ", ".join(f"{k}: {recorded.get(k)!r} -> {given.get(k)!r}" for k in changed[:5])
+        raise RunSettingsChangedError(
+            f"{cfg.run_dir} holds a run with other settings ({shown}{', ...' if len(changed) > 5 else ''}); its "
+            "finished stages would be kept as they are. Rerun with the recorded settings to resume it, or use a "
+            "new run_dir")
+
+
+def check_stages(cfg: DictConfig) -> None:
+    """Refuse, before the run dir is made, an env the recipe's fleet stages cannot run in: a
+    missing expert, play mode or overseer otherwise failed a later stage, after the earlier
+    stages (demos, BC training) had run.
+
+    Raises:
+        NoExpertError: the env has no scripted expert (the demonstrations need one).
+        UnknownExpertModeError: a ``play.mode`` the env's expert does not have.
+        OverseerUnsupportedError: ``fleet.overseer.enabled`` on an env without an overseer.
+    """
+    from robo_post.envs.registry import NoExpertError, UnknownExpertModeError, env_spec
+    from robo_post.fleet.client import Overseer
+
+    spec = env_spec(cfg.env.name)
+    if spec.expert is None:
+        raise NoExpertError(f"robo-post run records scripted demonstrations; env {spec.key!r} has no scripted "
+                            "expert (collect and train on it with `robo-post collect` and `robo-post train`)")
+    if cfg.play.episodes and cfg.play.mode not in spec.expert_modes:
+        raise UnknownExpertModeError(f"play.mode={cfg.play.mode}: the expert of env {spec.key!r} has no such mode; "
+                                     f"modes: {', '.join(spec.expert_modes)} (or play.episodes=0)")
+    # the overseer watches the fleet's own policies: the deploy and online stages
+    if cfg.fleet.overseer.enabled and (cfg.deploy.episodes or (cfg.lwd.enabled and cfg.lwd.online.episodes)):
+        Overseer(spec, **OmegaConf.to_container(cfg.fleet.overseer, resolve=True))
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Run every stage; returns the evaluation results per policy version and split."""
     from robo_post.eval import evaluate, write_report
@@ -67,6 +133,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from robo_post.learner.train import train
 
     tracking_settings(cfg.get("tracking"))  # an enabled tracker that is not installed fails before any work
+    check_stages(cfg)
+    check_same_settings(cfg)
     os.makedirs(cfg.run_dir, exist_ok=True)
     store_root = os.path.join(cfg.run_dir, "store")
     eval_store = os.path.join(cfg.run_dir, "eval-store")

@@ -46,11 +46,10 @@ def _sources(cfg: DictConfig, env: Any, prior_cfg: dict[str, Any] | None = None)
     obs, _ = env.reset(seed=0)
     batch = {k: np.asarray(v)[None] for k, v in obs.items()}
     for what, source in (("actor", actor), ("prior", prior)):
-        try:
-            shape = tuple(source.distribution(batch).mean.shape[1:])
-        except KeyError as e:  # built for another env's observations
-            raise SteeringSourceError(f"{what} reads observation key {e}; env {spec_for_env(env).key!r} observes "
-                                      f"{sorted(obs)}") from None
+        # A learned source built for another env would fail deep in its network, or act in other units.
+        if hasattr(source, "mismatch") and (why := source.mismatch(obs, env.action_space)):
+            raise SteeringSourceError(f"{what} {why} (env {spec_for_env(env).key!r})")
+        shape = tuple(source.distribution(batch).mean.shape[1:])
         if shape != env.action_space.shape:
             raise SteeringSourceError(f"{what} acts in shape {shape}; the env's actions are {env.action_space.shape}")
     return actor_art, prior_art, actor, prior
@@ -61,7 +60,15 @@ def _visited_states(cfg: DictConfig, env_cfg: dict[str, Any], task: str | None, 
     """States the selector reads: the observations of ``selector.store``'s episodes, else those the
     frozen actor visits in ``selector.episodes`` calibration episodes (seeds apart from the fleet's)."""
     if cfg.selector.store:
-        snap = Store.open(cfg.selector.store).snapshot(record=False)
+        store = Store.open(cfg.selector.store)
+        # the sources read the env's observations; another env's store fails inside their networks
+        want = {k: tuple(s.shape) for k, s in store_schema(env_cfg, task).observations.items()}
+        got = {k: tuple(store.schema.observations[k].shape) for k in want if k in store.schema.observations}
+        if got != want:
+            recorded = {k: tuple(s.shape) for k, s in store.schema.observations.items()}
+            raise SteeringSourceError(f"selector.store {cfg.selector.store} records observations {recorded}; "
+                                      f"env {spec.key!r} observes {want}")
+        snap = store.snapshot(record=False)
         episodes = list(snap.episodes())
         if not episodes:
             raise SteeringSourceError(f"selector.store {cfg.selector.store} has no episodes to read states from")

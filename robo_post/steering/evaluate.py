@@ -76,7 +76,9 @@ def run_episodes(make_env: Callable[[], Any], act: Callable[[dict[str, np.ndarra
 
 
 def paired_bootstrap(diff: np.ndarray, n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """Mean of paired differences and its percentile-bootstrap 95% CI."""
+    """Mean of paired differences and its percentile-bootstrap 95% CI (at least 2 differences)."""
+    if len(diff) < 2:
+        raise ValueError(f"a paired bootstrap CI needs at least 2 differences, got {len(diff)}")
     rng = np.random.default_rng(seed)
     means = diff[rng.integers(0, len(diff), size=(n_boot, len(diff)))].mean(1)
     return float(diff.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))

@@ -47,6 +47,34 @@ class Source(Protocol):
     def distribution(self, obs: Mapping[str, Any]) -> Gaussian: ...
 
 
+def _shapes_text(shapes: Mapping[str, tuple]) -> str:
+    return "{" + ", ".join(f"{k}: {v}" for k, v in sorted(shapes.items())) + "}"
+
+
+def _observation_mismatch(want: Mapping[str, tuple], got: Mapping[str, tuple], obs: Mapping[str, Any]) -> str | None:
+    """Where the observation shapes a source reads (``want``) differ from those it would get (``got``)."""
+    if dict(got) == dict(want):
+        return None
+    observed = {k: np.shape(v) for k, v in obs.items() if k != "instruction"}
+    return f"reads observations {_shapes_text(want)}; the env observes {_shapes_text(observed)}"
+
+
+def _action_mismatch(low: np.ndarray, high: np.ndarray, space: spaces.Box) -> str | None:
+    """Where a source's action bounds differ from the env's: its means would be in other units,
+    or clipped to another range. Unbounded env dimensions accept any range (a range measured
+    from the data)."""
+    low, high = np.asarray(low, np.float64), np.asarray(high, np.float64)
+    env_low, env_high = np.asarray(space.low, np.float64), np.asarray(space.high, np.float64)
+    if low.shape != env_low.shape:
+        return f"acts in shape {low.shape}; the env's actions are {env_low.shape}"
+    finite = np.isfinite(env_low) & np.isfinite(env_high)
+    if not (np.allclose(low[finite], env_low[finite], rtol=1e-6, atol=0.0)
+            and np.allclose(high[finite], env_high[finite], rtol=1e-6, atol=0.0)):
+        return (f"acts in [{low.tolist()}, {high.tolist()}]; "
+                f"the env's actions are in [{env_low.tolist()}, {env_high.tolist()}]")
+    return None
+
+
 class OwnActor:
     """A ``GaussianPolicy`` (ours) as a source."""
 
@@ -55,6 +83,13 @@ class OwnActor:
 
     def reset(self, seed: int) -> None:
         pass
+
+    def mismatch(self, obs: Mapping[str, Any], action_space: spaces.Box) -> str | None:
+        """Why this actor cannot act on ``obs`` (one env observation) in ``action_space``, else None."""
+        want = {k: tuple(f.shape) for k, f in self.model.config.features.items()}
+        got = {k: np.shape(obs[k]) for k in want if k in obs}
+        bounds = (self.model.action_low.cpu().numpy(), self.model.action_high.cpu().numpy())  # defaults filled in
+        return _observation_mismatch(want, got, obs) or _action_mismatch(*bounds, action_space)
 
     @torch.no_grad()
     def distribution(self, obs: Mapping[str, Any]) -> Gaussian:
@@ -95,6 +130,19 @@ class SB3Actor:
 
     def reset(self, seed: int) -> None:
         pass
+
+    def mismatch(self, obs: Mapping[str, Any], action_space: spaces.Box) -> str | None:
+        """Why this agent cannot act on ``obs`` (one env observation) in ``action_space``, else None."""
+        space = self.model.observation_space
+        if self._dict_obs:
+            want = {k: tuple(s.shape) for k, s in space.spaces.items()}
+            got = {k: np.shape(obs[k]) for k in want if k in obs}
+        else:
+            keys = [k for k in obs if k != "instruction"]  # one array, whatever the env calls it
+            want = {"observation": tuple(space.shape)}
+            got = {"observation": np.shape(obs[keys[0]])} if len(keys) == 1 else {}
+        return (_observation_mismatch(want, got, obs)
+                or _action_mismatch(self.model.action_space.low, self.model.action_space.high, action_space))
 
     def _model_obs(self, obs: Mapping[str, Any]) -> Any:
         if self._dict_obs:
