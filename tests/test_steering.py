@@ -83,6 +83,12 @@ def test_steer_cli_selects_alpha_publishes_and_records_auditable_extras(actor_st
              "show=false")
     results = [f for f in os.listdir(out + "-eval/evals") if f.endswith(".json")]
     assert results
+    # The same command again deploys the same steered version; it publishes no copy of it.
+    again = json.loads(run_cli("steer", "actor.kind=registry", f"actor.store={actor_store}",
+                                "selector.kl_budget=2.0", "selector.episodes=4", "episodes=2",
+                                f"store={out}", "show=false", "fleet.n_clients=1").stdout)
+    assert again["version"] == summary["version"] == PolicyRegistry(out).latest() and again["episodes"] == 2
+    assert json.loads(open(os.path.join(out, "steer", f"v{summary['version']}.json")).read()) == again
 
 
 def test_steer_eval_grid_and_report(actor_store, tmp_path):

@@ -12,7 +12,6 @@ qualities, rules and alphas on paired seeds and writes the report page.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
@@ -24,6 +23,7 @@ from robo_post.envs.registry import env_spec, spec_for_env
 from robo_post.fleet.client import make_env, store_schema
 from robo_post.fleet.collect import client_configs, env_config, make_launcher
 from robo_post.fleet.launcher import raise_unfinished
+from robo_post.learner.drivers import publish_once
 from robo_post.steering.evaluate import GridConfig, evaluate_prior, format_table, run_episodes, write_report
 from robo_post.steering.poe import select_alpha
 from robo_post.steering.policy import (SteeredPolicy, SteeringConfig, build_source, extra_specs, resolve_source,
@@ -31,6 +31,7 @@ from robo_post.steering.policy import (SteeredPolicy, SteeringConfig, build_sour
 from robo_post.steering.sources import QUALITIES, SteeringSourceError
 from robo_post.store.registry import PolicyRegistry
 from robo_post.store.store import Store
+from robo_post.store.writer import write_json_atomic
 
 
 def _container(node: Any) -> dict[str, Any]:
@@ -105,8 +106,9 @@ def steer(cfg: DictConfig) -> dict[str, Any]:
     schema = store_schema(env_cfg, task)
     schema = dataclasses.replace(schema, extras=extra_specs(int(np.prod(schema.action.shape))))
     store = Store.create(cfg.store, schema, exist_ok=True)
-    version = PolicyRegistry(store.root).publish(*steered_artifact(actor_art, prior_art, steering, spec.key,
-                                                                   selection=selection))
+    # A rerun deploys the same steered policy again under its version, not under a copy.
+    version = publish_once(PolicyRegistry(store.root), *steered_artifact(actor_art, prior_art, steering, spec.key,
+                                                                         selection=selection))
     fleet_cfg = cfg.copy()
     with open_dict(fleet_cfg):  # clients pinned to the steered version (`policy` is never run)
         fleet_cfg.policy = {"kind": "random"}
@@ -122,8 +124,7 @@ def steer(cfg: DictConfig) -> dict[str, Any]:
                "mean_return": float(np.mean([e.ret for e in episodes])) if episodes else None,
                "success": float(np.mean(judged)) if judged else None}
     os.makedirs(os.path.join(store.root, "steer"), exist_ok=True)
-    with open(os.path.join(store.root, "steer", f"v{version}.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_json_atomic(os.path.join(store.root, "steer", f"v{version}.json"), summary, indent=1)
     return summary
 
 
