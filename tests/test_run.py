@@ -72,6 +72,8 @@ def test_run_recipes():
                                         "'point_mass' has no such mode; modes: expert"),
     # the recipe's overseer watched deploy episodes only after the demos, play and BC training had run
     (["env=point_mass", "play.mode=expert"], "OverseerUnsupportedError: env 'point_mass' has no overseer"),
+    # CRAFT found the env reports no events only after the demos had been recorded
+    (["env=point_mass", "recipe=craft", "play.mode=expert"], "CraftDataError: env 'point_mass' reports no per-step `events`"),
 ])
 def test_run_refuses_an_env_its_stages_cannot_run_in_before_any_stage(tmp_path, overrides, error):
     run_dir = tmp_path / "run"

@@ -121,6 +121,18 @@ def _event_weights(env: str, weights: list[float]) -> np.ndarray:
     return np.asarray(weights, dtype=np.float32)
 
 
+def check_env(env: str, config: CraftConfig) -> None:
+    """What ``algo=craft`` needs of ``env``'s registry entry: a candidate vocabulary when the
+    policy scores one, and per-step events that ``algo.event_weights`` fits.
+
+    Raises:
+        CraftDataError: naming what ``env`` lacks.
+    """
+    if policy_kind(env, config) == "candidate":
+        _vocabulary(env)
+    _event_weights(env, config.event_weights)
+
+
 def load_episodes(snap, episodes) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, np.ndarray], list[int]]:
     """Observations (without the final one), actions and extras of ``episodes``, concatenated, and their lengths."""
     loaded = [snap.load(e) for e in episodes]

@@ -110,7 +110,9 @@ def check_stages(cfg: DictConfig) -> None:
         NoExpertError: the env has no scripted expert (the demonstrations need one).
         UnknownExpertModeError: a ``play.mode`` the env's expert does not have.
         OverseerUnsupportedError: ``fleet.overseer.enabled`` on an env without an overseer.
+        The first method's ``check_env`` error (e.g. ``CraftDataError``): what it lacks in the env.
     """
+    from robo_post.algos.registry import method_spec
     from robo_post.envs.registry import NoExpertError, UnknownExpertModeError, env_spec
     from robo_post.fleet.client import Overseer
 
@@ -124,6 +126,11 @@ def check_stages(cfg: DictConfig) -> None:
     # the overseer watches the fleet's own policies: the deploy and online stages
     if cfg.fleet.overseer.enabled and (cfg.deploy.episodes or (cfg.lwd.enabled and cfg.lwd.online.episodes)):
         Overseer(spec, **OmegaConf.to_container(cfg.fleet.overseer, resolve=True))
+    if method := cfg.bc.algo.get("name"):  # a recipe's first method may need more of the env (recipe=craft)
+        first = method_spec(method)
+        if first.check_env is not None:
+            values = OmegaConf.to_container(cfg.bc.algo, resolve=True)
+            first.check_env(first.make_config({k: v for k, v in values.items() if k != "name"}), spec.key)
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
