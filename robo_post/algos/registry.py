@@ -102,9 +102,6 @@ class MethodSpec:
     needs_reference: bool = False
     description: str = ""
     model_keys: tuple[str, ...] = ("embed_dim", "hidden_dim", "flow_steps")  # train's model.* keys it takes
-    # check_env(config, env): raises when the method cannot train in env (whose key a store records);
-    # `robo-post run` calls it before it records any data for the method.
-    check_env: Callable[[Any, str], None] | None = None
 
     def make_config(self, values: dict[str, Any]) -> Any:
         """The typed config from ``algo.*`` values; unknown keys are an error naming them."""
@@ -225,13 +222,7 @@ def _build_craft(config: CraftConfig, data: DataSpec | None, device: torch.devic
     return Craft(config, reference, device)
 
 
-def _check_craft_env(config: CraftConfig, env: str) -> None:
-    from robo_post.learner.craft_driver import check_env
-
-    check_env(config.env or env, config)
-
-
 register_method(MethodSpec("craft", CraftConfig, _build_craft, driver="craft",
                            description="CRAFT: on-policy fine-tuning of a candidate-scoring policy (counterfactual "
                                        "proxy + grounded residual + EMA-teacher KL) through the fleet",
-                           model_keys=("embed_dim", "hidden_dim"), check_env=_check_craft_env))
+                           model_keys=("embed_dim", "hidden_dim")))

@@ -121,13 +121,14 @@ def _event_weights(env: str, weights: list[float]) -> np.ndarray:
     return np.asarray(weights, dtype=np.float32)
 
 
-def check_env(env: str, config: CraftConfig) -> None:
-    """What ``algo=craft`` needs of ``env``'s registry entry: a candidate vocabulary when the
-    policy scores one, and per-step events that ``algo.event_weights`` fits.
+def check_env(config: CraftConfig, env: str) -> None:
+    """What ``algo=craft`` needs of the registry entry of ``env`` (or ``algo.env``): a candidate
+    vocabulary when the policy scores one, and per-step events that ``algo.event_weights`` fits.
 
     Raises:
-        CraftDataError: naming what ``env`` lacks.
+        CraftDataError: naming what the env lacks.
     """
+    env = config.env or env
     if policy_kind(env, config) == "candidate":
         _vocabulary(env)
     _event_weights(env, config.event_weights)
@@ -447,4 +448,4 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     return summary
 
 
-register_driver("craft", craft)
+register_driver("craft", craft, check_env)

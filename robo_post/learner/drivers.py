@@ -44,12 +44,18 @@ VALUE_MARGIN = 0.1
 EDGE_MASS_WARN = 0.25
 
 Driver = Callable[[DictConfig, MethodSpec], dict[str, Any]]
+EnvCheck = Callable[[Any, str], None]
 DRIVERS: dict[str, Driver] = {}
+ENV_CHECKS: dict[str, EnvCheck] = {}
 
 
-def register_driver(name: str, driver: Driver) -> None:
-    """Make ``driver(cfg, spec) -> summary`` available to methods registered with ``driver=name``."""
+def register_driver(name: str, driver: Driver, check_env: EnvCheck | None = None) -> None:
+    """Make ``driver(cfg, spec) -> summary`` available to methods registered with ``driver=name``.
+    ``check_env(config, env)`` raises when the driver cannot train a method's typed config in
+    ``env`` (the key a store records); `robo-post run` calls it before it records any data."""
     DRIVERS[name] = driver
+    if check_env is not None:
+        ENV_CHECKS[name] = check_env
 
 
 # --- data -----------------------------------------------------------------------------

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from robo_post.algos.registry import method_spec
 from robo_post.learner import craft_driver  # noqa: F401  (registers the `craft` driver)
-from robo_post.learner.drivers import DRIVERS
+from robo_post.learner.drivers import DRIVERS, ENV_CHECKS
 from robo_post.store.registry import PolicyRegistry
 
 
@@ -22,3 +22,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if os.path.exists(os.path.join(cfg.store, "store.json")):  # a missing store is the driver's error to name
         PolicyRegistry(cfg.store).check_writable()
     return DRIVERS[spec.driver](cfg, spec)
+
+
+def check_env(algo: DictConfig, env: str) -> None:
+    """Raise when method ``algo.name`` with settings ``algo`` cannot train in ``env``: the check
+    its driver registered, if any (e.g. CRAFT needs per-step events)."""
+    spec = method_spec(algo.name)
+    check = ENV_CHECKS.get(spec.driver)
+    if check is not None:
+        values = OmegaConf.to_container(algo, resolve=True)
+        check(spec.make_config({k: v for k, v in values.items() if k != "name"}), env)

@@ -112,9 +112,9 @@ def check_stages(cfg: DictConfig) -> None:
         OverseerUnsupportedError: ``fleet.overseer.enabled`` on an env without an overseer.
         The first method's ``check_env`` error (e.g. ``CraftDataError``): what it lacks in the env.
     """
-    from robo_post.algos.registry import method_spec
     from robo_post.envs.registry import NoExpertError, UnknownExpertModeError, env_spec
     from robo_post.fleet.client import Overseer
+    from robo_post.learner.train import check_env
 
     spec = env_spec(cfg.env.name)
     if spec.expert is None:
@@ -126,11 +126,8 @@ def check_stages(cfg: DictConfig) -> None:
     # the overseer watches the fleet's own policies: the deploy and online stages
     if cfg.fleet.overseer.enabled and (cfg.deploy.episodes or (cfg.lwd.enabled and cfg.lwd.online.episodes)):
         Overseer(spec, **OmegaConf.to_container(cfg.fleet.overseer, resolve=True))
-    if method := cfg.bc.algo.get("name"):  # a recipe's first method may need more of the env (recipe=craft)
-        first = method_spec(method)
-        if first.check_env is not None:
-            values = OmegaConf.to_container(cfg.bc.algo, resolve=True)
-            first.check_env(first.make_config({k: v for k, v in values.items() if k != "name"}), spec.key)
+    if cfg.bc.algo.get("name"):  # a recipe's first method may need more of the env (recipe=craft)
+        check_env(cfg.bc.algo, spec.key)
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
