@@ -225,3 +225,7 @@ def test_report_of_a_killed_run_without_an_eval_store(tmp_path, capsys):
     assert main(["report", f"run_dir={run}", "eval_store=null", f"out_dir={out}"]) == 0, capsys.readouterr().err
     md = open(os.path.join(out, "report.md")).read()
     assert f"| `{run}` | – (not finished) | – | 100 | – | 0.0100 |" in md
+    # A `robo-post run` folder (no log of its own) stands for its phases' runs, not for one empty row.
+    assert main(["report", f"run_dir={tmp_path}", "eval_store=null", f"out_dir={out}"]) == 0, capsys.readouterr().err
+    md = open(os.path.join(out, "report.md")).read()
+    assert f"| `{run}` | – (not finished) | – | 100 | – | 0.0100 |" in md and f"| `{tmp_path}` |" not in md

@@ -480,6 +480,16 @@ def _plot_strip(path: str, title: str, rows: list[tuple[EpisodeInfo, np.ndarray,
     fig.savefig(path, dpi=90)
 
 
+def _runs_in(path: str) -> list[str]:
+    """``path``, or where it holds no ``metrics.jsonl`` the subfolders that do (the phases of a
+    `robo-post run` folder: ``bc``, ``lwd``), so a pipeline's folder reports its learning curves."""
+    if os.path.exists(os.path.join(path, "metrics.jsonl")):
+        return [path]
+    phases = sorted(os.path.join(path, n) for n in os.listdir(path)
+                    if os.path.isfile(os.path.join(path, n, "metrics.jsonl")))
+    return phases or [path]
+
+
 def report_from_config(cfg: Any) -> str:
     """`robo-post report`: ``cfg`` has ``run_dir`` (path, list or null), ``eval_store``,
     ``results`` (JSON paths or null = all saved in the eval store), ``out_dir``, ``frames``."""
@@ -488,6 +498,7 @@ def report_from_config(cfg: Any) -> str:
     for key, path in [("run_dir", d) for d in run_dirs] + [("eval_store", cfg.eval_store)] * bool(cfg.eval_store):
         if not os.path.isdir(path):
             raise FileNotFoundError(f"{key}={path}: no such folder (null to leave it out of the report)")
+    run_dirs = [run for d in run_dirs for run in _runs_in(d)]
     if cfg.results is None:
         results = load_results(cfg.eval_store) if cfg.eval_store else []
     else:
