@@ -1119,7 +1119,7 @@ class BridgeNode(Node):
         self._floor, self._newest, self._closed, self._last, self._pool, self._faults = 0, 0, [], {}, {}, []
 
     def _on_start(self, ev: dict[str, Any], start: int) -> None:
-        index, seed, task = int(ev["episode"]), int(ev["seed"]), str(ev["task"])
+        index, seed, task = _event_int(ev, "episode"), _event_int(ev, "seed"), str(ev["task"])
         if task not in self.robot.tasks:
             raise ValueError(f"unknown task {task!r}; robot {self.robot.name!r} has {list(self.robot.tasks)}")
         # A robot runs one episode at a time and sends each end before the next start, so an
@@ -1161,7 +1161,7 @@ class BridgeNode(Node):
         self._discard(ep, "malformed")
 
     def _on_end(self, ev: dict[str, Any], stamp: int) -> None:
-        index = int(ev["episode"])
+        index = _event_int(ev, "episode")
         ep = self._awaiting_end({**ev, "episode": index})
         if ep is None:
             if index in self._closed_index:
@@ -1368,6 +1368,14 @@ class BridgeNode(Node):
 
 
 # --- status -------------------------------------------------------------------------
+def _event_int(ev: dict[str, Any], key: str) -> int:
+    """``ev[key]`` as a JSON integer: ``int()`` would record an episode 1.5 or "3" as 1 or 3."""
+    value = ev[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{key} must be a JSON integer, got {value!r}")
+    return value
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

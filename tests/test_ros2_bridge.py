@@ -563,6 +563,21 @@ def test_a_fractional_length_is_a_malformed_end(tmp_path):
     assert (status["committed"], status["discarded"], status["malformed"]) == (1, {"malformed": 1}, {"event": 1})
 
 
+def test_an_episode_index_that_is_not_an_integer_is_a_malformed_event(tmp_path):
+    """An index 1.5 (or "3") was recorded as episode 1 (or 3)."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.episode(0, 1_000, 3)
+        bridge.episode(1.5, 2_000, 3)
+        bridge.episode("3", 3_000, 3)
+        bridge.episode(4, 4_000, 3)
+    finally:
+        status = bridge.close()
+    assert status["committed"] == 2 and status["malformed"]["event"] == 4
+    assert [e.attrs["robot_episode"] for e in Store.open(root).snapshot().episodes(client="unit")] == [0, 4]
+
+
 def test_end_without_stamp_discards_its_episode_and_loses_nothing(tmp_path):
     """An end event without a stamp still names its episode: that one is discarded as
     malformed at once (not after the timeout), and the event is not also counted as lost."""
