@@ -119,6 +119,19 @@ def test_a_writer_refuses_a_chunk_file_cut_short_after_commit(tmp_path):
         Store.open(root).writer("y").close()  # the lock of the refused shard only is released
 
 
+def test_a_lost_group_metadata_file_is_written_again_by_the_next_writer(tmp_path):
+    """A group's zarr.json holds no data and readers do without it, so `validate` found nothing,
+    but every writer of the shard failed (FileNotFoundError) syncing it."""
+    root, data = _small_store(tmp_path, close=True)
+    os.remove(os.path.join(data, "obs", "zarr.json"))
+    proc = subprocess.run([sys.executable, "-c", WRITER, root, "x", "5"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert os.path.exists(os.path.join(data, "obs", "zarr.json"))
+    assert validate_store(root) == (5, [])
+    snap = Store.open(root).snapshot()
+    assert [snap.load(e)["obs"]["proprio"][0, 0] for e in snap] == [0, 1, 2, 3, 4]
+
+
 def test_a_writer_names_the_array_whose_metadata_is_damaged(tmp_path):
     """A damaged zarr.json used to reach `collect` as a bare JSONDecodeError naming no file."""
     root, data = _small_store(tmp_path, close=True)

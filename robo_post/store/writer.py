@@ -180,6 +180,9 @@ class ShardWriter:
         name = None
         try:
             root = zarr.open_group(data, mode="a")
+            for group in sorted({name.rsplit("/", 1)[0] for name in specs if "/" in name}):
+                # A group's zarr.json holds no data: one lost (readers do without it) is written again.
+                root.require_group(group)
             for name, spec in specs.items():
                 if name in root:
                     arr = root[name]
