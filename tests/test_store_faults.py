@@ -142,3 +142,6 @@ def test_a_writer_names_the_array_whose_metadata_is_damaged(tmp_path):
         Store.open(root).writer("x")
     with pytest.raises(StoreIntegrityError):  # the shard was released: a retry fails the same way
         Store.open(root).writer("x")
+    checked, problems = validate_store(root)  # the array is named, not the first one read (obs/image)
+    assert checked == 0 and len(problems) == 1
+    assert problems[0].startswith(f"shard x: {data}/action unreadable: JSONDecodeError"), problems

@@ -119,6 +119,11 @@ def validate_store(root: str) -> tuple[int, list[str]]:
             data = snap.load_shard(shard)
         except Exception:  # any zarr/codec failure means unreadable data: find which episodes
             data = None
+            try:
+                snap._shard_arrays(shard)
+            except StoreIntegrityError as e:  # an array's metadata: it names the array, no episode is to blame
+                problems.append(str(e))
+                continue
         if data is not None and min(len(a) for a in (data["action"], data["step"], *data["extras"].values())) < steps:
             problems.append(f"shard {shard}: arrays shorter than committed steps")
             continue
