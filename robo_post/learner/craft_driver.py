@@ -49,6 +49,7 @@ from robo_post.algos.craft import (PROXY_NORMS, CraftConfig, CraftConfigError, S
 from robo_post.algos.registry import MethodSpec
 from robo_post.envs.registry import env_spec
 from robo_post.eval.rollout import recorded_env_kwargs
+from robo_post.learner.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from robo_post.learner.drivers import (begin_run, finished_run, publish_once, refuse_smaller_target, register_driver,
                                        resolve_device, select_episodes)
 from robo_post.learner.loop import truncate_log
@@ -325,7 +326,6 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     """`robo-post train algo=craft`: pretraining, on-policy iterations through the fleet, a greedy final version."""
     from robo_post.fleet.client import ClientConfig
     from robo_post.fleet.launcher import LocalLauncher, raise_unfinished
-    from robo_post.learner.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.torch_threads)

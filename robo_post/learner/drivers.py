@@ -26,6 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from robo_post.algos.divl import DIVL
 from robo_post.algos.registry import DataSpec, MethodSpec
+from robo_post.learner.checkpoint import (CheckpointError, checkpoint_state, has_checkpoint, load_checkpoint,
+                                         save_checkpoint)
 from robo_post.learner.loop import truncate_log, resolve_device, train_loop
 from robo_post.learner.tracking import Tracker, tracking_settings
 from robo_post.learner.value_report import write_value_report
@@ -201,8 +203,6 @@ def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig) -> di
     settings but ``show``), else None: re-running a finished run would publish a duplicate
     version trained by 0 more updates. Changed settings (e.g. acting deterministically or
     not) publish the trained weights again under them."""
-    from robo_post.learner.checkpoint import checkpoint_state, has_checkpoint
-
     summary_path, ckpt = os.path.join(run_dir, "summary.json"), os.path.join(run_dir, "checkpoint")
     config_path = os.path.join(run_dir, "config.yaml")
     if not (os.path.exists(summary_path) and os.path.exists(config_path) and has_checkpoint(ckpt)):
@@ -244,8 +244,6 @@ def _run_record(path: str, load: Callable[[str], Any]) -> dict[str, Any] | None:
 def refuse_smaller_target(run_dir: str, counter: str, target: int, setting: str) -> None:
     """A ``CheckpointError`` when ``run_dir``'s checkpoint has trained past ``target``: fewer
     steps cannot be undone, and publishing those weights under the smaller count would mislabel them."""
-    from robo_post.learner.checkpoint import CheckpointError, checkpoint_state, has_checkpoint
-
     ckpt = os.path.join(run_dir, "checkpoint")
     done = checkpoint_state(ckpt).get(counter) if has_checkpoint(ckpt) else None
     if isinstance(done, int) and done > target:
@@ -289,8 +287,6 @@ def _resumed_snapshot(run_dir: str) -> str | None:
     """The snapshot a run resuming from its checkpoint started on (None for a fresh run): the
     windows it trains on, and so its resumed weights and published version, stay those of an
     uninterrupted run, however many episodes the store gained meanwhile."""
-    from robo_post.learner.checkpoint import has_checkpoint
-
     if not has_checkpoint(os.path.join(run_dir, "checkpoint")):
         return None
     try:
@@ -411,8 +407,6 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     rollout that was in flight is collected again; a finished run returns its summary.
     """
     from stable_baselines3.common.callbacks import BaseCallback
-
-    from robo_post.learner.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 
     if (done := finished_run(cfg.run_dir, "timesteps", cfg.algo.timesteps, cfg)) is not None:
         return done
