@@ -116,3 +116,8 @@ def test_a_run_dir_reused_with_other_settings_is_refused(tmp_path):
     assert "updates: 10" in (run_dir / "config.yaml").read_text()
     assert run("bc.updates=10", "show=true").returncode == 0  # display settings may change
     assert PolicyRegistry(str(run_dir / "store")).versions() == [1]
+    (run_dir / "config.yaml").write_text("bc: [updates: 10\n")  # damaged by hand: one line naming it
+    damaged = run("bc.updates=10", "show=false")
+    assert damaged.returncode == 1 and damaged.stderr.strip().splitlines()[-1] == (
+        f"robo-post run: RunSettingsChangedError: {run_dir / 'config.yaml'} is damaged (ParserError); restore it, "
+        "or use a new run_dir")

@@ -26,6 +26,7 @@ import os
 import threading
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from robo_post.config import compose
@@ -90,7 +91,11 @@ def check_same_settings(cfg: DictConfig) -> None:
     def settings(node: Any) -> dict[str, Any]:
         return {k: v for k, v in _flat(node).items() if not set(k.split(".")) & set(_DISPLAY_SETTINGS)}
 
-    recorded = settings(OmegaConf.to_container(OmegaConf.load(path)))
+    try:
+        recorded = settings(OmegaConf.to_container(OmegaConf.load(path)))
+    except (yaml.YAMLError, ValueError) as e:  # edited by hand: which settings it held is unknown
+        raise RunSettingsChangedError(f"{path} is damaged ({type(e).__name__}); restore it, or use a new "
+                                      "run_dir") from None
     given = settings(OmegaConf.to_container(cfg, resolve=True))
     changed = sorted(k for k in recorded.keys() | given.keys() if recorded.get(k) != given.get(k))
     if changed:
@@ -142,8 +147,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     os.makedirs(cfg.run_dir, exist_ok=True)
     store_root = os.path.join(cfg.run_dir, "store")
     eval_store = os.path.join(cfg.run_dir, "eval-store")
-    with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
+    path = os.path.join(cfg.run_dir, "config.yaml")
+    with open(f"{path}.tmp", "w") as f:  # swapped in whole: a rerun compares its settings with it
         f.write(OmegaConf.to_yaml(cfg, resolve=True))
+    os.replace(f"{path}.tmp", path)
 
     collect_stage(cfg, store_root, "demo", cfg.demos.episodes, {"kind": "expert", "noise": cfg.demos.noise})
     collect_stage(cfg, store_root, "play", cfg.play.episodes, {"kind": "expert", "noise": cfg.play.noise, "mode": cfg.play.mode})
