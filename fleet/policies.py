@@ -176,7 +176,9 @@ def _candidate_policy(weights: dict[str, torch.Tensor], config: dict[str, Any], 
     from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyRunner
 
     return CandidatePolicyRunner(CandidatePolicy.from_artifact(weights, config), config.get("deterministic", True),
-                                 device=device, env_extras=config.get("env_extras", True))
+                                 device=device, env_extras=config.get("env_extras", True),
+                                 explore_eps=config.get("explore_eps", 0.0),
+                                 explore_margin=config.get("explore_margin"))
 
 
 def _proposal_policy(weights: dict[str, torch.Tensor], config: dict[str, Any], device: str) -> Policy:
@@ -184,7 +186,8 @@ def _proposal_policy(weights: dict[str, torch.Tensor], config: dict[str, Any], d
     from robo_post.models.proposal_policy import ProposalPolicy, ProposalPolicyRunner
 
     return ProposalPolicyRunner(ProposalPolicy.from_artifact(weights, config), config.get("deterministic", True),
-                                device=device, env_extras=config.get("env_extras", True))
+                                device=device, env_extras=config.get("env_extras", True),
+                                explore_eps=config.get("explore_eps", 0.0), explore_margin=config.get("explore_margin"))
 
 
 # (weights, config, device) -> policy

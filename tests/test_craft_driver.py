@@ -311,3 +311,32 @@ def test_an_online_store_of_another_schema_fails_before_pretraining_publishes(cr
     assert bad.returncode == 1 and "different schema" in bad.stderr and "Traceback" not in bad.stderr
     assert PolicyRegistry(store).versions() == before  # no orphan pretrained version
     assert not (tmp_path / "r" / "craft_state.json").exists()
+
+
+def test_explore_eps_runs_the_fleet_on_the_mixture_with_the_proxys_best_and_records_its_logits(craft_run, tmp_path):
+    store, summary, _ = craft_run
+    own = str(tmp_path / "demos")
+    shutil.copytree(store, own)
+    eps = 0.5
+    run_cli("train", "algo=craft", f"store={own}", f"run_dir={tmp_path / 'run'}",
+            f"algo.reference_version={summary['pretrained_version']}", f"algo.explore_eps={eps}",
+            "algo.iterations=1", "algo.episodes_per_iteration=2", "algo.n_clients=1",
+            f"algo.online_store={tmp_path / 'online'}", "+algo.env_kwargs.vehicles_count=8",
+            "+algo.env_kwargs.duration=12", "show=false")
+    registry = PolicyRegistry(own)
+    acting = max(v for v in registry.versions() if registry.load(v)[1].get("phase") == "online")
+    weights, config = registry.load(acting)
+    assert config["explore_eps"] == eps
+    snap = Store.open(str(tmp_path / "online")).snapshot(record=False)
+    data = [snap.load(e) for e in snap.episodes(policy_version=acting)]
+    obs = {k: torch.as_tensor(np.concatenate([d["obs"][k][:-1] for d in data])) for k in data[0]["obs"]}
+    ex = {k: np.concatenate([d["extras"][k] for d in data]) for k in ("logits", "chosen", "proxy_scores")}
+    with torch.no_grad():
+        pi = CandidatePolicy.from_artifact(weights, config).logits(obs).softmax(-1).numpy()
+    best = ex["proxy_scores"].argmax(-1)
+    mu = (1 - eps) * pi
+    mu[np.arange(len(mu)), best] += eps
+    # the recorded logits are those of the mixture the clients sampled from, so the ratios are pi / mu
+    assert np.allclose(np.exp(ex["logits"]), mu, atol=1e-5)
+    # the proxy's best is executed far more often than the policy alone would choose it
+    assert (ex["chosen"] == best).mean() > pi[np.arange(len(pi)), best].mean() + 0.2

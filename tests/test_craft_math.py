@@ -692,6 +692,92 @@ def test_sampling_runner_is_seeded_per_episode():
     assert first == again and first != other and len(set(first)) >= 3
 
 
+class ProxyEnv(FakeEnv):
+    """An env hook that scores candidate ``best`` highest."""
+
+    def __init__(self, best, with_scores=True):
+        super().__init__()
+        self.best, self.with_scores = best, with_scores
+
+    def candidate_extras(self, candidates):
+        self.calls.append(candidates)
+        scores = np.zeros(len(candidates), dtype=np.float32)
+        scores[self.best] = 1.0
+        return {"proxy_scores": scores} if self.with_scores else {"cf_scores": scores}
+
+
+def test_exploring_runner_samples_the_mixture_with_the_proxys_best_and_records_its_logits():
+    policy = small_policy(12)
+    obs = {"state": np.full(4, 0.5, dtype=np.float32)}
+    with torch.no_grad():
+        pi = policy.logits({"state": torch.full((1, 4), 0.5)})[0].softmax(-1).numpy()
+    best, eps = int(pi.argmin()), 0.3
+    mu = (1 - eps) * pi
+    mu[best] += eps
+    runner, env = CandidatePolicyRunner(policy, deterministic=False, explore_eps=eps), ProxyEnv(best)
+    runner.reset(env, 0)
+    chosen = []
+    for _ in range(2000):
+        runner.act(obs, env)
+        extras = runner.extras()
+        chosen.append(int(extras["chosen"]))
+        assert np.allclose(np.exp(extras["logits"]), mu, atol=1e-6)
+    assert len(env.calls) == 2000  # the hook scored each decision once, before the choice
+    freq = np.bincount(chosen, minlength=K) / len(chosen)
+    assert np.abs(freq - mu).max() < 0.04 and freq[best] > pi[best] + 0.25
+    # greedy acting (evaluation, deployment) ignores exploration and asks the env nothing in act
+    greedy, env = CandidatePolicyRunner(policy, explore_eps=eps), ProxyEnv(best)
+    greedy.reset(env, 0)
+    assert int(greedy.act(obs, env)) == VOCAB[int(pi.argmax())][0] and env.calls == []
+    # with a margin, only where the proxy's best beats the policy's first choice by more than it (here by 1.0)
+    for margin, explores in ((0.9, True), (1.1, False)):
+        gated, env = CandidatePolicyRunner(policy, deterministic=False, explore_eps=eps, explore_margin=margin), \
+            ProxyEnv(best)
+        gated.reset(env, 0)
+        gated.act(obs, env)
+        acting = torch.as_tensor(gated.extras()["logits"]).softmax(-1).numpy()  # the recorded logits' distribution
+        assert np.allclose(acting, mu if explores else pi, atol=1e-6)
+    with pytest.raises(CandidateConfigError, match="proxy_scores"):
+        runner.act(obs, ProxyEnv(best, with_scores=False))
+    with pytest.raises(CandidateConfigError, match=r"\[0, 1\)"):
+        CandidatePolicyRunner(policy, explore_eps=1.0)
+    with pytest.raises(CraftConfigError, match="explore_eps"):
+        CraftConfig(explore_eps=-0.1)
+
+
+def test_ratios_against_the_exploring_mixture_let_a_rare_candidate_grow_past_the_policys_clip():
+    """A candidate the policy picks 0.4% of the time, executed with a positive residual: against the
+    policy's own logits the clip stops its growth at 1.2x; against the mixture that gave it 0.3 the
+    clip allows up to 1.2 x 0.3."""
+    rare, eps = 4, 0.3
+    base = torch.tensor([[3.0, 0.0, 0.0, 0.0, -1.6]])
+    pi_old = base.softmax(-1)
+    mu = (1 - eps) * pi_old
+    mu[:, rare] += eps
+    grown = base.clone()
+    grown[0, rare] += math.log(1.3)  # 1.3x its old probability: past the policy's clip, far inside the mixture's
+    for old, clipped in ((pi_old.log(), True), (mu.log(), False)):
+        logits = grown.clone().requires_grad_(True)
+        _, residual_loss, _ = policy_losses(logits, old, torch.zeros(1, K), torch.tensor([rare]), torch.ones(1),
+                                            proxy_weight="policy")
+        residual_loss.backward()
+        assert (logits.grad.abs().max() == 0) if clipped else (logits.grad[0, rare] < -0.01)
+    # the same through Craft.fit: a batch of such states, every update on the rare candidate
+    n, grew = 64, {}
+    policy = small_policy(13)
+    with torch.no_grad():
+        policy.head[-1].weight.zero_()
+        policy.head[-1].bias.copy_(base[0])
+    obs = {"state": torch.randn(n, 4, generator=gen(3))}
+    for name, old in (("policy", pi_old.log()), ("mixture", mu.log())):
+        craft = Craft(CraftConfig(lr=3e-3, proxy_weight="policy", lambda_res=1.0, beta_sd=0.0, minibatch=32), policy)
+        craft.fit({"obs": obs, "proxy_adv": torch.zeros(n, K), "chosen": torch.full((n,), rare),
+                   "old_logits": old.expand(n, -1), "delta": torch.ones(n)}, gen(0))
+        with torch.no_grad():
+            grew[name] = float((craft.policy.logits(obs).softmax(-1)[:, rare] / pi_old[0, rare]).mean())
+    assert grew["mixture"] > 3 * grew["policy"] > 3.0
+
+
 @pytest.mark.parametrize("proxy_weight", ["uniform", "policy"])
 def test_updates_raise_the_probability_of_the_candidate_with_positive_advantage(proxy_weight):
     craft = Craft(CraftConfig(lr=3e-3, proxy_weight=proxy_weight, minibatch=32, epochs=2), small_policy(10))

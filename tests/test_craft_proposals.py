@@ -149,6 +149,28 @@ def test_runner_executes_the_first_action_of_the_chosen_proposal_and_is_seeded()
     assert np.allclose(ex["candidates"][0], expected.numpy(), atol=1e-6) and env.calls == []
 
 
+def test_exploring_proposal_runner_records_the_mixture_over_the_proposals_it_scored():
+    policy, eps = small_policy(5), 0.4
+    obs, env = {"state": np.full(3, 0.5, np.float32)}, FakeEnv()
+    runner = ProposalPolicyRunner(policy, deterministic=False, explore_eps=eps)
+    runner.reset(env, 3)
+    hits = 0
+    for _ in range(200):
+        action = runner.act(obs, env)
+        ex = runner.extras()
+        with torch.no_grad():
+            pi = policy.logits({"state": torch.as_tensor(obs["state"])[None]},
+                               torch.as_tensor(ex["candidates"])[None])[0].softmax(-1).numpy()
+        best = int(ex["proxy_scores"].argmax())
+        mu = (1 - eps) * pi
+        mu[best] += eps
+        assert np.allclose(np.exp(ex["logits"]), mu, atol=1e-5)
+        assert np.array_equal(env.calls[-1], ex["candidates"])  # scored the proposals it chose among
+        assert np.array_equal(action, ex["candidates"][int(ex["chosen"]), 0])
+        hits += int(ex["chosen"]) == best
+    assert len(env.calls) == 200 and hits / 200 > eps
+
+
 # --- (c) counterfactual chunk scores in the driving env ----------------------------------
 def scene_state(env: DrivingEnv):
     core = env.core

@@ -545,6 +545,12 @@ class CraftConfig:
         env / env_kwargs: the env the fleet runs (``None``: the store's) and its constructor keywords.
         iterations / episodes_per_iteration / n_clients: the on-policy loop: versions trained,
             episodes each version runs before its update, parallel client processes.
+        explore_eps: share of each on-policy choice given to the proxy's best candidate (0: sample
+            the policy alone). The clients record the logits of that mixture, so every ratio of
+            the update is ``pi / mu`` against the distribution that chose, and its clip bounds a
+            rarely chosen candidate by ``(1 + eps_clip) mu`` instead of ``(1 + eps_clip) pi_old``.
+        explore_margin: explore only in states where the proxy's best candidate scores more than
+            this above the policy's first choice, in the proxy's units (``None``: every state).
         oracle: also score the candidates in exact (reactive) clones, to measure the proxy's
             bias (the proxy-oracle advantage correlation; doubles the counterfactual cost).
         online_store: where the fleet records on-policy episodes (``None``: ``<store>-online``).
@@ -591,6 +597,8 @@ class CraftConfig:
     iterations: int = 8
     episodes_per_iteration: int = 8
     n_clients: int = 2
+    explore_eps: float = 0.0
+    explore_margin: float | None = None
     oracle: bool = False
     online_store: str | None = None
     event_weights: list[float] = field(default_factory=lambda: [-1.0, -0.3, 0.0, 0.0, 0.0])
@@ -636,6 +644,11 @@ class CraftConfig:
             raise CraftConfigError(f"craft n_proposals must be >= 2 (a group to choose from), got {self.n_proposals}")
         if self.horizon is not None and self.horizon < 1:
             raise CraftConfigError(f"craft horizon must be >= 1 or null (the env's), got {self.horizon}")
+        if not 0.0 <= self.explore_eps < 1.0:
+            raise CraftConfigError(f"craft explore_eps must be in [0, 1), got {self.explore_eps}")
+        if self.explore_margin is not None and not (_is_number(self.explore_margin)
+                                                    and math.isfinite(self.explore_margin)):
+            raise CraftConfigError(f"craft explore_margin must be a finite number or null, got {self.explore_margin!r}")
         if not self.min_std > 0:
             raise CraftConfigError(f"craft min_std must be > 0, got {self.min_std}")
 

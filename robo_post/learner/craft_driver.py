@@ -15,7 +15,8 @@ candidates (``algo.n_proposals``, ``algo.horizon``, ``algo.min_std``).
    episode's end with its last action (kind ``proposal``).
 2. **Iterate**: publish the student (sampling) -> the fleet's clients run
    ``episodes_per_iteration`` episodes pinned to that version into the online store
-   (``<store>-online``), recording per step the policy's logits and chosen index (and a
+   (``<store>-online``), recording per step the logits it sampled from (with
+   ``algo.explore_eps``, the mixture with the proxy's best candidate) and the chosen index (and a
    proposal policy's sampled ``candidates``), the env's candidate proxy scores and
    events as store extras -> the learner reads
    them from a snapshot, computes group advantages and grounded residuals over the
@@ -401,7 +402,7 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         if "acting_version" not in state:  # the version the fleet samples from in this iteration
             state["acting_version"] = _published_acting(registry, run_dir, i) or registry.publish(*method.artifact(
                 phase="online", iteration=i, parent_version=parent, deterministic=False, env_extras=True,
-                run_dir=os.path.abspath(run_dir)))
+                explore_eps=config.explore_eps, explore_margin=config.explore_margin, run_dir=os.path.abspath(run_dir)))
             write_json_atomic(state_path, state)
         version = state["acting_version"]
         per_client = -(-config.episodes_per_iteration // config.n_clients)

@@ -106,34 +106,66 @@ class CandidatePolicyRunner:
     is still in the decision state (e.g. to score each candidate counterfactually), and
     only when its store records extras: evaluation never pays for the hook.
 
+    **Exploration.** Sampling with ``explore_eps = e > 0``, the runner draws from
+    ``mu = (1 - e) softmax(logits) + e onehot(argmax proxy_scores)``: it asks the env hook
+    for the candidates' ``proxy_scores`` before choosing, and moves ``e`` of the probability
+    to the proxy's best candidate. With ``explore_margin = d`` it does so only in states where
+    that candidate scores more than ``d`` above the policy's own first choice (in the proxy's
+    units; elsewhere ``mu = pi``). The recorded ``logits`` are ``log mu``, the logits of the
+    distribution the choice was drawn from, so a learner's ratios ``pi / pi_old`` are
+    importance ratios against it.
+
     Args:
         model: the policy.
         deterministic: argmax (``True``) or sample.
         device: where the model runs.
         env_extras: call the env's ``candidate_extras`` hook when it has one.
+        explore_eps: share of a sampled choice given to the proxy's best candidate (in [0, 1)).
+        explore_margin: explore only where the proxy's best beats the policy's first choice by
+            more than this (``None``: in every state).
     """
 
     def __init__(self, model: CandidatePolicy, deterministic: bool = True, device: str | torch.device = "cpu",
-                 env_extras: bool = True):
+                 env_extras: bool = True, explore_eps: float = 0.0, explore_margin: float | None = None):
+        if not 0.0 <= explore_eps < 1.0:
+            raise CandidateConfigError(f"explore_eps must be in [0, 1), got {explore_eps}")
         self.model = model.to(device).eval()
         self.deterministic = deterministic
         self.env_extras = env_extras
+        self.explore_eps, self.explore_margin = explore_eps, explore_margin
         self.generator = torch.Generator(device=device)
         self.last: dict[str, np.ndarray] = {}
+        self.given: dict[str, np.ndarray] | None = None  # the env hook's entries, when the choice needed them
         self.env: Any = None
 
     def reset(self, env: Any, seed: int) -> None:
         self.generator.manual_seed(seed)
         self.last = {}
 
+    def _sample(self, logits: torch.Tensor, env: Any, candidates: Any) -> tuple[int, torch.Tensor]:
+        """A sampled index and the logits of the distribution it was drawn from (see Exploration)."""
+        self.given = None
+        if self.explore_eps > 0:
+            self.given = self._hook(env, candidates)
+            if "proxy_scores" not in self.given:
+                raise CandidateConfigError("explore_eps > 0 moves probability to the proxy's best candidate, but the "
+                                           "env's candidate_extras returns no `proxy_scores`")
+            scores = self.given["proxy_scores"]
+            best = int(np.argmax(scores))
+            if self.explore_margin is None or scores[best] - scores[int(logits.argmax())] > self.explore_margin:
+                mu = (1.0 - self.explore_eps) * logits.float().softmax(-1)
+                mu[best] += self.explore_eps
+                logits = mu.log()
+        return int(torch.multinomial(logits.softmax(-1), 1, generator=self.generator)), logits
+
     @torch.no_grad()
     def act(self, obs: dict[str, Any], env: Any) -> np.ndarray:
         c = self.model.config
         logits = self.model.logits(obs_batch(obs, c.features, c.use_text, env))[0]
         if self.deterministic:
-            k = int(logits.argmax())
+            k, self.given = int(logits.argmax()), None
         else:
-            k = int(torch.multinomial(logits.softmax(-1), 1, generator=self.generator))
+            k, logits = self._sample(logits, env, c.candidates)
         self.last, self.env = {"logits": logits.float().cpu().numpy(), "chosen": np.asarray(k, dtype=np.int64)}, env
         return np.asarray(c.candidates[k][0], dtype=np.int64)
 
@@ -144,11 +176,16 @@ class CandidatePolicyRunner:
         """What the env hook scores: the vocabulary."""
         return self.model.config.candidates
 
-    def extras(self) -> dict[str, np.ndarray]:
-        """The last decision's ``logits`` (K,) float32, ``chosen`` () int64 and the env hook's entries."""
-        hook = getattr(self.env.unwrapped, "candidate_extras", None) if self.env_extras and self.env else None
-        given = {k: np.asarray(v) for k, v in hook(self.scored_candidates()).items()} if hook else {}
+    def _hook(self, env: Any, candidates: Any) -> dict[str, np.ndarray]:
+        """The env hook's entries for ``candidates`` at the decision state ({} without a hook or with it off)."""
+        hook = getattr(env.unwrapped, "candidate_extras", None) if self.env_extras and env else None
+        given = {k: np.asarray(v) for k, v in hook(candidates).items()} if hook else {}
         clash = sorted(set(self.RESERVED) & set(given))
         if clash:
             raise CandidateConfigError(f"env candidate_extras returned reserved names {clash}")
+        return given
+
+    def extras(self) -> dict[str, np.ndarray]:
+        """The last decision's ``logits`` (K,) float32, ``chosen`` () int64 and the env hook's entries."""
+        given = self.given if self.given is not None else self._hook(self.env, self.scored_candidates())
         return {**self.last, **given}

@@ -174,6 +174,8 @@ class ProposalPolicyRunner(CandidatePolicyRunner):
         deterministic: execute the mean (``True``) or a sampled proposal.
         device: where the model runs.
         env_extras: call the env's ``candidate_extras`` hook when it has one.
+        explore_eps: share of a sampled choice given to the proxy's best proposal (see
+            ``CandidatePolicyRunner``).
     """
 
     RESERVED = ("candidates", "logits", "chosen")
@@ -187,8 +189,11 @@ class ProposalPolicyRunner(CandidatePolicyRunner):
         if self.deterministic:
             candidates[:, 0] = self.model.unnormalize_actions(mean.clamp(-1.0, 1.0))
         logits = self.model.log_likelihood(mean, log_std, candidates)[0]
-        k = 0 if self.deterministic else int(torch.multinomial(logits.softmax(-1), 1, generator=self.generator))
         chunks = candidates[0].float().cpu().numpy()
+        if self.deterministic:
+            k, self.given = 0, None
+        else:
+            k, logits = self._sample(logits, env, chunks)
         self.last = {"candidates": chunks, "logits": logits.float().cpu().numpy(), "chosen": np.asarray(k, np.int64)}
         self.env = env
         return chunks[k, 0].copy()
