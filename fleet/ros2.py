@@ -58,7 +58,9 @@ event (even one without a stamp) discards its own episode; ``success``, ``termin
 and ``truncated`` (and ``aborted``, ``final`` if given) must be JSON booleans. An
 episode that receives nothing for ``timeout`` seconds is discarded; one still awaiting
 its end when a start of the same index comes (the robot restarted) is discarded as
-``abandoned``. A discarded episode never touches the store, nor any other episode. A
+``abandoned``; one awaiting its end whose start is after a newer start event and after every
+stamp received (a start stamped far ahead) is discarded as ``malformed`` at that start. A start
+event received twice is recorded once. A discarded episode never touches the store, nor any other episode. A
 robot that restarts with its clock behind (sim time reset) is recognised by its new
 publisher's first start event: the bridge forgets the stamps seen so far.
 
@@ -1127,6 +1129,19 @@ class BridgeNode(Node):
         # restarted and counts from 0 again): without this the restarted robot's episode is lost.
         for ep in [e for e in self._open if e.index == index and e.end is None and e.start < start]:
             self._discard(ep, "abandoned")
+        copy = next((e for e in self._open if e.index == index and e.start == start and e.seed == seed
+                     and e.task == task), None)
+        if copy is not None:  # the same event again (a retry): the episode is already open
+            self.get_logger().info(f"start of episode {index} (stamp {start}) received again; ignored")
+            return
+        # Events arrive in order, so an episode still awaiting its end that starts after this
+        # start, with nothing received at or after its stamp, was stamped far ahead (another
+        # clock): it alone is dropped, or every later start would be refused until it times out.
+        for ep in [e for e in self._open if e.end is None and e.start > max(start, self._newest)]:
+            self.malformed["event"] += 1
+            self.get_logger().warning(f"dropped malformed message (event): episode {ep.index} starts at {ep.start}, "
+                                      f"after episode {index}'s start {start} and after every stamp received")
+            self._discard(ep, "malformed")
         if self._is_closed(start) or any(ep.index == index or ep.start >= start for ep in self._open):
             raise ValueError(f"episode {index} starts at {start}, not after the episodes already seen")
         # The event's instruction is tied to this episode; the topic's latest one may not be yet.

@@ -660,6 +660,47 @@ def test_a_start_stamp_far_ahead_costs_its_episode_not_every_later_one(tmp_path)
     assert [e.attrs["robot_episode"] for e in snap.episodes(client="unit")] == [0, 2, 4]
 
 
+def test_a_start_stamp_far_ahead_without_an_end_costs_only_its_own_episode(tmp_path):
+    """A start event stamped far ahead whose episode never ends (its robot went on with the next):
+    every later start came "not after the episodes already seen" and was refused until the
+    bogus one timed out. Nothing at or after that stamp ever arrived, so it is that one that is
+    dropped, and the next start records. A start behind an episode that holds data is still refused."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.episode(0, 1_000, 3)
+        bridge.event(event="start", episode=1, seed=1, task="fold", instruction="fold", stamp=1_700_000_000 * 10**9)
+        bridge.episode(2, 3_000, 3)
+        bridge.episode(3, 4_000, 3, end=False)
+        bridge.event(event="start", episode=4, seed=4, task="fold", instruction="fold", stamp=3_500)  # behind ep 3
+        bridge.event(event="end", episode=3, seed=3, task="fold", length=3, rewards=[0.0] * 3, success=False,
+                     terminated=True, truncated=False, stamp=4_003)
+        bridge.episode(5, 5_000, 3)
+    finally:
+        status = bridge.close()
+    assert status["committed"] == 4 and status["discarded"] == {"malformed": 1}
+    assert status["malformed"] == {"event": 2}  # episode 1's start and episode 4's
+    snap = Store.open(root).snapshot()
+    assert [e.attrs["robot_episode"] for e in snap.episodes(client="unit")] == [0, 2, 3, 5]
+
+
+def test_a_start_event_sent_twice_is_recorded_once(tmp_path):
+    """A robot that re-sends a start event (a retry, a bridged topic seen twice) used to get its
+    episode discarded: the copy was "not after the episodes already seen" and faulted its stamp."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.event(event="start", episode=0, seed=0, task="fold", instruction="fold", stamp=1_000)
+        bridge.episode(0, 1_000, 3)
+        bridge.episode(1, 2_000, 3)
+        bridge.event(event="start", episode=1, seed=5, task="fold", instruction="fold", stamp=2_000)  # not a copy
+    finally:
+        status = bridge.close()
+    assert status["committed"] == 2 and status["malformed"] == {"event": 1}
+    snap = Store.open(root).snapshot()
+    assert [e.attrs["robot_episode"] for e in snap.episodes(client="unit")] == [0, 1]
+
+
 def test_a_repeated_stamp_never_replaces_recorded_data(tmp_path):
     """Comparing with the previous message only, a stamp repeated after an older one would pass
     the order check: its data must not silently replace what that stamp already holds."""
