@@ -174,7 +174,7 @@ class ProposalPolicyRunner(CandidatePolicyRunner):
         deterministic: execute the mean (``True``) or a sampled proposal.
         device: where the model runs.
         env_extras: call the env's ``candidate_extras`` hook when it has one.
-        explore_eps: share of a sampled choice given to the proxy's best proposal (see
+        explore_eps / explore_margin: exploration toward the proxy's best proposal (see
             ``CandidatePolicyRunner``).
     """
 
