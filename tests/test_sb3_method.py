@@ -166,3 +166,15 @@ def test_the_agent_trains_in_the_env_the_store_was_recorded_in_with_its_kwargs(t
     given = SB3AgentConfig(env="Pendulum-v1", env_kwargs={"g": 9.0})  # the user's own kwargs win
     _open_or_create_store(store.root, given)
     assert given.env_kwargs == {"g": 9.0}
+
+
+@pytest.mark.parametrize("algo, args, rollout", [
+    ("sb3", ["algo.env=CartPole-v1", "algo.timesteps=100", "algo.n_envs=2", "+algo.hyperparameters.n_steps=64"], "2 x n_steps=64 = 128"),
+    ("drest", ["algo.timesteps=256", "algo.E=2"], "32 x n_steps=64 = 2048")])
+def test_a_budget_below_one_on_policy_rollout_is_refused_before_training(tmp_path, algo, args, rollout):
+    """SB3 trains whole rollouts: DReST's 32 envs ran 2048 steps when 256 were asked."""
+    r = run_cli("train", f"algo={algo}", *args, f"store={tmp_path / 'store'}", f"run_dir={tmp_path / 'run'}",
+                "show=false", ok=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"is less than one on-policy rollout (algo.n_envs={rollout} steps)" in r.stderr
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")

@@ -111,6 +111,21 @@ def _check_spaces(env: str, observation_space: Any, action_space: Any, hyperpara
                                         "is smaller (give policy_kwargs.features_extractor_class)")
 
 
+def check_budget(timesteps: int, model: Any) -> None:
+    """Refuse a budget below one rollout of an on-policy agent: SB3 collects and trains on
+    whole rollouts of ``n_envs x n_steps``, so it would run that many steps whatever was asked.
+
+    Raises:
+        ValueError: naming ``timesteps``, ``n_envs``, ``n_steps`` and the steps SB3 would take.
+    """
+    from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
+
+    if isinstance(model, OnPolicyAlgorithm) and timesteps < model.n_envs * model.n_steps:
+        raise ValueError(f"algo.timesteps={timesteps} is less than one on-policy rollout (algo.n_envs={model.n_envs} "
+                         f"x n_steps={model.n_steps} = {model.n_envs * model.n_steps} steps), which SB3 would train "
+                         "anyway; raise algo.timesteps or lower algo.n_envs or algo.hyperparameters.n_steps")
+
+
 class SB3Agent:
     """An SB3 algorithm wrapped in the method protocol (``policy``, ``artifact``).
 

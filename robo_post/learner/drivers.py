@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from robo_post.algos.divl import DIVL
 from robo_post.algos.registry import DataSpec, MethodSpec
+from robo_post.algos.sb3_agent import check_budget
 from robo_post.learner.checkpoint import (CheckpointError, checkpoint_state, has_checkpoint, load_checkpoint,
                                          save_checkpoint)
 from robo_post.learner.loop import truncate_log, resolve_device, train_loop
@@ -419,6 +420,7 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     if config.seed is None:
         config.seed = cfg.seed
     agent = spec.build(config, None, resolve_device(cfg.device), None)
+    check_budget(config.timesteps, agent.model)
     run_dir = cfg.run_dir
     begin_run(run_dir, cfg)
     ckpt, log_path = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "metrics.jsonl")
