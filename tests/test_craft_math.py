@@ -457,6 +457,21 @@ def test_ablation_switches_drop_their_term():
         assert changed == moves
 
 
+def test_trainable_head_moves_only_the_scoring_head_and_keeps_the_encoder_bitwise():
+    pre = small_policy(6)
+    craft = Craft(CraftConfig(trainable="head", lr=1e-2), pre)
+    assert not any(p.requires_grad for p in craft.policy.encoder.parameters())
+    assert sum(p.numel() for g in craft.optimizer.param_groups for p in g["params"]) == sum(
+        p.numel() for p in craft.policy.head.parameters())
+    craft.fit(random_batch(n=40, valid=True), gen(1))
+    assert all(torch.equal(a, b) for a, b in zip(craft.policy.encoder.parameters(), pre.encoder.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(craft.teacher.policy.encoder.parameters(), pre.encoder.parameters()))
+    assert max((a - b).abs().max().item() for a, b in zip(craft.policy.head.parameters(), pre.head.parameters())) > 1e-3
+    full = Craft(CraftConfig(lr=1e-2), pre)
+    full.fit(random_batch(n=40, valid=True), gen(1))
+    assert not all(torch.equal(a, b) for a, b in zip(full.policy.encoder.parameters(), pre.encoder.parameters()))
+
+
 def test_nonpositive_adv_gate_applies_the_kl_only_where_the_executed_advantage_is_not_positive():
     craft = perturbed_craft(kl_gate="nonpositive_adv", lr=0.0)
     batch = random_batch()
@@ -475,7 +490,8 @@ def test_craft_config_names_a_bad_option():
                       ({"kl_gate": "maybe"}, "kl_gate"), ({"proxy_weight": "x"}, "proxy_weight"),
                       ({"dual_c": 0.5}, "dual_c"), ({"ema_m": 1.2}, "ema_m"),
                       ({"use_proxy": False, "use_residual": False}, "use_proxy"),
-                      ({"baseline": "foo"}, "baseline"), ({"evpo_threshold": math.nan}, "evpo_threshold")):
+                      ({"baseline": "foo"}, "baseline"), ({"evpo_threshold": math.nan}, "evpo_threshold"),
+                      ({"trainable": "encoder"}, "trainable")):
         with pytest.raises(CraftConfigError, match=name):
             CraftConfig(**bad)
     with pytest.raises(CraftBatchError, match="delta"):

@@ -58,6 +58,7 @@ KL_DIRECTIONS = ("reverse", "forward")
 KL_GATES = ("none", "nonpositive_adv")
 BASELINES = ("batch", "evpo")
 CANDIDATE_SOURCES = ("auto", "vocabulary", "proposals")
+TRAINABLE = ("all", "head")
 
 ScoringPolicy = CandidatePolicy | ProposalPolicy
 
@@ -526,6 +527,9 @@ class CraftConfig:
         gamma_event / window: discount and window W of the event returns.
         adv_eps: epsilon of the group and batch normalisations.
         lr / weight_decay / grad_clip: AdamW and the max global gradient norm.
+        trainable: ``all`` fine-tunes every weight; ``head`` only the scoring head, with the
+            observation encoder frozen at the pre-trained policy's (RIFT trains only its planner's
+            scoring head), so the update reweighs the pre-trained features instead of reshaping them.
         epochs / minibatch: passes and minibatch size over one on-policy batch (``Craft.fit``).
         target_kl: stop a batch's passes after the first step whose KL(acting policy || student)
             over the candidates exceeds this (``None``: always all ``epochs``); a trust region for
@@ -579,6 +583,7 @@ class CraftConfig:
     lr: float = 3e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    trainable: str = "all"
     epochs: int = 8
     minibatch: int = 64
     target_kl: float | None = None
@@ -610,7 +615,8 @@ class CraftConfig:
                                      ("proxy_norm", self.proxy_norm, tuple(PROXY_NORMS)),
                                      ("proxy_weight", self.proxy_weight, PROXY_WEIGHTS),
                                      ("baseline", self.baseline, BASELINES),
-                                     ("candidates", self.candidates, CANDIDATE_SOURCES)):
+                                     ("candidates", self.candidates, CANDIDATE_SOURCES),
+                                     ("trainable", self.trainable, TRAINABLE)):
             if value not in choices:
                 raise CraftConfigError(f"craft {name}={value!r}; choose one of {choices}")
         if not (self.use_proxy or self.use_residual):
@@ -674,8 +680,11 @@ class Craft:
     def __init__(self, config: CraftConfig, reference: ScoringPolicy, device: str | torch.device = "cpu"):
         self.config = config
         self.policy = copy.deepcopy(reference).to(device).requires_grad_(True)
+        if config.trainable == "head":
+            self.policy.encoder.requires_grad_(False)
         self.teacher = EMATeacher(self.policy)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        trained = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
         self.critic: WindowValue | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
         if config.baseline == "evpo":
