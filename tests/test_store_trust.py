@@ -126,6 +126,27 @@ def test_a_deleted_commit_record_is_reported_refused_and_repaired(tmp_path, smal
         assert write(w, 3, 4) == 3
 
 
+@pytest.mark.parametrize("damage", ["truncated", "garbled"])
+def test_a_writer_refuses_a_damaged_episode_index_without_changing_it(tmp_path, small_chunks, damage):
+    """A short index was padded with NUL bytes to its committed size before anything checked it."""
+    store = _three_episodes(str(tmp_path / "s"))
+    index = os.path.join(store.root, "shards", "a", "episodes.jsonl")
+    data = open(index, "rb").read()
+    first = data.index(b"\n") + 1
+    damaged = data[:first + 10] if damage == "truncated" else data[:first] + b"x" * 10 + data[first + 10:]
+    with open(index, "wb") as f:
+        f.write(damaged)
+    before = tree_hash(store.root)
+    with pytest.raises(StoreIntegrityError, match=r"shard 'a': .*episodes.jsonl: .*nothing was changed"):
+        store.writer("a")
+    assert tree_hash(store.root) == before and open(index, "rb").read() == damaged
+    (line,) = repair_store(store.root, apply=True)
+    assert "rebuilt commit.bin as 1 episodes" in line, line
+    with store.writer("a") as w:  # the shard takes new episodes after the repair
+        assert write(w, 1, 4) == 1
+    assert validate_store(store.root) == (2, [])
+
+
 def test_a_damaged_newest_commit_slot_is_reported_and_repaired(tmp_path, small_chunks):
     store = _three_episodes(str(tmp_path / "s"))
     expected = _keys_and_data(store)

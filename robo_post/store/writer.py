@@ -169,6 +169,12 @@ class ShardWriter:
             raise ShardDamagedError(self.client_id, status.problem)
         commit = status.counts
         self.n_episodes, self.n_steps, self._meta_bytes = commit["episodes"], commit["steps"], commit["meta_bytes"]
+        try:  # a short or damaged index would be padded (or cut) to the committed size below
+            self.store.shard_episodes(self.client_id, commit)
+        except StoreIntegrityError as e:
+            raise StoreIntegrityError(f"shard {self.client_id!r}: {e}; nothing was changed (`robo-post store repair` "
+                                      "keeps the episodes before the damage; new ones can go to another client id)"
+                                      ) from None
         meta_path = os.path.join(self.path, "episodes.jsonl")
         with open(meta_path, "ab") as f:  # creates the file on first open
             f.truncate(self._meta_bytes)
