@@ -491,7 +491,9 @@ def test_craft_config_names_a_bad_option():
                       ({"dual_c": 0.5}, "dual_c"), ({"ema_m": 1.2}, "ema_m"),
                       ({"use_proxy": False, "use_residual": False}, "use_proxy"),
                       ({"baseline": "foo"}, "baseline"), ({"evpo_threshold": math.nan}, "evpo_threshold"),
-                      ({"trainable": "encoder"}, "trainable")):
+                      ({"trainable": "encoder"}, "trainable"), ({"gamma_event": 2.0}, "gamma_event"),
+                      ({"gamma_event": -1.0}, "gamma_event"), ({"bc_label_smoothing": 1.5}, "bc_label_smoothing"),
+                      ({"bc_updates": -5}, "bc_updates"), ({"explore_margin": -1.0}, "explore_margin")):
         with pytest.raises(CraftConfigError, match=name):
             CraftConfig(**bad)
     with pytest.raises(CraftBatchError, match="delta"):

@@ -655,6 +655,16 @@ class CraftConfig:
         if self.explore_margin is not None and not (_is_number(self.explore_margin)
                                                     and math.isfinite(self.explore_margin)):
             raise CraftConfigError(f"craft explore_margin must be a finite number or null, got {self.explore_margin!r}")
+        if not 0.0 <= self.gamma_event <= 1.0:
+            raise CraftConfigError(f"craft gamma_event is a discount in [0, 1], got {self.gamma_event}")
+        if not 0.0 <= self.bc_label_smoothing < 1.0:
+            raise CraftConfigError(f"craft bc_label_smoothing must be in [0, 1), got {self.bc_label_smoothing}")
+        if self.bc_updates < 1:
+            raise CraftConfigError(f"craft bc_updates must be >= 1 (the pretraining of a fresh policy), "
+                                   f"got {self.bc_updates}")
+        if self.explore_margin is not None and self.explore_margin < 0:
+            raise CraftConfigError(f"craft explore_margin must be >= 0 (proxy units above the policy's first "
+                                   f"choice) or null, got {self.explore_margin}")
         if not self.min_std > 0:
             raise CraftConfigError(f"craft min_std must be > 0, got {self.min_std}")
 

@@ -194,7 +194,7 @@ def warn_value_edges(logged: list[dict[str, float]], value_range_: tuple[float, 
     """Say so when a categorical value piles up at its support's edges (support too narrow)."""
     if logged and logged[-1].get("edge_mass", 0.0) > EDGE_MASS_WARN:
         print(f"warning: {logged[-1]['edge_mass']:.0%} of the value distribution sits on the support's end atoms "
-              f"[{value_range_[0]:.3g}, {value_range_[1]:.3g}]; widen it with algo.value.v_min / v_max",
+              f"[{value_range_[0]:.3g}, {value_range_[1]:.3g}]; widen it with +algo.value.v_min=... +algo.value.v_max=...",
               file=sys.stderr)
 
 
