@@ -13,6 +13,7 @@ from robo_post.fleet.policies import MissingExtrasError, build_policy, policy_ex
 from robo_post.steering.poe import Gaussian, compose, select_alpha
 from robo_post.steering.policy import SteeredPolicy, SteeringConfig, build_source, resolve_source
 from robo_post.steering.sources import SB3Actor, SteeringSourceError
+from robo_post.store.schema import StoreNotFoundError
 from robo_post.store.registry import PolicyRegistry
 from robo_post.store.store import Store
 from tests.helpers import run_cli
@@ -143,6 +144,10 @@ def test_bad_sources_are_typed_errors(actor_store, tmp_path):
                         f"store={tmp_path / 'y'}", "show=false", ok=False)
     assert wrong_env.returncode == 1 and "actor reads observations {position" in wrong_env.stderr
     assert "Traceback" not in wrong_env.stderr and not os.path.exists(tmp_path / "y")
+    # a mistyped source store is named and nothing is created there (it left an empty policies/ behind)
+    with pytest.raises(StoreNotFoundError, match="actor: no policy registry at .*typo"):
+        resolve_source({"kind": "registry", "store": str(tmp_path / "typo")}, "actor")
+    assert not os.path.exists(tmp_path / "typo")
 
 
 def test_a_store_that_records_extras_refuses_a_policy_without_them():

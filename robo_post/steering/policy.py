@@ -98,11 +98,14 @@ def resolve_source(cfg: Mapping[str, Any], what: str) -> tuple[dict[str, torch.T
             that is not a diagonal Gaussian.
     """
     from robo_post.store.registry import PolicyRegistry
+    from robo_post.store.schema import StoreNotFoundError
 
     kind = cfg.get("kind")
     if kind == "registry":
         if not cfg.get("store"):
             raise SteeringSourceError(f"{what}: kind=registry needs a store (its policy registry)")
+        if not os.path.isdir(os.path.join(cfg["store"], "policies")):  # a mistyped path: named, nothing created
+            raise StoreNotFoundError(f"{what}: no policy registry at {cfg['store']} (no policies/ directory)")
         registry = PolicyRegistry(cfg["store"])
         version = cfg.get("version")
         version = registry.latest() if version in (None, "latest") else int(version)
