@@ -168,6 +168,8 @@ def test_train_on_the_shards_of_named_clients_only(tiny_store, tmp_path):
     cfg = OmegaConf.merge(_train_cfg(tiny_store, str(tmp_path / "none"), 2), {"data": {"clients": ["demo", "clien"]}})
     with pytest.raises(ValueError, match="match the data filter"):
         train(cfg)  # a prefix names whole client ids' stems: "clien" is not "client"
+    cfg = OmegaConf.merge(_train_cfg(tiny_store, str(tmp_path / "exact"), 2), {"data": {"clients": ["client-0"]}})
+    assert train(cfg)["episodes"] == 6  # one shard by its exact id
 
 
 def test_resume_matches_uninterrupted_run(tiny_store, tmp_path):

@@ -63,11 +63,12 @@ def register_driver(name: str, driver: Driver, check_env: EnvCheck | None = None
 
 # --- data -----------------------------------------------------------------------------
 def select_episodes(snap: Snapshot, data: DictConfig) -> list[EpisodeInfo]:
-    """Episodes of ``snap`` passing the ``data`` filter (tasks, success, roles, client prefixes)."""
+    """Episodes of ``snap`` passing the ``data`` filter (tasks, success, roles, clients: a shard's
+    exact id or the stem of several, ``demo`` for ``demo-0``, ``demo-1``, ...)."""
     roles = list(data.roles) if data.get("roles") else None
     episodes = snap.episodes(task=list(data.tasks) if data.tasks else None, success=data.success, role=roles)
     if data.get("clients"):
-        episodes = [e for e in episodes if any(e.client_id.startswith(f"{p}-") for p in data.clients)]
+        episodes = [e for e in episodes if any(e.client_id == p or e.client_id.startswith(f"{p}-") for p in data.clients)]
     if not episodes:
         unjudged = sum(e.success is None for e in snap.episodes())
         hint = (f"; {unjudged} episodes have no success label (their env or import rule defines none): "
