@@ -269,6 +269,12 @@ def test_bad_craft_settings_are_one_line_errors_before_any_work(craft_run, tmp_p
                   "show=false", ok=False)
     assert bad.returncode == 1 and "baseline='foo'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     assert "Traceback" not in bad.stderr and not (tmp_path / "r").exists()
+    # kwargs that change what the env observes: named up front (the clients failed after pretraining published)
+    bad = run_cli("train", "algo=craft", f"store={store}", f"run_dir={tmp_path / 'r'}", "+algo.env_kwargs.lane_features=true",
+                  f"algo.online_store={tmp_path / 'online'}", "show=false", ok=False)
+    assert bad.returncode == 1 and "EnvMismatchError: env 'highway_meta' with kwargs {'lane_features': True}" in bad.stderr
+    assert "give algo.env_kwargs the kwargs they were collected with" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "r").exists() and not (tmp_path / "online").exists()
     assert len(PolicyRegistry(store).versions()) == 3  # nothing published
 
 
