@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.resources
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -15,3 +16,24 @@ def compose(config_name: str, overrides: list[str]) -> DictConfig:
     config_dir = str(importlib.resources.files("robo_post.configs"))
     with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=overrides)
+
+
+# Settings (at any level: `lwd.show`) that change what is printed or logged, not what a job produces.
+DISPLAY_SETTINGS = ("show", "tracking")
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as ``{dotted.key: leaf}`` (an empty dict is a leaf)."""
+    if not (isinstance(node, dict) and node):
+        return {prefix: node}
+    return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}.{key}" if prefix else key).items()}
+
+
+def changed_settings(recorded: dict[str, Any], given: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{dotted.key: (recorded, given)}`` for every setting two resolved configs differ in,
+    display settings (``DISPLAY_SETTINGS``) left out."""
+    def settings(node: Any) -> dict[str, Any]:
+        return {k: v for k, v in _flat(node).items() if not set(k.split(".")) & set(DISPLAY_SETTINGS)}
+
+    old, new = settings(recorded), settings(given)
+    return {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}

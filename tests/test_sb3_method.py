@@ -45,7 +45,9 @@ def test_sb3_agent_trains_publishes_and_is_collected_with_discrete_actions(tmp_p
             "+algo.hyperparameters.batch_size=64", f"store={store}", f"run_dir={run_dir}", "show=false",
             "checkpoint_every=256"]
     assert json.loads(_cli(*args))["version"] == 1 and registry.versions() == [1]
-    _cli(*args, "algo.deterministic=false")
+    r = run_cli(*args, "algo.deterministic=false")
+    assert "(algo.deterministic: True -> False); its weights are published again under the new ones without " \
+           "training" in r.stderr
     (w1, c1), (w2, c2) = registry.load(1), registry.load(2)
     assert all(np.array_equal(w1[k].numpy(), w2[k].numpy()) for k in w1)
     assert (c1["deterministic"], c2["deterministic"]) == (True, False)

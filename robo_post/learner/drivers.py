@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from robo_post.algos.divl import DIVL
 from robo_post.algos.registry import DataSpec, MethodSpec
 from robo_post.algos.sb3_agent import check_budget
+from robo_post.config import changed_settings
 from robo_post.learner.checkpoint import (CheckpointError, checkpoint_state, has_checkpoint, load_checkpoint,
                                          save_checkpoint)
 from robo_post.learner.loop import truncate_log, resolve_device, train_loop
@@ -204,7 +205,8 @@ def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig) -> di
     (``summary.json`` written, its checkpoint's ``counter`` at ``target`` or past it, the same
     settings but ``show``), else None: re-running a finished run would publish a duplicate
     version trained by 0 more updates. Changed settings (e.g. acting deterministically or
-    not) publish the trained weights again under them."""
+    not) publish the trained weights again under them, with a warning naming the changes:
+    the weights are not trained again, whatever the changed settings would have trained."""
     summary_path, ckpt = os.path.join(run_dir, "summary.json"), os.path.join(run_dir, "checkpoint")
     config_path = os.path.join(run_dir, "config.yaml")
     if not (os.path.exists(summary_path) and os.path.exists(config_path) and has_checkpoint(ckpt)):
@@ -212,10 +214,14 @@ def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig) -> di
     saved, summary = _run_record(config_path, OmegaConf.load), _run_record(summary_path, _load_json)
     if saved is None or summary is None:
         return None
-    if {**saved, "show": None} != {**OmegaConf.to_container(cfg, resolve=True), "show": None}:
-        return None
     done = checkpoint_state(ckpt).get(counter, 0)
     if done < target:
+        return None
+    if changed := changed_settings(saved, OmegaConf.to_container(cfg, resolve=True)):
+        shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        print(f"warning: {run_dir} finished at {counter} {done} with other settings ({shown}); its weights are "
+              f"published again under the new ones without training: settings that shape training take "
+              f"effect in a new run_dir", file=sys.stderr)
         return None
     print(f"{run_dir} is already done ({counter} {done} of {target}, published version {summary.get('version')}); "
           f"nothing trained or published. A larger target continues it; a new run_dir starts over.", file=sys.stderr)

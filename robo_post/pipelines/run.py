@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from robo_post.config import compose
+from robo_post.config import changed_settings, compose
 from robo_post.pipelines import lwd
 from robo_post.store import PolicyRegistry, Store
 from robo_post.store.writer import write_json_atomic
@@ -65,17 +65,6 @@ class RunSettingsChangedError(ValueError):
     """A run dir reused with other settings than the run it holds was started with."""
 
 
-# Settings (at any level: `lwd.show`) that change what is printed or logged, not what a stage produces.
-_DISPLAY_SETTINGS = ("show", "tracking")
-
-
-def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested dicts as ``{dotted.key: leaf}`` (an empty dict is a leaf)."""
-    if not (isinstance(node, dict) and node):
-        return {prefix: node}
-    return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}.{key}" if prefix else key).items()}
-
-
 def check_same_settings(cfg: DictConfig) -> None:
     """Refuse a ``run_dir`` whose ``config.yaml`` records other settings: finished stages are
     skipped on a rerun, so their data and versions would stay those of the recorded settings
@@ -88,18 +77,14 @@ def check_same_settings(cfg: DictConfig) -> None:
     if not os.path.exists(path):
         return
 
-    def settings(node: Any) -> dict[str, Any]:
-        return {k: v for k, v in _flat(node).items() if not set(k.split(".")) & set(_DISPLAY_SETTINGS)}
-
     try:
-        recorded = settings(OmegaConf.to_container(OmegaConf.load(path)))
+        recorded = OmegaConf.to_container(OmegaConf.load(path))
     except (yaml.YAMLError, ValueError) as e:  # edited by hand: which settings it held is unknown
         raise RunSettingsChangedError(f"{path} is damaged ({type(e).__name__}); restore it, or use a new "
                                       "run_dir") from None
-    given = settings(OmegaConf.to_container(cfg, resolve=True))
-    changed = sorted(k for k in recorded.keys() | given.keys() if recorded.get(k) != given.get(k))
+    changed = changed_settings(recorded, OmegaConf.to_container(cfg, resolve=True))
     if changed:
-        shown = ", ".join(f"{k}: {recorded.get(k)!r} -> {given.get(k)!r}" for k in changed[:5])
+        shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in list(changed.items())[:5])
         raise RunSettingsChangedError(
             f"{cfg.run_dir} holds a run with other settings ({shown}{', ...' if len(changed) > 5 else ''}); its "
             "finished stages would be kept as they are. Rerun with the recorded settings to resume it, or use a "
