@@ -387,8 +387,9 @@ def _check_types(reference: dict[str, Any], values: dict[str, Any], rules: dict[
             raise ConfigError(key, v, "a list or null")
 
 
-def validate(job: str, overrides: list[str]) -> DictConfig:
-    """Compose ``configs/<job>.yaml`` with the CLI ``overrides`` and check it before the job runs.
+def validate(job: str, overrides: list[str], allow_missing: bool = False) -> DictConfig:
+    """Compose ``configs/<job>.yaml`` with the CLI ``overrides`` and check it before the job runs
+    (``allow_missing``: leave settings the job needs but nobody gave, ``???``, to the job).
 
     Raises:
         ConfigError: an unknown key, a group choice without its yaml file, a value of the
@@ -408,7 +409,7 @@ def validate(job: str, overrides: list[str]) -> DictConfig:
     rules = RULES.get(job, {})
     for key, check in rules.items():
         present, value = _get(values, key)
-        if present:
+        if present and not (allow_missing and value == MISSING):
             check(key, value)
     _check_types(_known(job, defaults, overrides), values, rules)
     return cfg
@@ -439,5 +440,6 @@ def job_help(job: str, summary: str, overrides: list[str]) -> str:
 
 
 def config_yaml(job: str, overrides: list[str], resolve: bool = False) -> str:
-    """The composed, checked config of ``job`` as YAML (``--cfg job``)."""
-    return OmegaConf.to_yaml(validate(job, overrides), resolve=resolve)
+    """The composed, checked config of ``job`` as YAML (``--cfg job``); a setting the job needs
+    and nobody gave prints as ``???``."""
+    return OmegaConf.to_yaml(validate(job, overrides, allow_missing=True), resolve=resolve)

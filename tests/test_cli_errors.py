@@ -87,6 +87,10 @@ def test_cfg_job_and_config_print_the_composed_config_without_running(tmp_path):
     cfg = yaml.safe_load(_cli("config", "train", "algo=sb3", "--resolve", cwd=tmp_path).stdout)
     assert cfg["algo"]["name"] == "sb3" and cfg["checkpoint_every"] == 10000
     assert _cli("config", "train", "updates=0", cwd=tmp_path).returncode == 2  # checked like a run
+    # a setting the job needs and nobody gave prints as ??? (printing refused it), a wrong one is still refused
+    r = _cli("config", "steer", cwd=tmp_path)
+    assert r.returncode == 0 and yaml.safe_load(r.stdout)["actor"]["kind"] == "???", r.stderr
+    assert _cli("config", "steer", "actor.kind=foo", cwd=tmp_path).returncode == 2
     assert os.listdir(tmp_path) == []
 
 
