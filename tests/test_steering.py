@@ -2,6 +2,7 @@
 
 import json
 import os
+import zipfile
 
 import gymnasium as gym
 import numpy as np
@@ -136,6 +137,14 @@ def test_bad_sources_are_typed_errors(actor_store, tmp_path):
         resolve_source({"kind": "scripted"}, "actor")
     with pytest.raises(SteeringSourceError, match="needs"):
         resolve_source({"kind": "sb3", "path": None, "algo": "SAC"}, "actor")
+    not_zip, bad_zip = tmp_path / "agent.txt", tmp_path / "other.zip"
+    not_zip.write_text("not an agent")
+    with zipfile.ZipFile(bad_zip, "w") as z:  # a zip, but not one SB3 saved
+        z.writestr("readme.txt", "hello")
+    with pytest.raises(SteeringSourceError, match=r"agent.txt is not an SB3 zip \(not a zip archive\)"):
+        build_source(*resolve_source({"kind": "sb3", "path": str(not_zip), "algo": "TD3"}, "actor"), None)
+    with pytest.raises(SteeringSourceError, match=r"other.zip is not an SB3 SAC zip"):
+        build_source(*resolve_source({"kind": "sb3", "path": str(bad_zip), "algo": "SAC"}, "actor"), None)
     result = run_cli("steer", "actor.kind=registry", f"actor.store={actor_store}", "prior.quality=perfect",
                       f"store={tmp_path / 'x'}", ok=False)
     assert result.returncode == 2 and "prior.quality" in result.stderr

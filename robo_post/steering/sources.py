@@ -180,9 +180,11 @@ def load_sb3_zip(path: str, algo: str, sha256: str | None = None, device: str = 
     records it so that a replaced zip is refused rather than silently used).
 
     Raises:
-        SteeringSourceError: unknown algorithm, missing file or checksum mismatch.
+        SteeringSourceError: unknown algorithm, missing file, checksum mismatch, or a file
+            that is not a zip SB3 saved.
     """
     import os
+    import zipfile
 
     from robo_post.algos.sb3_agent import agent_class
 
@@ -195,7 +197,12 @@ def load_sb3_zip(path: str, algo: str, sha256: str | None = None, device: str = 
     if sha256 is not None and (found := sha256_file(path)) != sha256:
         raise SteeringSourceError(f"SB3 zip {path} changed since the steered policy was built "
                                   f"(sha256 {found[:12]}..., recorded {sha256[:12]}...)")
-    return cls.load(path, device=device)
+    if not zipfile.is_zipfile(path):
+        raise SteeringSourceError(f"{path} is not an SB3 zip (not a zip archive)")
+    try:
+        return cls.load(path, device=device)
+    except (AssertionError, KeyError, ValueError, zipfile.BadZipFile) as e:  # a zip, but not one SB3 saved (SB3 asserts)
+        raise SteeringSourceError(f"{path} is not an SB3 {algo} zip: {type(e).__name__}: {e}") from None
 
 
 # --- priors ------------------------------------------------------------------------------
