@@ -195,7 +195,7 @@ def test_repair_says_every_episode_past_a_damaged_record_is_left_out(tmp_path, s
 
 
 @pytest.mark.parametrize("damage,names", [
-    ("obs/proprio/zarr.json", "data/obs/proprio"),  # zarr raised a bare KeyError
+    ("obs/proprio/zarr.json", "data/obs/proprio unreadable: its zarr.json is missing"),  # zarr raised a bare KeyError
     ("data", "shards/a/data"),  # zarr raised FileNotFoundError
     ("zarr.json", "shards/a/data"),  # zarr raised JSONDecodeError naming no file
 ])

@@ -352,7 +352,9 @@ class Snapshot:
                     arrays[name] = group[name]
             except Exception as e:  # a missing or damaged zarr.json: zarr raises KeyError, JSON or OS errors
                 where = path if name is None else os.path.join(path, name)
-                raise StoreIntegrityError(f"shard {shard}: {where} unreadable: {e!r}") from e
+                meta = os.path.join(where, "zarr.json")
+                reason = "its zarr.json is missing" if not os.path.exists(meta) else repr(e)
+                raise StoreIntegrityError(f"shard {shard}: {where} unreadable: {reason}") from e
             self._arrays[shard] = arrays
         return self._arrays[shard]
 
