@@ -97,10 +97,10 @@ def _store_repair(args: argparse.Namespace) -> int:
         print(line)
     if not actions:
         # Damaged episode data under a healthy record is out of repair's reach: say where to look.
-        print("every commit record agrees with its episode index: nothing to repair "
+        print("every commit record agrees with its episode index and every snapshot record reads: nothing to repair "
               f"(episode data is not checked here: `robo-post store validate {args.path}` does)")
     elif not args.apply:
-        print("nothing changed: run again with --apply to rewrite these commit records")
+        print("nothing changed: run again with --apply to do this")
     return 0
 
 

@@ -126,6 +126,22 @@ def test_a_deleted_commit_record_is_reported_refused_and_repaired(tmp_path, smal
         assert write(w, 3, 4) == 3
 
 
+def test_a_damaged_snapshot_record_is_set_aside_by_repair(tmp_path, small_chunks):
+    """validate failed for good on it while repair said there was nothing to repair."""
+    store = _three_episodes(str(tmp_path / "s"))
+    snap = store.snapshot()
+    record = os.path.join(store.root, "snapshots", f"{snap.id}.json")
+    with open(record, "w") as f:
+        f.write("{garbage")
+    checked, problems = validate_store(store.root)
+    assert checked == 3 and len(problems) == 1 and "damaged snapshot record" in problems[0]
+    (line,) = repair_store(store.root)
+    assert f"would set it aside as {snap.id}.json.damaged" in line and os.path.exists(record)
+    (line,) = repair_store(store.root, apply=True)
+    assert not os.path.exists(record) and open(record + ".damaged").read() == "{garbage"
+    assert validate_store(store.root)[1] == [] and repair_store(store.root) == []
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbled"])
 def test_a_writer_refuses_a_damaged_episode_index_without_changing_it(tmp_path, small_chunks, damage):
     """A short index was padded with NUL bytes to its committed size before anything checked it."""

@@ -179,21 +179,31 @@ def validate_store(root: str) -> tuple[int, list[str]]:
     return checked, problems
 
 
-def _lost_since_snapshots(root: str, committed: dict[str, tuple[int, int] | None]) -> list[str]:
-    """Shards that lost episodes a recorded snapshot saw: a shard deleted whole, or with its
-    commit record and index, leaves nothing else to notice. Every commit raises the record's
-    ``seq`` and adds episodes, so a shard with fewer episodes than a snapshot saw and a ``seq``
-    below that count started over; one that ``store repair`` cut back has a higher ``seq``."""
+def _snapshot_records(root: str) -> list[tuple[str, str, dict[str, int] | Exception]]:
+    """``(name, path, {shard: episodes seen} or the error reading it)`` per recorded snapshot."""
     directory = os.path.join(root, "snapshots")
     names = sorted(n for n in os.listdir(directory) if n.endswith(".json")) if os.path.isdir(directory) else []
-    problems, seen = [], {}  # shard -> (most episodes any snapshot saw, that snapshot)
+    records = []
     for name in names:
         path = os.path.join(directory, name)
         try:
             with open(path, "rb") as f:
                 shards = {str(k): int(c["episodes"]) for k, c in json.loads(f.read())["shards"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            problems.append(f"{path}: damaged snapshot record: {e!r}")
+            shards = e
+        records.append((name, path, shards))
+    return records
+
+
+def _lost_since_snapshots(root: str, committed: dict[str, tuple[int, int] | None]) -> list[str]:
+    """Shards that lost episodes a recorded snapshot saw: a shard deleted whole, or with its
+    commit record and index, leaves nothing else to notice. Every commit raises the record's
+    ``seq`` and adds episodes, so a shard with fewer episodes than a snapshot saw and a ``seq``
+    below that count started over; one that ``store repair`` cut back has a higher ``seq``."""
+    problems, seen = [], {}  # shard -> (most episodes any snapshot saw, that snapshot)
+    for name, path, shards in _snapshot_records(root):
+        if isinstance(shards, Exception):
+            problems.append(f"{path}: damaged snapshot record: {shards!r} (`robo-post store repair` sets it aside)")
             continue
         for shard, n in shards.items():
             if n > seen.get(shard, (0, ""))[0]:
@@ -253,7 +263,8 @@ def repair_store(root: str, apply: bool = False) -> list[str]:
 
     A rebuilt record covers the leading episodes that verify; records past them stay
     in ``episodes.jsonl`` until the next writer of the shard drops them. Damaged data
-    under a healthy record is not repaired: ``validate`` reports it.
+    under a healthy record is not repaired: ``validate`` reports it. A damaged snapshot
+    record is renamed ``<id>.json.damaged``.
     """
     store = Store.open(root, verify=False)
     actions = []
@@ -288,6 +299,14 @@ def repair_store(root: str, apply: bool = False) -> list[str]:
         if apply:
             _rewrite_commit(path, shard, max(status.seq, 0) + 1, counts)
         actions.append(line)
+    # A snapshot record only says what a snapshot saw (to notice lost episodes later): a damaged
+    # one is kept beside, under another name, so that validation can pass again.
+    for name, path, shards in _snapshot_records(store.root):
+        if isinstance(shards, Exception):
+            verb = "set it aside" if apply else "would set it aside"
+            actions.append(f"snapshot record {path}: damaged ({shards!r}); {verb} as {name}.damaged")
+            if apply:
+                os.replace(path, f"{path}.damaged")
     return actions
 
 
