@@ -382,7 +382,10 @@ def test_a_broken_store_json_is_named(tmp_path):
     with pytest.raises(StoreIntegrityError, match=f"{path}: damaged"):
         Store.open(store.root)
     r = _cli("store", "validate", store.root)
-    assert r.returncode == 1 and path in r.stderr
+    assert r.returncode == 1 and path in r.stderr and "the store.json of a store collected from the same env" in r.stderr
+    # the hint holds: a store of the same schema gives the same file, and the store reads again
+    shutil.copy(os.path.join(Store.create(str(tmp_path / "t"), SCHEMA).root, "store.json"), path)
+    assert Store.open(store.root).schema == SCHEMA
 
 
 # --- every file class flipped, truncated, deleted: no silent wrong read -----------------------------
