@@ -85,7 +85,8 @@ def _store_validate(args: argparse.Namespace) -> int:
     checked, problems = validate_store(args.path)
     for p in problems:
         print(f"PROBLEM: {p}", file=sys.stderr)
-    print(f"{checked} episodes checked, {len(problems)} problems")
+    # checked: episodes whose data verified; one problem line may cover several episodes (a damaged tail)
+    print(f"{checked} episodes verified, {len(problems)} problem{'' if len(problems) == 1 else 's'}")
     return 1 if problems else 0
 
 

@@ -128,7 +128,7 @@ def test_ctrl_c_is_a_clean_message_and_leaves_a_valid_store(interrupted):
     store, returncode, stderr = interrupted
     assert returncode == 130 and stderr.strip() == "robo-post collect: interrupted", stderr
     r = _cli("store", "validate", store)
-    assert r.returncode == 0 and r.stdout.strip().endswith(" episodes checked, 0 problems"), r.stdout + r.stderr
+    assert r.returncode == 0 and r.stdout.strip().endswith(" episodes verified, 0 problems"), r.stdout + r.stderr
     assert int(r.stdout.split()[0]) >= 2  # the committed episodes survived
 
 
