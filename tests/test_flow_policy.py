@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from robo_post.config import compose
 from robo_post.learner.checkpoint import CheckpointError
+from robo_post.learner.drivers import publish_once
 from robo_post.learner.train import train
 from robo_post.models.features import Feature, state_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig, FlowPolicyRunner
@@ -197,6 +198,17 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_without_its_rows(tiny
     full, split = read("full"), read("split")
     assert [r["update"] for r in split] == [5, 10, 15, 20]
     assert [r["bc_loss"] for r in split] == pytest.approx([r["bc_loss"] for r in full], rel=1e-6, abs=1e-9)
+
+
+def test_publish_once_marks_the_same_weights_under_another_config(tmp_path):
+    registry = PolicyRegistry(str(tmp_path))
+    w, other = {"w": torch.ones(3)}, {"w": torch.zeros(3)}
+    assert publish_once(registry, w, {"kind": "x", "lr": 1}) == 1
+    assert publish_once(registry, w, {"kind": "x", "lr": 1}) == 1  # killed after publishing: not again
+    assert publish_once(registry, w, {"kind": "x", "lr": 2}) == 2
+    assert registry.load(2)[1]["same_weights_as"] == 1
+    assert publish_once(registry, w, {"kind": "x", "lr": 2}) == 2  # the marked version is found again too
+    assert publish_once(registry, other, {"kind": "x", "lr": 2}) == 3 and "same_weights_as" not in registry.load(3)[1]
 
 
 def test_a_run_killed_after_publishing_does_not_publish_again(tiny_store, tmp_path):

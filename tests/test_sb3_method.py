@@ -51,6 +51,7 @@ def test_sb3_agent_trains_publishes_and_is_collected_with_discrete_actions(tmp_p
     (w1, c1), (w2, c2) = registry.load(1), registry.load(2)
     assert all(np.array_equal(w1[k].numpy(), w2[k].numpy()) for k in w1)
     assert (c1["deterministic"], c2["deterministic"]) == (True, False)
+    assert "same_weights_as" not in c1 and c2["same_weights_as"] == 1  # marked as v1's weights, not retrained
     _cli(*args, "algo.deterministic=true")  # back to v1's settings: a third publication, not a no-op
 
     # The fleet follows the registry: every action is the published agent's greedy action.

@@ -220,8 +220,8 @@ def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig) -> di
     if changed := changed_settings(saved, OmegaConf.to_container(cfg, resolve=True)):
         shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
         print(f"warning: {run_dir} finished at {counter} {done} with other settings ({shown}); its weights are "
-              f"published again under the new ones without training: settings that shape training take "
-              f"effect in a new run_dir", file=sys.stderr)
+              f"published again under the new ones without training (the version records `same_weights_as`): "
+              f"settings that shape training take effect in a new run_dir", file=sys.stderr)
         return None
     print(f"{run_dir} is already done ({counter} {done} of {target}, published version {summary.get('version')}); "
           f"nothing trained or published. A larger target continues it; a new run_dir starts over.", file=sys.stderr)
@@ -262,14 +262,18 @@ def refuse_smaller_target(run_dir: str, counter: str, target: int, setting: str)
 def publish_once(registry: PolicyRegistry, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> int:
     """Publish ``(weights, config)``, or return the registry's newest version when it already is
     exactly that: a run killed after publishing, before its ``summary.json``, resumes at its
-    final checkpoint and would otherwise publish the same policy a second time."""
+    final checkpoint and would otherwise publish the same policy a second time. The newest
+    version's weights under another config (a finished run published again under changed
+    settings) are published with ``same_weights_as`` naming that version."""
     latest = registry.latest()
     if latest is not None:
         published, published_config = registry.load(latest)
-        if ({k: v for k, v in published_config.items() if k != "version"} == json.loads(json.dumps(config))
-                and published.keys() == weights.keys()
+        if (published.keys() == weights.keys()
                 and all(torch.equal(published[k], v.detach().cpu()) for k, v in weights.items())):
-            return latest
+            if ({k: v for k, v in published_config.items() if k not in ("version", "same_weights_as")}
+                    == json.loads(json.dumps(config))):
+                return latest
+            config = {**config, "same_weights_as": latest}
     return registry.publish(weights, config)
 
 
