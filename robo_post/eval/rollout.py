@@ -190,7 +190,7 @@ def evaluate(
     tag = f"{label}-{split}-{digest}"
     schema = store_schema(env_cfg, tasks[0])
     if version:
-        _check_observations(Store.open(policy_store).schema, schema, env_cfg, policy_config)
+        check_observations(Store.open(policy_store).schema, schema, env_cfg, policy_config)
     store = Store.create(out_store, schema, exist_ok=True)
 
     # Client i runs k_i episodes of every task (tasks cycle episode by episode), so
@@ -419,12 +419,14 @@ class EnvMismatchError(ValueError):
     """The eval env's observations or actions differ from those of the data the policy was trained on."""
 
 
-def _check_observations(trained: Any, evaluated: Any, env_cfg: dict[str, Any], policy_config: dict[str, Any]) -> None:
+def check_observations(trained: Any, evaluated: Any, env_cfg: dict[str, Any], policy_config: dict[str, Any],
+                       hint: str | None = None) -> None:
     """Fail before any client starts when the env built for the eval observes the keys the
     policy reads (its feature spec; else every key both have) with other shapes than the
     policy store recorded (an env kwarg of the training data that was not repeated), or
     takes other actions (dtype, shape, bounds: the policy's actions would be clipped to
-    another range, e.g. on another env given as ``env=``)."""
+    another range, e.g. on another env given as ``env=``). ``hint``: the fix the error
+    names (default: the eval's own ``env_kwargs``)."""
     features = (policy_config.get("model") or {}).get("features")
     keys = list(features) if isinstance(features, dict) else [k for k in trained.observations if k in evaluated.observations]
     want = {k: (s.dtype, tuple(s.shape)) for k, s in trained.observations.items() if k in keys}
@@ -432,7 +434,7 @@ def _check_observations(trained: Any, evaluated: Any, env_cfg: dict[str, Any], p
     kwargs = {k: v for k, v in env_cfg.items() if k != "name"}
     recorded_in = trained.attrs.get("env")
     hint = (f"the policy's data was recorded in env {recorded_in!r}" if recorded_in not in (None, env_cfg["name"])
-            else "pass the env kwargs its data was collected with (env_kwargs={...})")
+            else hint or "pass the env kwargs its data was collected with (env_kwargs={...})")
     if want != got:
         raise EnvMismatchError(
             f"env {env_cfg['name']!r} with kwargs {kwargs} observes {got}, but the policy was trained on {want}: {hint}")

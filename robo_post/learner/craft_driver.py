@@ -49,7 +49,7 @@ from robo_post.algos.craft import (PROXY_NORMS, CraftConfig, CraftConfigError, S
                                    residual_for_batch)
 from robo_post.algos.registry import MethodSpec
 from robo_post.envs.registry import env_spec
-from robo_post.eval.rollout import EnvMismatchError, recorded_env_kwargs
+from robo_post.eval.rollout import check_observations, recorded_env_kwargs
 from robo_post.learner.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from robo_post.learner.drivers import (begin_run, finished_run, publish_once, refuse_smaller_target, register_driver,
                                        resolve_device, select_episodes)
@@ -121,17 +121,6 @@ def _event_weights(env: str, weights: list[float]) -> np.ndarray:
         raise CraftDataError(f"algo.event_weights={list(weights)} has {len(weights)} weights; env {env!r} reports "
                              f"{n} events per step")
     return np.asarray(weights, dtype=np.float32)
-
-
-def check_scene(data: StoreSchema, fleet: StoreSchema, env: str, scene: dict[str, Any]) -> None:
-    """The fleet's env, built with ``scene``, must observe what the store's episodes recorded
-    (pretraining learns from those): else every client fails at its first forward pass."""
-    keys = [k for k in data.observations if k in fleet.observations]
-    want = {k: tuple(data.observations[k].shape) for k in keys}
-    got = {k: tuple(fleet.observations[k].shape) for k in keys}
-    if want != got:
-        raise EnvMismatchError(f"env {env!r} with kwargs {scene} observes {got}, but the store's episodes recorded "
-                               f"{want}: give algo.env_kwargs the kwargs they were collected with")
 
 
 def check_env(config: CraftConfig, env: str) -> None:
@@ -361,7 +350,10 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     if config.reference_version is None and env_spec(env).key == store.schema.attrs.get("env"):
         from robo_post.fleet.client import store_schema
 
-        check_scene(store.schema, store_schema({"name": env, **scene}, None), env, scene)
+        # pretraining learns from the store's episodes: the fleet's env must observe and act as they did
+        check_observations(store.schema, store_schema({"name": env, **scene}, None),
+                           {"name": env_spec(env).key, **scene}, {},
+                           hint="give algo.env_kwargs the kwargs they were collected with")
     if kind == "candidate":
         vocabulary = _vocabulary(env)
         k, candidate_shape = len(vocabulary), None

@@ -203,7 +203,7 @@ def warn_value_edges(logged: list[dict[str, float]], value_range_: tuple[float, 
 def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig) -> dict[str, Any] | None:
     """The summary of the run in ``run_dir`` when it has already finished with this config
     (``summary.json`` written, its checkpoint's ``counter`` at ``target`` or past it, the same
-    settings but ``show``), else None: re-running a finished run would publish a duplicate
+    settings but the display ones), else None: re-running a finished run would publish a duplicate
     version trained by 0 more updates. Changed settings (e.g. acting deterministically or
     not) publish the trained weights again under them, with a warning naming the changes:
     the weights are not trained again, whatever the changed settings would have trained."""

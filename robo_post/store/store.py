@@ -149,7 +149,6 @@ class Store:
         except SchemaVersionError:
             raise
         except (StoreError, ValueError, KeyError, TypeError, AttributeError) as e:
-            # it holds only the schema, the same for every store recorded from one env and its kwargs
             raise StoreIntegrityError(f"{path}: damaged or not a store schema: {e} (it holds only the store's schema: "
                                       "the store.json of a store collected from the same env and env kwargs can "
                                       "replace it; the episodes are untouched)") from None
