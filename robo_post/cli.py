@@ -97,9 +97,9 @@ def _store_repair(args: argparse.Namespace) -> int:
     for line in actions:
         print(line)
     if not actions:
-        # Damaged episode data under a healthy record is out of repair's reach: say where to look.
-        print("every commit record agrees with its episode index and every snapshot record reads: nothing to repair "
-              f"(episode data is not checked here: `robo-post store validate {args.path}` does)")
+        # Arrays whose metadata is damaged are out of repair's reach: validate names them.
+        print("every commit record agrees with its episode index, every committed episode verifies and every "
+              f"snapshot record reads: nothing to repair (`robo-post store validate {args.path}` checks the rest)")
     elif not args.apply:
         print("nothing changed: run again with --apply to do this")
     return 0

@@ -22,6 +22,7 @@ from robo_post.store import (
 )
 from robo_post.store.commit import CommitDamageWarning
 from robo_post.store.registry import PolicyRegistry, RegistryNotWritableError
+from robo_post.store import integrity
 from robo_post.store.integrity import repair_store, validate_store
 from test_store import tree_hash
 from test_store_append import SCHEMA, clear_chunk, episode, small_chunks, write  # noqa: F401 (fixture)
@@ -160,7 +161,8 @@ def test_a_writer_refuses_a_damaged_episode_index_without_changing_it(tmp_path, 
     assert "rebuilt commit.bin as 1 episodes" in line, line
     with store.writer("a") as w:  # the shard takes new episodes after the repair
         assert write(w, 1, 4) == 1
-    assert validate_store(store.root) == (2, [])
+    # a garbled record leaves the next one whole: its episode is kept, in shard a-salvaged
+    assert validate_store(store.root) == (2 if damage == "truncated" else 3, [])
 
 
 def test_a_damaged_newest_commit_slot_is_reported_and_repaired(tmp_path, small_chunks):
@@ -193,21 +195,87 @@ def test_repair_leaves_out_episodes_whose_data_does_not_verify(tmp_path, small_c
     assert [e.key for e in store.snapshot()] == ["a/0", "a/1"] and validate_store(store.root) == (2, [])
 
 
-def test_repair_says_every_episode_past_a_damaged_record_is_left_out(tmp_path, small_chunks):
-    store = _three_episodes(str(tmp_path / "s"))
-    store.snapshot()  # a snapshot saw all three
+def _episodes_by_origin(store):
+    """{(original shard/index, i): (length, proprio, action, step table)} of every episode."""
+    snap = store.snapshot()
+    out = {}
+    for e in snap:
+        d = snap.load(e)
+        origin = e.attrs.get("salvaged_from", e.key)
+        out[origin, e.attrs["i"]] = (e.length, e.success, e.role, d["obs"]["proprio"].tolist(),
+                                     d["action"].tolist(), d["reward"].tolist())
+    return out
+
+
+def _five_episodes(root):
+    store = Store.create(root, SCHEMA)
+    with store.writer("a") as w:
+        for i, T in enumerate((5, 20, 9, 16, 7)):
+            write(w, i, T)
+    return store
+
+
+def test_repair_keeps_the_intact_episodes_past_a_damaged_record(tmp_path, small_chunks):
+    """The commit record is a prefix: the episodes past a damaged record were dropped with it."""
+    store = _five_episodes(str(tmp_path / "s"))
+    expected = _episodes_by_origin(store)
+    store.snapshot()  # a snapshot saw all five
     index = os.path.join(store.root, "shards", "a", "episodes.jsonl")
     with open(index, "rb") as f:
         lines = f.read().split(b"\n")
-    lines[0] = lines[0].replace(b'"i": 0', b'"i": 7')  # episode 0's record fails its checksum
+    lines[1] = lines[1].replace(b'"i": 1', b'"i": 7')  # episode 1's record fails its checksum
     with open(index, "wb") as f:
         f.write(b"\n".join(lines))
+    before = tree_hash(store.root)
     (line,) = repair_store(store.root)
-    # Not only the damaged episode: the commit record is a prefix, so 1 and 2 go too.
-    assert "stops verifying at episode 0" in line and "episodes 0..2 are left out" in line, line
-    repair_store(store.root, apply=True)
-    # what the repair left out is no loss for validate to report on every later run
-    assert not [p for p in validate_store(store.root)[1] if "lost" in p], validate_store(store.root)
+    assert "stops verifying at episode 1" in line and "would copy the 3 later episodes" in line, line
+    assert "(2..4) into shard a-salvaged" in line and "1 episode record from episode 1 on is left out" in line, line
+    assert tree_hash(store.root) == before  # a dry run changes nothing
+    (line,) = repair_store(store.root, apply=True)
+    assert "rebuilt commit.bin as 1 episodes" in line and "copied the 3 later episodes" in line, line
+    after = _episodes_by_origin(store)
+    # every episode but the damaged one, bit for bit, the copies naming their origin
+    assert after == {k: v for k, v in expected.items() if k != ("a/1", 1)}
+    assert [e.key for e in store.snapshot()] == ["a/0", "a-salvaged/0", "a-salvaged/1", "a-salvaged/2"]
+    assert validate_store(store.root) == (4, []) and repair_store(store.root) == []
+    with store.writer("a") as w:  # the shard takes new episodes after the repair
+        assert write(w, 5, 4) == 1
+
+
+def test_a_repair_stopped_after_copying_copies_nothing_twice(tmp_path, small_chunks):
+    store = _five_episodes(str(tmp_path / "s"))
+    expected = _episodes_by_origin(store)
+    index = os.path.join(store.root, "shards", "a", "episodes.jsonl")
+    data = open(index, "rb").read()
+    first = data.index(b"\n") + 1
+    with open(index, "wb") as f:
+        f.write(data[:first] + b"x" * 10 + data[first + 10:])  # episode 1's record garbled
+    scan = integrity.scan_index(store, "a")
+    # what a repair killed between its copy and its new commit record leaves behind
+    assert integrity._salvage(store, "a", scan.later[:2], "a-salvaged") == 2
+    (line,) = repair_store(store.root, apply=True)
+    assert "copied the 3 later episodes" in line and "(2 of them were there from an earlier repair)" in line, line
+    assert _episodes_by_origin(store) == {k: v for k, v in expected.items() if k != ("a/1", 1)}
+    assert len(store.snapshot()) == 4 and validate_store(store.root) == (4, [])
+
+
+def test_repair_cuts_out_damaged_data_under_a_healthy_commit_record(tmp_path, small_chunks):
+    """validate reported the episode, every read of it failed, and repair had nothing to do."""
+    store = _five_episodes(str(tmp_path / "s"))
+    expected = _episodes_by_origin(store)
+    action = zarr.open_array(os.path.join(store.root, "shards", "a", "data", "action"), mode="r+")
+    action[30, 0] = 0.5  # episode 2 (steps 25..33)
+    checked, problems = validate_store(store.root)
+    assert checked == 4 and len(problems) == 1 and "a/2: checksum mismatch" in problems[0], problems
+    with pytest.raises(StoreIntegrityError, match="a/2 fails its checksum"):
+        snap = store.snapshot()
+        [snap.load(e) for e in snap]
+    (line,) = repair_store(store.root, apply=True)
+    assert "shard a: the data of a committed episode does not verify" in line, line
+    assert "as 2 episodes (25 steps" in line and "data of episode 2 fails its checksum" in line, line
+    assert "copied the 2 later episodes that verify on their own (3..4)" in line, line
+    assert _episodes_by_origin(store) == {k: v for k, v in expected.items() if k != ("a/2", 2)}
+    assert validate_store(store.root) == (4, []) and repair_store(store.root) == []
 
 
 @pytest.mark.parametrize("damage,names", [
@@ -232,6 +300,8 @@ def test_damaged_array_metadata_is_a_store_error_naming_the_path(tmp_path, small
             read()
     checked, problems = validate_store(store.root)
     assert checked == 0 and names in problems[0], problems
+    # the rows are intact behind the damaged metadata: repair must not cut them off
+    assert repair_store(store.root, apply=True) == [] and store.read_commit("a")["episodes"] == 3
 
 
 def test_an_undecodable_chunk_is_a_store_error_naming_the_array(tmp_path, small_chunks):
@@ -246,8 +316,13 @@ def test_an_undecodable_chunk_is_a_store_error_naming_the_array(tmp_path, small_
         store.snapshot().load_shard("a")
     _, problems = validate_store(store.root)
     assert "arrays unreadable: action: " in problems[0], problems
-    r = _cli("store", "repair", store.root)  # damaged data is not its job: it says where to look
-    assert r.returncode == 0 and f"`robo-post store validate {store.root}` does" in r.stdout, r.stdout + r.stderr
+    # the chunk held episodes 0 and 1 (rows 0..24): repair keeps episode 2, which lies past it
+    r = _cli("store", "repair", store.root, "--apply")
+    assert r.returncode == 0 and "data of episode 0 unreadable" in r.stdout, r.stdout + r.stderr
+    assert "copied the later episode that verifies on its own (2) into shard a-salvaged" in r.stdout, r.stdout
+    assert "2 episode records from episode 0 on are left out" in r.stdout, r.stdout
+    assert [(e.key, e.attrs) for e in store.snapshot()] == [("a-salvaged/0", {"i": 2, "salvaged_from": "a/2"})]
+    assert validate_store(store.root) == (1, [])
 
 
 @pytest.mark.parametrize("damage", ["shard", "commit_and_index"])
@@ -360,7 +435,8 @@ def test_lost_data_of_a_synced_writer_is_not_blamed_on_fsync_false(tmp_path, sma
         clear_chunk(os.path.join(store.root, "shards", "a", "data", "obs", "image"), chunk)
     _, problems = validate_store(store.root)
     assert problems == ["a/3: checksum mismatch; so do all the shard's last 2 episodes (3..4), "
-                        "written with fsync=True: the data was damaged or truncated after commit"]
+                        "written with fsync=True: the data was damaged or truncated after commit; "
+                        "`robo-post store repair --apply` drops them"]
 
 
 def test_a_store_is_not_created_among_other_files(tmp_path):

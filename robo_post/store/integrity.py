@@ -3,10 +3,14 @@ or damaged commit records (``robo-post store repair``)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+from dataclasses import dataclass
+from typing import Iterator
 
+import numpy as np
 import zarr
 
 from robo_post.store.chunks import read_rows
@@ -58,8 +62,10 @@ class EpisodeDataError(StoreIntegrityError):
                     f"; {which}: if written with fsync=False, the data likely never reached the disk"
                     " (OS crash or power loss); otherwise it was damaged after commit"
                 )
+            message += "; `robo-post store repair --apply` drops " + ("it" if episode == n_episodes - 1 else "them")
         else:
-            message += " (data changed after commit)"
+            message += (" (data changed after commit; `robo-post store repair --apply` cuts it out and keeps"
+                        " the intact episodes after it)")
         super().__init__(message)
 
 
@@ -92,7 +98,7 @@ def validate_store(root: str) -> tuple[int, list[str]]:
             return 0, [f"cannot open store: {e}"]
         committed[shard] = None if status.problem is not None else (status.counts["episodes"], status.seq)
         if status.problem is not None:
-            hidden = len(scan_index(store, shard)[0]) - (status.counts or {"episodes": 0})["episodes"]
+            hidden = len(scan_index(store, shard).good) - (status.counts or {"episodes": 0})["episodes"]
             note = f"; episodes.jsonl holds {hidden} complete records past it" if status.counts and hidden > 0 else ""
             problems.append(f"shard {shard}: {status.problem}{note} (`robo-post store repair` rebuilds the record)")
         if status.counts is None or status.counts["episodes"] == 0:
@@ -217,54 +223,109 @@ def _lost_since_snapshots(root: str, committed: dict[str, tuple[int, int] | None
     return problems
 
 
-def scan_index(store: Store, shard: str) -> tuple[list[tuple[EpisodeInfo, int]], str | None]:
-    """The longest run of episodes at the start of a shard's ``episodes.jsonl`` whose
-    records are whole, pass their checksum, follow one another, and whose data passes
-    its checksum: ``([(episode, end offset of its record), ...], why the run stopped
-    or None)``. Each episode's rows are read as if the commit ended with it."""
+@dataclass
+class IndexScan:
+    """What ``scan_index`` found in a shard's ``episodes.jsonl``.
+
+    Attributes:
+        good: the longest run of episodes at the start of the index whose records are
+            whole, pass their checksum, follow one another and whose data passes its
+            checksum, as ``(episode, end offset of its record)``.
+        stopped: why that run stopped (None: it covers the whole index).
+        later: episodes past the run that verify on their own: a whole record whose data,
+            at the rows it names, passes its checksum (rows after the run's and each other's).
+        records: the complete (newline-terminated) records in the index.
+        opened: the index and every array of the shard opened (False: nothing was checked).
+    """
+
+    good: list[tuple[EpisodeInfo, int]]
+    stopped: str | None
+    later: list[EpisodeInfo]
+    records: int
+    opened: bool = True
+
+
+def _episode_rows(arrays: dict[str, zarr.Array], ep: EpisodeInfo) -> dict[str, np.ndarray]:
+    """An episode's rows of every array, read as if the commit ended with it."""
+    rows = {}
+    for name, arr in arrays.items():
+        lo, hi = (ep.obs_start, ep.obs_start + ep.length + 1) if name.startswith("obs/") else (
+            ep.step_start, ep.step_start + ep.length)
+        rows[name] = read_rows(arr, lo, hi, hi)
+    return rows
+
+
+def _shard_arrays(store: Store, shard: str) -> dict[str, zarr.Array]:
+    schema = store.schema
+    group = zarr.open_group(os.path.join(store.root, "shards", shard, "data"), mode="r")
+    names = [f"obs/{k}" for k in schema.observations] + ["action", "step"] + [f"extras/{k}" for k in schema.extras]
+    return {name: group[name] for name in names}
+
+
+def scan_index(store: Store, shard: str, limit: int | None = None) -> IndexScan:
+    """Read a shard's ``episodes.jsonl`` record by record and check each episode's data
+    (see :class:`IndexScan`); ``limit``: look at the first ``limit`` records only."""
     path = os.path.join(store.root, "shards", shard)
     try:
         with open(os.path.join(path, "episodes.jsonl"), "rb") as f:
             data = f.read()
-        group = zarr.open_group(os.path.join(path, "data"), mode="r")
+        arrays = _shard_arrays(store, shard)
     except Exception as e:  # a missing or damaged file: nothing verifies
-        return [], f"unreadable: {e!r}"
-    schema = store.schema
-    names = [f"obs/{k}" for k in schema.observations] + ["action", "step"] + [f"extras/{k}" for k in schema.extras]
+        return IndexScan([], f"unreadable: {e!r}", [], 0, opened=False)
+    lines = data.split(b"\n")[:-1]  # the last piece has no newline: not a complete record
+    if limit is not None:
+        lines = lines[:limit]
     good: list[tuple[EpisodeInfo, int]] = []
-    offset = steps = 0
-    while (newline := data.find(b"\n", offset)) >= 0:
-        i = len(good)
+    later: list[EpisodeInfo] = []
+    stopped = None
+    offset = steps = obs = 0  # where the next record and its rows must start
+    for i, line in enumerate(lines):
         try:
-            ep = EpisodeInfo.from_record(decode_record(data[offset:newline]))
+            ep = EpisodeInfo.from_record(decode_record(line))
         except (ValueError, KeyError, TypeError) as e:
-            return good, f"record of episode {i} is damaged: {e!r}"
-        if (ep.client_id, ep.episode, ep.step_start, ep.obs_start) != (shard, i, steps, steps + i):
-            return good, f"record of episode {i} does not follow the one before it"
-        arrays = {}
+            stopped = stopped or f"record of episode {i} is damaged: {e!r}"
+            continue
+        if stopped is None and (ep.client_id, ep.episode, ep.step_start, ep.obs_start) != (shard, i, steps, steps + i):
+            stopped = f"record of episode {i} does not follow the one before it"
+        # Past the run, a record counts only for rows after every row counted so far (a
+        # repeated record would otherwise count its episode twice).
+        if stopped is not None and (ep.client_id != shard or ep.step_start < steps or ep.obs_start < obs):
+            continue
         try:
-            for name in names:
-                lo, hi = (ep.obs_start, ep.obs_start + ep.length + 1) if name.startswith("obs/") else (steps, steps + ep.length)
-                arrays[name] = read_rows(group[name], lo, hi, hi)
+            intact = episode_checksum(_episode_rows(arrays, ep)) == ep.checksum
         except Exception as e:  # zarr or the codec on damaged bytes
-            return good, f"data of episode {i} unreadable: {e!r}"
-        if episode_checksum(arrays) != ep.checksum:
-            return good, f"data of episode {i} fails its checksum"
-        offset, steps = newline + 1, steps + ep.length
-        good.append((ep, offset))
-    return good, None
+            stopped = stopped or f"data of episode {i} unreadable: {e!r}"
+            continue
+        if not intact:
+            stopped = stopped or f"data of episode {i} fails its checksum"
+            continue
+        steps, obs = ep.step_start + ep.length, ep.obs_start + ep.length + 1
+        if stopped is None:
+            offset += len(line) + 1
+            good.append((ep, offset))
+        else:
+            later.append(ep)
+    return IndexScan(good, stopped, later, len(lines))
+
+
+SALVAGE_SUFFIX = "-salvaged"
+"""``store repair`` copies the intact episodes past a shard's damage into shard ``<shard>-salvaged``."""
 
 
 def repair_store(root: str, apply: bool = False) -> list[str]:
-    """Rebuild the commit record of every shard whose record is missing, damaged, or
-    disagrees with its episode index, from the index records and data whose checksums
-    verify (``scan_index``). Returns one line per such shard saying what was (with
-    ``apply``) or would be done; without ``apply`` nothing is written.
+    """Cut every damaged shard back to the episodes at its start that verify, and keep the
+    intact episodes past the damage. Returns one line per damaged shard or snapshot record
+    saying what was (with ``apply``) or would be done; without ``apply`` nothing is written.
 
-    A rebuilt record covers the leading episodes that verify; records past them stay
-    in ``episodes.jsonl`` until the next writer of the shard drops them. Damaged data
-    under a healthy record is not repaired: ``validate`` reports it. A damaged snapshot
-    record is renamed ``<id>.json.damaged``.
+    A shard is damaged when its commit record is missing, damaged or disagrees with its
+    episode index, or when a committed episode's record or data fails its checksum
+    (``scan_index``). Its commit record is rebuilt to cover the leading episodes that
+    verify; records past them stay in ``episodes.jsonl`` until the next writer of the shard
+    drops them. A shard's commit record can only cover a prefix, so the episodes past the
+    damage that verify on their own are first copied, with their metadata and checksums,
+    into shard ``<shard>-salvaged`` (``attrs["salvaged_from"]`` names the original); a repair
+    killed on the way and run again copies none twice. A damaged snapshot record is renamed
+    ``<id>.json.damaged``.
     """
     store = Store.open(root, verify=False)
     actions = []
@@ -277,9 +338,14 @@ def repair_store(root: str, apply: bool = False) -> list[str]:
                 store.shard_episodes(shard, status.counts)
             except (StoreError, OSError) as e:
                 why = str(e)
+        # With a healthy record, only what it commits counts: records past it were never committed.
+        scan = scan_index(store, shard, limit=status.counts["episodes"] if why is None else None)
         if why is None:
-            continue
-        good, stopped = scan_index(store, shard)
+            # Arrays that do not open (e.g. a lost zarr.json) hold intact rows: `validate` names them.
+            if len(scan.good) == status.counts["episodes"] or not scan.opened:
+                continue
+            why = "the data of a committed episode does not verify"
+        good = scan.good
         counts = {
             "episodes": len(good),
             "steps": sum(ep.length for ep, _ in good),
@@ -290,14 +356,25 @@ def repair_store(root: str, apply: bool = False) -> list[str]:
                 f"({counts['steps']} steps, {counts['meta_bytes']} bytes of episodes.jsonl)")
         if status.counts is not None:
             line += f", where the record in use says {status.counts['episodes']}"
-        if stopped is not None:
-            line += f"; the index stops verifying at episode {len(good)} ({stopped})"
-            last = _index_records(path) - 1
-            # The record holds only a prefix: every later episode goes too, however healthy.
-            left = f"episode {last} is" if last == len(good) else f"episodes {len(good)}..{last} are"
-            line += f": {left} left out, for good once the shard's next writer overwrites them"
-        if apply:
-            _rewrite_commit(path, shard, max(status.seq, 0) + 1, counts)
+        with _shard_lock(path, shard) if apply else contextlib.nullcontext():
+            if scan.stopped is not None:
+                line += f"; the index stops verifying at episode {len(good)} ({scan.stopped})"
+                target = shard + SALVAGE_SUFFIX
+                if scan.later:
+                    copied = _salvage(store, shard, scan.later, target) if apply else len(scan.later)
+                    which = ("the later episode that verifies on its own" if len(scan.later) == 1 else
+                             f"the {len(scan.later)} later episodes that verify on their own")
+                    line += (f"; {'copied' if apply else 'would copy'} {which} "
+                             f"({_ranges([ep.episode for ep in scan.later])}) into shard {target}")
+                    if apply and copied < len(scan.later):
+                        line += f" ({len(scan.later) - copied} of them were there from an earlier repair)"
+                lost = scan.records - len(good) - len(scan.later)
+                if lost:
+                    line += (f"; {lost} episode record{'s' if lost > 1 else ''} from episode {len(good)} on "
+                             f"{'are' if lost > 1 else 'is'} left out, for good once the shard's next writer "
+                             "overwrites them")
+            if apply:
+                _rewrite_commit(path, max(status.seq, 0) + 1, counts)
         actions.append(line)
     # A snapshot record only says what a snapshot saw (to notice lost episodes later): a damaged
     # one is kept beside, under another name, so that validation can pass again.
@@ -310,28 +387,61 @@ def repair_store(root: str, apply: bool = False) -> list[str]:
     return actions
 
 
-def _index_records(shard_dir: str) -> int:
-    """How many complete (newline-terminated) records a shard's ``episodes.jsonl`` holds."""
-    try:
-        with open(os.path.join(shard_dir, "episodes.jsonl"), "rb") as f:
-            return f.read().count(b"\n")
-    except OSError:
-        return 0
+def _salvage(store: Store, shard: str, episodes: list[EpisodeInfo], target: str) -> int:
+    """Copy ``episodes`` of ``shard`` into shard ``target``, skipping any copied there
+    before (same origin, same checksum); returns how many were copied now."""
+    copied_before = set()
+    if target in store.shards():
+        copied_before = {(ep.attrs.get("salvaged_from"), ep.checksum) for ep in store.shard_episodes(target)}
+    arrays = _shard_arrays(store, shard)
+    schema = store.schema
+    copied = 0
+    with store.writer(target) as writer:
+        for ep in episodes:
+            if (ep.key, ep.checksum) in copied_before:
+                continue
+            rows = _episode_rows(arrays, ep)
+            writer.write_episode(
+                {k: rows[f"obs/{k}"] for k in schema.observations}, rows["action"], table=rows["step"],
+                extras={k: rows[f"extras/{k}"] for k in schema.extras}, task_id=ep.task_id,
+                instruction=ep.instruction, seed=ep.seed, success=ep.success, policy_version=ep.policy_version,
+                start_time=ep.start_time, end_time=ep.end_time, attrs={**ep.attrs, "salvaged_from": ep.key},
+                role=ep.role,
+            )
+            copied += 1
+    return copied
 
 
-def _rewrite_commit(path: str, shard: str, seq: int, counts: dict[str, int]) -> None:
-    """Replace a shard's commit.bin under its writer lock."""
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0..2, 5"``."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
+
+
+@contextlib.contextmanager
+def _shard_lock(path: str, shard: str) -> Iterator[None]:
+    """Hold a shard's writer lock (refused while a writer has it open)."""
     fd = os.open(os.path.join(path, ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ShardLockedError(f"shard {shard!r} is open for writing by another process") from None
-        write_commit_file(path, seq, counts, both_slots=True)
-        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)  # the rename
-        finally:
-            os.close(dir_fd)
+        yield
     finally:
         os.close(fd)
+
+
+def _rewrite_commit(path: str, seq: int, counts: dict[str, int]) -> None:
+    """Replace a shard's commit.bin (the caller holds the shard's lock)."""
+    write_commit_file(path, seq, counts, both_slots=True)
+    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)  # the rename
+    finally:
+        os.close(dir_fd)
