@@ -68,14 +68,34 @@ def test_a_finished_run_is_not_trained_again(craft_run):
     assert again == summary and PolicyRegistry(store).versions() == [1, 2, 3]  # nothing published again
 
 
-def test_a_smaller_iteration_target_than_the_run_trained_is_refused(craft_run):
-    from robo_post.learner.checkpoint import CheckpointError
-    from robo_post.learner.drivers import refuse_smaller_target
+def test_a_run_is_resumed_only_under_its_own_settings_and_budget(craft_run, tmp_path):
+    """Resumed with another store=, a run went on training the first store's policy and published
+    into the second store's registry as the child of an unrelated version."""
+    from omegaconf import OmegaConf
+
+    from robo_post.learner.drivers import RunResumeError, check_resume
 
     run_dir = craft_run[2][3].split("=", 1)[1]
-    refuse_smaller_target(run_dir, "iteration", 1, "algo.iterations")
-    with pytest.raises(CheckpointError, match="has already trained iteration 1, more than algo.iterations=0"):
-        refuse_smaller_target(run_dir, "iteration", 0, "algo.iterations")
+    cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    check_resume(run_dir, cfg, "iteration", 1, "algo.iterations")
+    with pytest.raises(RunResumeError, match="has already trained iteration 1, more than algo.iterations=0"):
+        check_resume(run_dir, cfg, "iteration", 0, "algo.iterations")
+    cfg.algo.iterations = 2  # unfinished now: a larger budget, where and how fast it runs may change
+    cfg.device, cfg.torch_threads = "cpu", 2
+    check_resume(run_dir, cfg, "iteration", 2, "algo.iterations")
+    for key, value in (("store", str(tmp_path / "other")), ("algo.lr", 0.5)):
+        changed = cfg.copy()
+        OmegaConf.update(changed, key, value)
+        with pytest.raises(RunResumeError, match=rf"unfinished run \(iteration 1 of 2\) started with other settings "
+                                                 rf"\({key}: .* -> {value!r}\)"):
+            check_resume(run_dir, changed, "iteration", 2, "algo.iterations")
+    # through the CLI: refused before anything is trained or published
+    store = craft_run[0]
+    versions = PolicyRegistry(store).versions()
+    args = [a for a in craft_run[2] if not a.startswith("algo.iterations=")] + ["algo.iterations=2", "algo.lr=0.5"]
+    r = run_cli(*args, ok=False)
+    assert r.returncode != 0 and "started with other settings (algo.lr: 0.0003 -> 0.5)" in r.stderr, r.stderr
+    assert PolicyRegistry(store).versions() == versions
 
 
 def test_a_run_that_stopped_early_is_not_taken_for_finished(craft_run, tmp_path):
@@ -118,7 +138,10 @@ def test_a_kill_between_checkpoint_and_state_file_resumes_without_a_second_updat
     (run_dir / "craft_state.json").write_text('{"iteration": ')  # a file truncated by hand
     bad = run_cli(*moved, ok=False)
     assert bad.returncode == 1 and "craft_state.json is unreadable" in bad.stderr and "Traceback" not in bad.stderr
-    assert registry.versions() == [1, 2, 3, 4]
+    (run_dir / "craft_state.json").write_text('{"iteration": 1, "pretrained_version": "1"}')  # edited by hand
+    bad = run_cli(*moved, ok=False)
+    assert bad.returncode == 1 and "pretrained_version is '1', not an integer" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and registry.versions() == [1, 2, 3, 4]
 
 
 def test_a_kill_right_after_publishing_the_acting_version_does_not_publish_it_again(craft_run, tmp_path):
@@ -257,6 +280,8 @@ def test_run_recipe_craft_on_highway_finishes_after_a_kill(tmp_path):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2] and rows[-1]["update"] > rows[0]["update"] > 0
     assert (out / "report" / "index.html").exists()
+    # CRAFT's learning rate, not the flow-BC one run.yaml gives its first stage
+    assert "lr: 0.0003" in (out / "bc" / "config.yaml").read_text()
 
 
 def test_bad_craft_settings_are_one_line_errors_before_any_work(craft_run, tmp_path):
@@ -275,6 +300,16 @@ def test_bad_craft_settings_are_one_line_errors_before_any_work(craft_run, tmp_p
     assert bad.returncode == 1 and "EnvMismatchError: env 'highway_meta' with kwargs {'lane_features': True}" in bad.stderr
     assert "give algo.env_kwargs the kwargs they were collected with" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "r").exists() and not (tmp_path / "online").exists()
+    # another env than the store's: it failed deep in pretraining, after creating an online store of the
+    # other env's schema that then blocked every correct run on this store
+    bad = run_cli("train", "algo=craft", f"store={store}", f"run_dir={tmp_path / 'r'}", "algo.env=driving",
+                  f"algo.online_store={tmp_path / 'online'}", "show=false", ok=False)
+    assert bad.returncode == 1 and "was recorded in env 'highway_meta'" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "r").exists() and not (tmp_path / "online").exists()
+    # a pinned snapshot is the one pretraining learns from: an unknown one is refused
+    bad = run_cli("train", "algo=craft", f"store={store}", f"run_dir={tmp_path / 'r'}", "data.snapshot=snap-nope",
+                  "show=false", ok=False)
+    assert bad.returncode == 1 and "snap-nope" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
     assert len(PolicyRegistry(store).versions()) == 3  # nothing published
 
 
@@ -284,11 +319,12 @@ def test_evpo_run_logs_the_gate_and_checkpoints_the_critic(craft_run, tmp_path):
     shutil.copytree(store, own)  # the fixture's store keeps its three versions
     out = summary_of(run_cli("train", "algo=craft", f"store={own}", f"run_dir={tmp_path / 'run'}",
                              f"algo.reference_version={summary['pretrained_version']}", "algo.baseline=evpo",
-                             "algo.iterations=1", "algo.episodes_per_iteration=2", "algo.n_clients=1",
+                             "algo.iterations=1", "algo.episodes_per_iteration=3", "algo.n_clients=2",
                              f"algo.online_store={tmp_path / 'online'}", "+algo.env_kwargs.vehicles_count=8",
                              "+algo.env_kwargs.duration=12", "show=false").stdout)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and out["final"] == rows[0]
+    assert rows[0]["episodes"] == 3  # as asked: two clients share them 2 + 1 (each recorded 2)
     row = rows[0]
     assert row["evpo_gate"] in (0, 1) and isinstance(row["evpo_gate"], int)
     assert row["evpo_ev"] is None or (isinstance(row["evpo_ev"], float) and row["evpo_ev"] <= 1.0)

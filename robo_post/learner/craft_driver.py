@@ -51,7 +51,7 @@ from robo_post.algos.registry import MethodSpec
 from robo_post.envs.registry import env_spec
 from robo_post.eval.rollout import check_observations, recorded_env_kwargs
 from robo_post.learner.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
-from robo_post.learner.drivers import (begin_run, finished_run, publish_once, refuse_smaller_target, register_driver,
+from robo_post.learner.drivers import (begin_run, finished_run, publish_once, check_resume, register_driver,
                                        resolve_device, select_episodes)
 from robo_post.learner.loop import truncate_log
 from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyConfig
@@ -60,10 +60,11 @@ from robo_post.models.proposal_policy import ProposalPolicy, ProposalPolicyConfi
 from robo_post.store.registry import PolicyRegistry
 from robo_post.store.sampler import WindowSampler
 from robo_post.store.schema import ArraySpec, StoreSchema
-from robo_post.store.store import Store
+from robo_post.store.store import Snapshot, Store
 from robo_post.store.writer import write_json_atomic
 
 EXTRAS = ("logits", "chosen", "proxy_scores", "events")
+STATE_FILE = "craft_state.json"  # in the run dir: the pretrained version, the iteration, the acting version
 POLICY_CLASSES = {"candidate": CandidatePolicy, "proposal": ProposalPolicy}  # artifact kind -> class
 
 
@@ -145,9 +146,9 @@ def load_episodes(snap, episodes) -> tuple[dict[str, np.ndarray], np.ndarray, di
     return obs, actions, extras, [len(d["action"]) for d in loaded]
 
 
-def pretrain(store: Store, cfg: DictConfig, config: CraftConfig, vocabulary: list[list[int]]) -> CandidatePolicy:
-    """Behaviour-clone candidate indices from the store's episodes (``data.*`` filters apply)."""
-    snap = store.snapshot()
+def pretrain(snap: Snapshot, cfg: DictConfig, config: CraftConfig, vocabulary: list[list[int]]) -> CandidatePolicy:
+    """Behaviour-clone candidate indices from a snapshot's episodes (``data.*`` filters apply)."""
+    store = snap.store
     episodes = select_episodes(snap, cfg.data)
     obs, actions, _, _ = load_episodes(snap, episodes)
     first = {}
@@ -173,11 +174,11 @@ def pretrain(store: Store, cfg: DictConfig, config: CraftConfig, vocabulary: lis
     return policy.eval()
 
 
-def pretrain_proposals(store: Store, cfg: DictConfig, config: CraftConfig, horizon: int, action: ArraySpec
+def pretrain_proposals(snap: Snapshot, cfg: DictConfig, config: CraftConfig, horizon: int, action: ArraySpec
                        ) -> ProposalPolicy:
-    """Behaviour-clone a proposal policy by maximum likelihood of the store's H-step action chunks
+    """Behaviour-clone a proposal policy by maximum likelihood of a snapshot's H-step action chunks
     (``data.*`` filters apply; past an episode's end its last action is repeated)."""
-    snap = store.snapshot()
+    store = snap.store
     episodes = select_episodes(snap, cfg.data)
     features = infer_features(store.schema.observations, OmegaConf.to_container(cfg.model.features, resolve=True)
                               if cfg.model.get("features") else None, use_images=cfg.model.use_images)
@@ -306,6 +307,9 @@ def _run_state(path: str) -> dict[str, Any]:
             state = json.load(f)
         if not isinstance(state, dict) or not isinstance(state.get("iteration"), int):
             raise ValueError("no integer 'iteration'")
+        for key in ("pretrained_version", "acting_version", "updates"):
+            if key in state and not isinstance(state[key], int):
+                raise ValueError(f"{key} is {state[key]!r}, not an integer")
     except ValueError as e:
         raise CraftDataError(f"run state {path} is unreadable ({e}); remove the run directory to start over") from e
     return state
@@ -336,8 +340,10 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     config: CraftConfig = spec.make_config(values)
     if (done := finished_run(cfg.run_dir, "iteration", config.iterations, cfg)) is not None:
         return done  # re-running a finished run publishes nothing
-    refuse_smaller_target(cfg.run_dir, "iteration", config.iterations, "algo.iterations")
+    # the pretrained version it recorded is in the run's store: another store must not resume it
+    check_resume(cfg.run_dir, cfg, "iteration", config.iterations, "algo.iterations", progress=(STATE_FILE,))
     store = Store.open(cfg.store)
+    snap = store.snapshot(cfg.data.snapshot)  # what pretraining learns from (data.snapshot pins it)
     env = config.env or store.schema.attrs.get("env")
     if env is None:
         raise CraftDataError(f"store {cfg.store} names no env; set algo.env")
@@ -347,7 +353,12 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     scene = dict(config.env_kwargs) or (recorded_env_kwargs(store.root, env_spec(env)) or {})
     env_kwargs = scene | ({"oracle": True} if config.oracle else {})
     tasks: list[str] = []
-    if config.reference_version is None and env_spec(env).key == store.schema.attrs.get("env"):
+    recorded_in = store.schema.attrs.get("env")
+    if config.reference_version is None and recorded_in is not None and env_spec(env).key != recorded_in:
+        raise CraftDataError(f"store {cfg.store} was recorded in env {recorded_in!r}, and CRAFT pretrains on its "
+                             f"episodes to act in algo.env={config.env!r}: leave algo.env unset, or use a store "
+                             "recorded in that env")
+    if config.reference_version is None and env_spec(env).key == recorded_in:
         from robo_post.fleet.client import store_schema
 
         # pretraining learns from the store's episodes: the fleet's env must observe and act as they did
@@ -361,14 +372,14 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         from robo_post.fleet.client import store_schema
 
         if env_spec(env).task_kwarg is not None:  # the tasks (e.g. driving scenarios) the demonstrations ran
-            tasks = sorted({e.task_id for e in store.snapshot().episodes()})
+            tasks = sorted({e.task_id for e in snap.episodes()})
         action = proposal_action(store_schema({"name": env, **scene}, tasks[0] if tasks else None), store.schema, env)
         horizon = config.horizon or env_spec(env).horizon
     registry = PolicyRegistry(store.root)
     run_dir = cfg.run_dir
     begin_run(run_dir, cfg)
     ckpt, log_path = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "metrics.jsonl")
-    state_path = os.path.join(run_dir, "craft_state.json")
+    state_path = os.path.join(run_dir, STATE_FILE)
     state = _run_state(state_path)
 
     if config.reference_version is not None:
@@ -390,8 +401,8 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     online = online_store(config.online_store or f"{store.root.rstrip('/')}-online", env, env_kwargs, k,
                           config.oracle, candidate_shape, tasks[0] if tasks else None)
     if reference is None:
-        reference = (pretrain(store, cfg, config, vocabulary) if kind == "candidate"
-                     else pretrain_proposals(store, cfg, config, horizon, action))
+        reference = (pretrain(snap, cfg, config, vocabulary) if kind == "candidate"
+                     else pretrain_proposals(snap, cfg, config, horizon, action))
         parent = registry.publish(*reference.artifact(algorithm="craft", phase="pretrain", deterministic=True,
                                                       env_extras=False))
         state["pretrained_version"] = parent
@@ -412,15 +423,15 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
                 explore_eps=config.explore_eps, explore_margin=config.explore_margin, run_dir=os.path.abspath(run_dir)))
             write_json_atomic(state_path, state)
         version = state["acting_version"]
-        per_client = -(-config.episodes_per_iteration // config.n_clients)
+        share, extra = divmod(config.episodes_per_iteration, config.n_clients)  # exactly the episodes asked for
         configs = [ClientConfig(store=online.root, client_id=f"craft-{j}", episodes=0, env={"name": env, **env_kwargs},
                                 tasks=tasks, policy={"kind": "random"}, follow_registry=False,
                                 seed=cfg.seed + 1000 * (i + 1),
                                 policy_store=store.root, policy_version=version, role="online")
                    for j in range(config.n_clients)]
-        for c in configs:  # resume: count what this version already recorded
+        for j, c in enumerate(configs):  # resume: count what this version already recorded
             done = sum(e.policy_version == version for e in online.shard_episodes(c.client_id))
-            c.episodes = len(online.shard_episodes(c.client_id)) + max(per_client - done, 0)
+            c.episodes = len(online.shard_episodes(c.client_id)) + max(share + (j < extra) - done, 0)
         statuses = LocalLauncher(configs).run(show=cfg.show)
         raise_unfinished(statuses, "craft clients", online.root)
         snap = online.snapshot()

@@ -249,14 +249,49 @@ def _run_record(path: str, load: Callable[[str], Any]) -> dict[str, Any] | None:
         return None
 
 
-def refuse_smaller_target(run_dir: str, counter: str, target: int, setting: str) -> None:
-    """A ``CheckpointError`` when ``run_dir``'s checkpoint has trained past ``target``: fewer
-    steps cannot be undone, and publishing those weights under the smaller count would mislabel them."""
+class RunResumeError(CheckpointError):
+    """A run dir whose unfinished run cannot be resumed as asked: a smaller budget than it has
+    trained, or other settings than it was started with."""
+
+
+# Top-level train settings a resumed run may change: where (a moved run dir) and how fast it runs,
+# how often it logs, checkpoints and evaluates, not what it trains on or how.
+RESUMABLE_SETTINGS = ("run_dir", "device", "torch_threads", "prefetch", "compile", "log_every", "checkpoint_every",
+                      "eval", "publish")
+
+
+def check_resume(run_dir: str, cfg: DictConfig, counter: str, target: int, setting: str,
+                 progress: tuple[str, ...] = ()) -> None:
+    """Refuse to resume the unfinished run in ``run_dir`` where its weights would be mislabelled:
+    its checkpoint has trained past ``target`` (``setting``, the budget: fewer steps cannot be
+    undone), or its ``config.yaml`` records other settings than ``cfg`` (another store, learning
+    rate, ...: the run would go on under them while every record named only the new ones). The
+    budget and ``RESUMABLE_SETTINGS`` may change. A run has started once it has a checkpoint or
+    one of the ``progress`` files in ``run_dir``; a finished run is ``finished_run``'s to handle.
+
+    Raises:
+        RunResumeError: naming the budget or each changed setting with its recorded and new value.
+    """
     ckpt = os.path.join(run_dir, "checkpoint")
     done = checkpoint_state(ckpt).get(counter) if has_checkpoint(ckpt) else None
     if isinstance(done, int) and done > target:
-        raise CheckpointError(f"{run_dir} has already trained {counter} {done}, more than {setting}={target}: "
-                              f"set {setting}>={done} to continue it, or a new run_dir starts over")
+        raise RunResumeError(f"{run_dir} has already trained {counter} {done}, more than {setting}={target}: "
+                             f"set {setting}>={done} to continue it, or a new run_dir starts over")
+    started = done is not None or any(os.path.exists(os.path.join(run_dir, f)) for f in progress)
+    config_path = os.path.join(run_dir, "config.yaml")
+    if not started or (isinstance(done, int) and done >= target) or not os.path.exists(config_path):
+        return
+    recorded = _run_record(config_path, OmegaConf.load)
+    if recorded is None:  # damaged: which settings it held is unknown (warned), resume as before
+        return
+    changed = {k: v for k, v in changed_settings(recorded, OmegaConf.to_container(cfg, resolve=True)).items()
+               if k != setting and k.split(".")[0] not in RESUMABLE_SETTINGS}
+    if changed:
+        shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in list(changed.items())[:5])
+        raise RunResumeError(
+            f"{run_dir} holds an unfinished run ({counter} {done or 0} of {target}) started with other settings "
+            f"({shown}{', ...' if len(changed) > 5 else ''}): resuming would go on training its weights under the "
+            f"new ones. Rerun with the recorded settings to resume it ({setting} may grow), or use a new run_dir")
 
 
 def publish_once(registry: PolicyRegistry, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> int:
@@ -316,7 +351,7 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     (a run that already finished returns its summary instead)."""
     if (done := finished_run(cfg.run_dir, "update", cfg.updates, cfg)) is not None:
         return done
-    refuse_smaller_target(cfg.run_dir, "update", cfg.updates, "updates")
+    check_resume(cfg.run_dir, cfg, "update", cfg.updates, "updates")
     tracking_settings(cfg.get("tracking"))  # an enabled tracker that is not installed fails before any work
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.torch_threads)
@@ -422,6 +457,7 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
 
     if (done := finished_run(cfg.run_dir, "timesteps", cfg.algo.timesteps, cfg)) is not None:
         return done
+    check_resume(cfg.run_dir, cfg, "timesteps", cfg.algo.timesteps, "algo.timesteps")
     tracking_settings(cfg.get("tracking"))
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.torch_threads)
