@@ -314,6 +314,9 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
         if unknown:
             raise InvalidHighwayConfigError(
                 f"unknown highway-env config keys {unknown} for scenario {scenario!r}; known: {sorted(known)}")
+        for key in ("duration", "policy_frequency", "simulation_frequency"):
+            if key in config and not (isinstance(config[key], (int, float)) and config[key] > 0):
+                raise InvalidHighwayConfigError(f"{key} must be a number > 0, got {config[key]!r}")
         if continuation < 0:
             raise InvalidCandidatesError(f"continuation must be >= 0 steps, got {continuation}")
         if observed_vehicles < 1:
@@ -330,6 +333,9 @@ class HighwayMetaEnv(gym.Env[dict[str, np.ndarray], np.int64]):
         policy_frequency = self._core.config["policy_frequency"]
         self.metadata = {**self.metadata, "render_fps": policy_frequency}
         self.duration = round(self._core.config["duration"] * policy_frequency)  # in decisions
+        if self.duration < 1:
+            raise InvalidHighwayConfigError(f"duration {self._core.config['duration']} s at policy_frequency "
+                                            f"{policy_frequency} is no decision; it must be at least one step")
         self.ego_targets = bool(ego_targets)
         self.lane_features = bool(lane_features)
         size = (int(np.prod(self._core.observation_space.shape)) + 2 * self.ego_targets

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -58,19 +59,33 @@ def client_configs(cfg: DictConfig, store: Store) -> list[ClientConfig]:
     return configs
 
 
+class CollectSettingsError(ValueError):
+    """A collect setting every client would fail on (a negative seed, a missing SB3 zip)."""
+
+
 def check_env_supports(cfg: DictConfig, spec: EnvSpec) -> None:
-    """Refuse, before the store or any client is made, a scripted expert or an overseer the env's
-    registry entry does not have: every client would crash on it, restart and crash again.
+    """Refuse, before the store or any client is made, what every client would crash on, restart
+    and crash again: a scripted expert or an overseer the env's registry entry does not have, a
+    negative seed, an SB3 policy without its zip.
 
     Raises:
         NoExpertError: ``policy=expert`` (the default) with nothing published to run instead.
         UnknownExpertModeError: a ``policy.mode`` the env's expert does not have.
         OverseerUnsupportedError: ``fleet.overseer.enabled`` for an env without an overseer.
+        CollectSettingsError: a negative ``seed``; ``policy=sb3`` whose ``policy.path`` is unset or no file.
     """
     fleet = cfg.fleet
     if fleet.overseer.enabled:
         Overseer(spec, **OmegaConf.to_container(fleet.overseer, resolve=True))
+    if cfg.seed < 0:  # episode seeds derive from it; gymnasium takes non-negative seeds only
+        raise CollectSettingsError(f"seed={cfg.seed}: seeds must be >= 0")
     runs_expert = not fleet.follow_registry and fleet.get("policy_version") is None
+    if cfg.policy.kind == "sb3" and runs_expert:
+        if OmegaConf.is_missing(cfg.policy, "path"):
+            raise CollectSettingsError("policy=sb3 needs policy.path=AGENT.zip (the zip SB3's save wrote)")
+        path = str(cfg.policy.path)
+        if not (os.path.isfile(path) or os.path.isfile(f"{path}.zip")):  # SB3's load adds .zip when missing
+            raise CollectSettingsError(f"policy.path={path}: no such file")
     if cfg.policy.kind != "expert" or not runs_expert:
         return
     if spec.expert is None:

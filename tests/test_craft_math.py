@@ -493,7 +493,8 @@ def test_craft_config_names_a_bad_option():
                       ({"baseline": "foo"}, "baseline"), ({"evpo_threshold": math.nan}, "evpo_threshold"),
                       ({"trainable": "encoder"}, "trainable"), ({"gamma_event": 2.0}, "gamma_event"),
                       ({"gamma_event": -1.0}, "gamma_event"), ({"bc_label_smoothing": 1.5}, "bc_label_smoothing"),
-                      ({"bc_updates": -5}, "bc_updates"), ({"explore_margin": -1.0}, "explore_margin")):
+                      ({"bc_updates": -5}, "bc_updates"), ({"explore_margin": -1.0}, "explore_margin"),
+                      ({"iterations": -1}, "iterations")):
         with pytest.raises(CraftConfigError, match=name):
             CraftConfig(**bad)
     with pytest.raises(CraftBatchError, match="delta"):

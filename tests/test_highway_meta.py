@@ -128,6 +128,11 @@ def test_spaces_info_and_config() -> None:
         HighwayMetaEnv(vehicle_count=5)
     with pytest.raises(InvalidHighwayConfigError, match="observation"):
         HighwayMetaEnv(observation={"type": "GrayscaleObservation"})
+    # a duration of no decision made every episode one step long, a crash-free success
+    for bad, name in (({"duration": -5}, "duration"), ({"duration": 0}, "duration"), ({"duration": 0.2}, "duration"),
+                      ({"policy_frequency": 0}, "policy_frequency"), ({"duration": "10"}, "duration")):
+        with pytest.raises(InvalidHighwayConfigError, match=name):
+            HighwayMetaEnv(**bad)
 
 
 # scenario -> ego target speeds [m/s] and the ego's reset row of the Kinematics table, normalized

@@ -74,6 +74,9 @@ def test_run_recipes():
     (["env=point_mass", "play.mode=expert"], "OverseerUnsupportedError: env 'point_mass' has no overseer"),
     # CRAFT found the env reports no events only after the demos had been recorded
     (["env=point_mass", "recipe=craft", "play.mode=expert"], "CraftDataError: env 'point_mass' reports no per-step `events`"),
+    # the run trained every stage, then evaluated nothing and exited 0
+    (["env=highway_meta", "recipe=craft", "play.mode=expert", "eval.splits=[heldout]"],
+     "NoEvalSplitError: eval.splits=['heldout']: env 'highway_meta' has no instruction splits"),
 ])
 def test_run_refuses_an_env_its_stages_cannot_run_in_before_any_stage(tmp_path, overrides, error):
     run_dir = tmp_path / "run"
@@ -93,6 +96,21 @@ def test_collect_refuses_an_expert_mode_the_env_lacks(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == ("robo-post collect: UnknownExpertModeError: env 'point_mass': its "
                                                  "expert has no mode 'near_miss'; modes: expert")
+    assert not store.exists()
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["seed=-1"], "CollectSettingsError: seed=-1: seeds must be >= 0"),
+    (["policy=sb3"], "CollectSettingsError: policy=sb3 needs policy.path=AGENT.zip (the zip SB3's save wrote)"),
+    (["policy=sb3", "policy.path=/nowhere/agent.zip"], "CollectSettingsError: policy.path=/nowhere/agent.zip: no such file"),
+])
+def test_collect_refuses_settings_every_client_would_fail_on(tmp_path, overrides, error):
+    """The clients failed on them (an SB3 path was even reported as '???.zip' or 'agent.zip.zip')."""
+    store = tmp_path / "store"
+    r = subprocess.run([sys.executable, "-m", "robo_post.cli", "collect", "env=point_mass", *overrides,
+                        "episodes=2", f"store={store}", "show=false"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"robo-post collect: {error}", r.stderr[-2000:]
     assert not store.exists()
 
 

@@ -181,3 +181,19 @@ def test_a_budget_below_one_on_policy_rollout_is_refused_before_training(tmp_pat
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert f"is less than one on-policy rollout (algo.n_envs={rollout} steps)" in r.stderr
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("algo, args, said", [
+    ("sb3", ["algo.env=CartPole-v1", "algo.agent=SAC"], "SB3SettingsError: stable-baselines3 SAC refuses env "
+                                                        "'CartPole-v1' with algo.hyperparameters={}: The algorithm "
+                                                        "only supports"),
+    ("sb3", ["algo.env=CartPole-v1", "+algo.hyperparameters.foo=1"], "unexpected keyword argument 'foo'"),
+    ("drest", ["algo.E=2", "+algo.hyperparameters.foo=1"], "unexpected keyword argument 'foo'"),
+    ("drest", ["algo.E=2", "+algo.hyperparameters.n_steps=0"], "SB3SettingsError: stable-baselines3 PPO refuses"),
+])
+def test_settings_sb3_refuses_are_one_line_errors(tmp_path, algo, args, said):
+    """SB3's asserts and keyword errors came out as tracebacks from deep inside it."""
+    r = run_cli("train", f"algo={algo}", *args, "algo.timesteps=4096", f"store={tmp_path / 'store'}",
+                f"run_dir={tmp_path / 'run'}", "show=false", ok=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and said in r.stderr, r.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "run")

@@ -644,6 +644,8 @@ class CraftConfig:
         for name in ("window", "epochs", "minibatch", "bc_minibatch", "episodes_per_iteration", "n_clients"):
             if getattr(self, name) < 1:
                 raise CraftConfigError(f"craft {name} must be >= 1, got {getattr(self, name)}")
+        if self.iterations < 0:  # 0: the pretrained policy is the final one
+            raise CraftConfigError(f"craft iterations must be >= 0, got {self.iterations}")
         if self.target_kl is not None and not self.target_kl > 0:
             raise CraftConfigError(f"craft target_kl must be > 0 or null, got {self.target_kl}")
         if self.n_proposals < 2:

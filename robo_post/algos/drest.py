@@ -41,7 +41,8 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from robo_post.algos.sb3_agent import SB3Agent, SB3AgentConfig, agent_class, make_env, resolve_policy_kwargs
+from robo_post.algos.sb3_agent import (SB3Agent, SB3AgentConfig, agent_class, build_model, make_env,
+                                       resolve_policy_kwargs)
 
 FORMS = ("llm", "gridworld")
 EXPONENT_FORMS = ("running_mean", "total")
@@ -406,7 +407,7 @@ class DReSTAgent(SB3Agent):
             hyper["learning_rate"] = LinearSchedule(float(hyper.get("learning_rate", defaults["learning_rate"].default)))
             cls = _annealed_entropy(cls, float(hyper.get("ent_coef", defaults["ent_coef"].default)))
         policy = _privileged_policy_class() if config.privileged_critic else config.policy
-        self.model = cls(policy, self.venv, seed=seed, device=str(device), verbose=0, **hyper)
+        self.model = build_model(cls, config, policy, self.venv, seed, device, hyper)
         self.eval_envs = {"train": make_env(config)}
         if config.heldout_kwargs:
             heldout = SB3AgentConfig(env=config.env, task=config.task,

@@ -50,6 +50,23 @@ class SB3AgentConfig:
     seed: int | None = None
 
 
+class SB3SettingsError(ValueError):
+    """Stable-Baselines3 refused to build the agent: a hyperparameter it does not take or accept,
+    or an env whose spaces the algorithm does not support."""
+
+
+def build_model(cls: type, config: SB3AgentConfig, policy: Any, venv: Any, seed: int, device: str | torch.device,
+                hyperparameters: dict[str, Any]) -> Any:
+    """``cls(policy, venv, ...)``, SB3's refusal (an assert on the spaces, an unknown keyword, a bad
+    value) as ``SB3SettingsError`` naming the agent, env and hyperparameters; ``venv`` is closed then."""
+    try:
+        return cls(policy, venv, seed=seed, device=str(device), verbose=0, **hyperparameters)
+    except (AssertionError, TypeError, ValueError) as e:
+        venv.close()
+        raise SB3SettingsError(f"stable-baselines3 {config.agent} refuses env {config.env!r} with "
+                               f"algo.hyperparameters={dict(config.hyperparameters)}: {e}") from None
+
+
 def agent_class(name: str) -> type:
     """The Stable-Baselines3 algorithm class ``name`` (``PPO``, ``SAC``, ...); ``ValueError`` if there is none."""
     import stable_baselines3
@@ -149,8 +166,8 @@ class SB3Agent:
             self.venv.close()
             raise
         self.venv.seed(seed)
-        self.model = agent_class(config.agent)(config.policy, self.venv, seed=seed, device=str(device), verbose=0,
-                                               **resolve_policy_kwargs(config.hyperparameters))
+        self.model = build_model(agent_class(config.agent), config, config.policy, self.venv, seed, device,
+                                 resolve_policy_kwargs(config.hyperparameters))
 
     @property
     def policy(self) -> torch.nn.Module:

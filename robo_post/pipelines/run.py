@@ -65,6 +65,10 @@ class RunSettingsChangedError(ValueError):
     """A run dir reused with other settings than the run it holds was started with."""
 
 
+class NoEvalSplitError(ValueError):
+    """``eval.splits`` names no split the env has: the run would evaluate nothing."""
+
+
 def check_same_settings(cfg: DictConfig) -> None:
     """Refuse a ``run_dir`` whose ``config.yaml`` records other settings: finished stages are
     skipped on a rerun, so their data and versions would stay those of the recorded settings
@@ -118,6 +122,17 @@ def check_stages(cfg: DictConfig) -> None:
         Overseer(spec, **OmegaConf.to_container(cfg.fleet.overseer, resolve=True))
     if cfg.bc.algo.get("name"):  # a recipe's first method may need more of the env (recipe=craft)
         check_env(cfg.bc.algo, spec.key)
+    if not eval_splits(cfg):  # the run would end having evaluated nothing
+        raise NoEvalSplitError(f"eval.splits={list(cfg.eval.splits)}: env {spec.key!r} has no instruction "
+                                      "splits; only 'train' can be evaluated")
+
+
+def eval_splits(cfg: DictConfig) -> list[str]:
+    """The splits of ``eval.splits`` the env has: held-out instruction phrasings exist only for envs
+    with language splits (the default asks for both, so it runs everywhere)."""
+    from robo_post.envs.registry import env_spec
+
+    return [s for s in cfg.eval.splits if s == "train" or env_spec(cfg.env.name).split_kwarg is not None]
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -181,10 +196,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             if fleet_error:
                 raise fleet_error[0]
 
-    from robo_post.envs.registry import env_spec
-
-    # Held-out instruction phrasings exist only for envs with language splits.
-    splits = [s for s in cfg.eval.splits if s == "train" or env_spec(cfg.env.name).split_kwarg is not None]
+    splits = eval_splits(cfg)
     results = []
     versions = [v for v in registry.versions() if v >= cfg.eval.from_version]
     for version in versions:
