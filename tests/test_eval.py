@@ -198,18 +198,20 @@ def test_report_reads_a_killed_runs_log_and_names_a_damaged_file(tmp_path, capsy
                                                    "no such folder (null to leave it out of the report)")
 
 
-@pytest.mark.parametrize("versions, error", [
-    ("[1,5,7]", "PolicyNotFoundError: policy version(s) [5, 7] not found in"),
-    ("[1,0]", "NoExpertError: env 'Pendulum-v1' has no scripted expert"),  # version 0 runs the expert by default
+@pytest.mark.parametrize("versions, error, more", [
+    ("[1,5,7]", "PolicyNotFoundError: policy version(s) [5, 7] not found in", []),
+    ("[1,0]", "NoExpertError: env 'Pendulum-v1' has no scripted expert", []),  # version 0 runs the expert by default
+    # OmegaConf's "Input cfg is not an OmegaConf config object (int)" named neither the setting nor the fix
+    ("[1]", "ValueError: env_kwargs=5: a mapping of env kwargs, e.g. 'env_kwargs={duration: 20}'", ["env_kwargs=5"]),
 ])
-def test_eval_checks_every_listed_version_before_running_any(tmp_path, versions, error):
+def test_eval_checks_every_listed_version_before_running_any(tmp_path, versions, error, more):
     """A missing version (or an expert the env lacks) later in the list failed after the earlier evals had run."""
     from helpers import run_cli
 
     store = Store.create(str(tmp_path / "s"), store_schema({"name": "Pendulum-v1"}, None))
     assert PolicyRegistry(store.root).publish({}, {"kind": "random"}) == 1
     r = run_cli("eval", f"store={store.root}", f"version={versions}", "episodes_per_task=1", "n_clients=1",
-                "show=false", ok=False)
+                *more, "show=false", ok=False)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert error in r.stderr.strip().splitlines()[-1]
     assert not os.path.exists(str(tmp_path / "s-eval"))  # nothing was evaluated

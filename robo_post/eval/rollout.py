@@ -309,6 +309,8 @@ def eval_from_config(cfg: Any) -> list[dict[str, Any]]:
     env_name = cfg.env.name or store.schema.attrs.get("env")
     if env_name is None:
         raise ValueError(f"the store at {store.root} does not say which env it was recorded in; pass env=NAME or a gymnasium id")
+    if cfg.env_kwargs is not None and not OmegaConf.is_dict(cfg.env_kwargs):
+        raise ValueError(f"env_kwargs={cfg.env_kwargs!r}: a mapping of env kwargs, e.g. 'env_kwargs={{duration: 20}}'")
     env_kwargs = None if cfg.env_kwargs is None else OmegaConf.to_container(cfg.env_kwargs, resolve=True)
     policy = None if cfg.policy is None else OmegaConf.to_container(cfg.policy, resolve=True)
     tasks = list(cfg.tasks or cfg.env.tasks or env_spec(env_name).default_tasks())
