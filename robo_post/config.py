@@ -37,3 +37,10 @@ def changed_settings(recorded: dict[str, Any], given: dict[str, Any]) -> dict[st
 
     old, new = settings(recorded), settings(given)
     return {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}
+
+
+def describe_changes(changed: dict[str, tuple[Any, Any]], limit: int | None = 5) -> str:
+    """``key: old -> new, ...`` for a ``changed_settings`` result, the first ``limit`` of them."""
+    items = list(changed.items())
+    shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in items[:limit])
+    return shown + (", ..." if limit is not None and len(items) > limit else "")

@@ -51,7 +51,7 @@ from robo_post.algos.registry import MethodSpec
 from robo_post.envs.registry import env_spec
 from robo_post.eval.rollout import check_observations, recorded_env_kwargs
 from robo_post.learner.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
-from robo_post.learner.drivers import (begin_run, finished_run, publish_once, check_resume, register_driver,
+from robo_post.learner.drivers import (begin_run, check_resume, finished_run, publish_once, register_driver,
                                        resolve_device, select_episodes)
 from robo_post.learner.loop import truncate_log
 from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyConfig

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from robo_post.algos.divl import DIVL
 from robo_post.algos.registry import DataSpec, MethodSpec
 from robo_post.algos.sb3_agent import check_budget
-from robo_post.config import changed_settings
+from robo_post.config import changed_settings, describe_changes
 from robo_post.learner.checkpoint import (CheckpointError, checkpoint_state, has_checkpoint, load_checkpoint,
                                          save_checkpoint)
 from robo_post.learner.loop import truncate_log, resolve_device, train_loop
@@ -218,10 +218,9 @@ def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig) -> di
     if done < target:
         return None
     if changed := changed_settings(saved, OmegaConf.to_container(cfg, resolve=True)):
-        shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
-        print(f"warning: {run_dir} finished at {counter} {done} with other settings ({shown}); its weights are "
-              f"published again under the new ones without training (the version records `same_weights_as`): "
-              f"settings that shape training take effect in a new run_dir", file=sys.stderr)
+        print(f"warning: {run_dir} finished at {counter} {done} with other settings "
+              f"({describe_changes(changed, None)}); its weights are published again under the new ones without training (the version records "
+              "`same_weights_as`): settings that shape training take effect in a new run_dir", file=sys.stderr)
         return None
     print(f"{run_dir} is already done ({counter} {done} of {target}, published version {summary.get('version')}); "
           f"nothing trained or published. A larger target continues it; a new run_dir starts over.", file=sys.stderr)
@@ -287,10 +286,9 @@ def check_resume(run_dir: str, cfg: DictConfig, counter: str, target: int, setti
     changed = {k: v for k, v in changed_settings(recorded, OmegaConf.to_container(cfg, resolve=True)).items()
                if k != setting and k.split(".")[0] not in RESUMABLE_SETTINGS}
     if changed:
-        shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in list(changed.items())[:5])
         raise RunResumeError(
             f"{run_dir} holds an unfinished run ({counter} {done or 0} of {target}) started with other settings "
-            f"({shown}{', ...' if len(changed) > 5 else ''}): resuming would go on training its weights under the "
+            f"({describe_changes(changed)}): resuming would go on training its weights under the "
             f"new ones. Rerun with the recorded settings to resume it ({setting} may grow), or use a new run_dir")
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from robo_post.config import changed_settings, compose
+from robo_post.config import changed_settings, compose, describe_changes
 from robo_post.pipelines import lwd
 from robo_post.store import PolicyRegistry, Store
 from robo_post.store.writer import write_json_atomic
@@ -88,9 +88,8 @@ def check_same_settings(cfg: DictConfig) -> None:
                                       "run_dir") from None
     changed = changed_settings(recorded, OmegaConf.to_container(cfg, resolve=True))
     if changed:
-        shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in list(changed.items())[:5])
         raise RunSettingsChangedError(
-            f"{cfg.run_dir} holds a run with other settings ({shown}{', ...' if len(changed) > 5 else ''}); its "
+            f"{cfg.run_dir} holds a run with other settings ({describe_changes(changed)}); its "
             "finished stages would be kept as they are. Rerun with the recorded settings to resume it, or use a "
             "new run_dir")
 
@@ -124,7 +123,7 @@ def check_stages(cfg: DictConfig) -> None:
         check_env(cfg.bc.algo, spec.key)
     if not eval_splits(cfg):  # the run would end having evaluated nothing
         raise NoEvalSplitError(f"eval.splits={list(cfg.eval.splits)}: env {spec.key!r} has no instruction "
-                                      "splits; only 'train' can be evaluated")
+                               "splits; only 'train' can be evaluated")
 
 
 def eval_splits(cfg: DictConfig) -> list[str]:
