@@ -4,7 +4,6 @@ or damaged commit records (``robo-post store repair``)."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 from dataclasses import dataclass
@@ -19,14 +18,13 @@ from robo_post.store.registry import PolicyRegistry
 from robo_post.store.schema import (
     ROLES,
     EpisodeValidationError,
-    ShardLockedError,
     StoreError,
     StoreIntegrityError,
     UnsupportedFormatError,
     validate_array,
 )
 from robo_post.store.store import EpisodeInfo, Snapshot, Store
-from robo_post.store.writer import decode_record, episode_checksum
+from robo_post.store.writer import decode_record, episode_checksum, lock_shard
 
 
 class EpisodeDataError(StoreIntegrityError):
@@ -426,12 +424,8 @@ def _ranges(indices: list[int]) -> str:
 @contextlib.contextmanager
 def _shard_lock(path: str, shard: str) -> Iterator[None]:
     """Hold a shard's writer lock (refused while a writer has it open)."""
-    fd = os.open(os.path.join(path, ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
+    fd = lock_shard(path, shard)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ShardLockedError(f"shard {shard!r} is open for writing by another process") from None
         yield
     finally:
         os.close(fd)

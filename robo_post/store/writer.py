@@ -121,6 +121,22 @@ def episode_checksum(arrays: Mapping[str, np.ndarray]) -> int:
     return crc
 
 
+def lock_shard(path: str, shard: str) -> int:
+    """Take shard ``shard``'s (directory ``path``) writer lock; returns the descriptor that
+    holds it (closing it releases the lock, as does the process dying).
+
+    Raises:
+        ShardLockedError: another process holds it.
+    """
+    fd = os.open(os.path.join(path, ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ShardLockedError(f"shard {shard!r} is already open for writing by another process") from None
+    return fd
+
+
 class ShardWriter:
     """Appends episodes to one shard of a store. One live writer per shard.
 
@@ -144,12 +160,7 @@ class ShardWriter:
         self.schema = store.schema
         self.path = os.path.join(store.root, "shards", self.client_id)
         os.makedirs(self.path, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(self.path, ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise ShardLockedError(f"shard {self.client_id!r} is already open for writing by another process") from None
+        self._lock_fd = lock_shard(self.path, self.client_id)
         self._columns = {}
         try:
             self._recover()
