@@ -15,6 +15,7 @@ import zarr
 from robo_post.store import (
     EpisodeValidationError,
     ShardDamagedError,
+    ShardLockedError,
     Store,
     StoreError,
     StoreIntegrityError,
@@ -24,6 +25,7 @@ from robo_post.store.commit import CommitDamageWarning
 from robo_post.store.registry import PolicyRegistry, RegistryNotWritableError
 from robo_post.store import integrity
 from robo_post.store.integrity import repair_store, validate_store
+from robo_post.store.writer import lock_shard
 from test_store import tree_hash
 from test_store_append import SCHEMA, clear_chunk, episode, small_chunks, write  # noqa: F401 (fixture)
 
@@ -231,6 +233,11 @@ def test_repair_keeps_the_intact_episodes_past_a_damaged_record(tmp_path, small_
     assert "stops verifying at episode 1" in line and "would copy the 3 later episodes" in line, line
     assert "(2..4) into shard a-salvaged" in line and "1 episode record from episode 1 on is left out" in line, line
     assert tree_hash(store.root) == before  # a dry run changes nothing
+    held = lock_shard(os.path.join(store.root, "shards", "a"), "a")  # as a client that has it open
+    with pytest.raises(ShardLockedError, match="'a' is already open for writing"):
+        repair_store(store.root, apply=True)
+    os.close(held)
+    assert tree_hash(store.root) == before
     (line,) = repair_store(store.root, apply=True)
     assert "rebuilt commit.bin as 1 episodes" in line and "copied the 3 later episodes" in line, line
     after = _episodes_by_origin(store)
