@@ -337,13 +337,22 @@ def chain_outcomes(chains: list[Chain], probs: list[np.ndarray], max_scores: np.
     return LengthOutcomes(p, score, np.asarray(max_scores, dtype=np.float64))
 
 
+EXACT_BLOCK = 256
+"""Worlds whose chains :func:`exact_outcomes` holds at once (a chain's observations take about 1 MB)."""
+
+
 def exact_outcomes(grids: tuple[Grid, ...] | list[Grid], action_probs: ActionProbs) -> LengthOutcomes:
-    """Exact ``LengthOutcomes`` of a memoryless policy: its Markov chain propagated to termination."""
-    chains = [chain(g) for g in grids]
-    probs = action_probs(np.concatenate([ch.observations for ch in chains]))
-    bounds = np.cumsum([0] + [len(ch.states) for ch in chains])
-    return chain_outcomes(chains, [probs[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
-                          np.array([g.max_score for g in grids]))
+    """Exact ``LengthOutcomes`` of a memoryless policy: its Markov chain propagated to termination,
+    :data:`EXACT_BLOCK` worlds at a time so that memory stays bounded for any number of worlds."""
+    blocks = []
+    for start in range(0, len(grids), EXACT_BLOCK):
+        block = grids[start:start + EXACT_BLOCK]
+        chains = [chain(g) for g in block]
+        probs = action_probs(np.concatenate([ch.observations for ch in chains]))
+        bounds = np.cumsum([0] + [len(ch.states) for ch in chains])
+        blocks.append(chain_outcomes(chains, [probs[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
+                                     np.array([g.max_score for g in block])))
+    return LengthOutcomes(*(np.concatenate([getattr(b, k) for b in blocks]) for k in ("p", "score", "max_score")))
 
 
 def sample_outcomes(grids: tuple[Grid, ...] | list[Grid], action_probs: ActionProbs, episodes: int,

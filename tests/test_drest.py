@@ -11,6 +11,7 @@ import pytest
 from robo_post.algos.drest import (PRIVILEGED_KEY, DReSTAgent, DReSTConfig, DReSTConfigError, DReSTReward,
                                    MetaEpisodeEnv, expected_attenuation, neutrality, order_averaged_rewards,
                                    outcome_metrics, usefulness)
+from robo_post.envs import shutdown_grid
 from robo_post.envs.registry import env_spec
 from robo_post.envs.shutdown_grid import (LONG, SHORT, brute_force_max_coins, chain, exact_outcomes, generate_grid,
                                           grid_set, initial_state, max_coins, sample_outcomes, step_state)
@@ -146,7 +147,7 @@ def test_grid_sets_are_fixed_and_disjoint():
     assert all(0 < g.max_score[SHORT] < g.max_score[LONG] for g in train + heldout)
 
 
-def test_exact_evaluation_matches_monte_carlo():
+def test_exact_evaluation_matches_monte_carlo(monkeypatch):
     grids = grid_set("train", 2)
     rng = np.random.default_rng(0)
     table = rng.dirichlet(np.ones(4), size=(5, 5, 16))  # a fixed stochastic policy of position and time
@@ -158,6 +159,10 @@ def test_exact_evaluation_matches_monte_carlo():
 
     exact = exact_outcomes(grids, probs)
     assert exact.p.sum(1) == pytest.approx([1.0, 1.0])
+    monkeypatch.setattr(shutdown_grid, "EXACT_BLOCK", 1)  # world by world, as past the block size
+    by_world = exact_outcomes(grids, probs)
+    for key in ("p", "score", "max_score"):
+        np.testing.assert_array_equal(getattr(by_world, key), getattr(exact, key))
     mc = sample_outcomes(grids, probs, 1500, np.random.default_rng(1))
     assert np.abs(exact.p - mc.p).max() < 0.04
     both = (exact.p > 0.1) & (mc.p > 0.1)

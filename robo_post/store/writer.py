@@ -183,9 +183,9 @@ class ShardWriter:
         try:  # a short or damaged index would be padded (or cut) to the committed size below
             self.store.shard_episodes(self.client_id, commit)
         except StoreIntegrityError as e:
-            raise StoreIntegrityError(f"shard {self.client_id!r}: {e}; nothing was changed (`robo-post store repair` "
-                                      "keeps the episodes before the damage; new ones can go to another client id)"
-                                      ) from None
+            raise StoreIntegrityError(f"shard {self.client_id!r}: {e}; nothing was changed (`robo-post store repair "
+                                      "--apply` cuts the damage out and keeps every intact episode; until then new "
+                                      "episodes can go to another shard or store)") from None
         meta_path = os.path.join(self.path, "episodes.jsonl")
         with open(meta_path, "ab") as f:  # creates the file on first open
             f.truncate(self._meta_bytes)
