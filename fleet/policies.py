@@ -164,6 +164,14 @@ def _gaussian_policy(weights: dict[str, torch.Tensor], config: dict[str, Any], d
                                 device=device)
 
 
+def _categorical_policy(weights: dict[str, torch.Tensor], config: dict[str, Any], device: str) -> Policy:
+    """A categorical actor over integer actions (``algo=categorical_bc``)."""
+    from robo_post.models.categorical import CategoricalPolicy, CategoricalPolicyRunner
+
+    return CategoricalPolicyRunner(CategoricalPolicy.from_artifact(weights, config), config.get("deterministic", True),
+                                   device=device)
+
+
 def _steered_policy(weights: dict[str, torch.Tensor], config: dict[str, Any], device: str) -> Policy:
     """A frozen actor steered by a goal-conditioned prior (``robo-post steer``)."""
     from robo_post.steering.policy import SteeredPolicyRunner
@@ -201,6 +209,7 @@ POLICY_KINDS: dict[str, Builder] = {
     "sb3": _sb3_policy,
     "sb3_agent": _sb3_agent,
     "gaussian": _gaussian_policy,
+    "categorical": _categorical_policy,
     "steered": _steered_policy,
     "candidate": _candidate_policy,
     "proposal": _proposal_policy,

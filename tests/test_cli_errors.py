@@ -70,7 +70,7 @@ def test_a_bad_value_is_one_line_naming_it_and_writes_nothing(tmp_path, command,
 def test_help_anywhere_composes_the_overrides_and_lists_the_group_choices():
     late = _cli("train", "store=x", "--help", "algo=divl_qam")  # --help among the overrides, before one
     assert late.returncode == 0, late.stderr
-    assert "algo     bc_flow | craft | divl_qam | drest | fql | gaussian_bc | iql_qam | sb3   (now: divl_qam)" in late.stdout
+    assert "algo     bc_flow | categorical_bc | craft | divl_qam | drest | fql | gaussian_bc | iql_qam | sb3   (now: divl_qam)" in late.stdout
     # divl_qam's settings with their comments, not bc_flow's; the other overrides are listed.
     assert "critic_warmup: 200       # critic-only updates before the actor moves" in late.stdout
     assert "configs/algo/bc_flow.yaml" not in late.stdout and late.stdout.rstrip().endswith("store=x")

@@ -9,7 +9,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from robo_post.algos.registry import METHODS, MethodSpec, UnknownMethodError, method_spec, register_method
+from robo_post.algos.registry import (METHODS, ActionSpaceError, MethodSpec, UnknownMethodError, method_spec,
+                                      register_method)
 from robo_post.config import compose
 from robo_post.learner.drivers import value_range, warn_value_edges
 from robo_post.learner.train import train
@@ -144,7 +145,7 @@ def test_flow_policy_refuses_discrete_actions(tmp_path):
     store = Store.create(str(tmp_path / "d"), schema)
     with store.writer("x") as w:
         w.write_episode({"observation": np.zeros((4, 2), np.float32)}, np.array([0, 1, 1]), success=True)
-    with pytest.raises(ValueError, match="discrete"):
+    with pytest.raises(ActionSpaceError, match=r"actions are integers \(Discrete\): use algo=categorical_bc"):
         train(_cfg(str(tmp_path / "d"), str(tmp_path / "r"), "bc_flow"))
     # MultiDiscrete actions (one integer per dimension) are refused by the same message, not a broadcast error
     schema = StoreSchema({"observation": ArraySpec("float32", (2,))}, ArraySpec("int64", (2,), [0, 0], [2, 1]))
@@ -152,7 +153,7 @@ def test_flow_policy_refuses_discrete_actions(tmp_path):
     with store.writer("x") as w:
         w.write_episode({"observation": np.zeros((4, 2), np.float32)}, np.array([[0, 1], [2, 0], [1, 1]]), success=True)
     for method in ("bc_flow", "gaussian_bc"):
-        with pytest.raises(ValueError, match=f"algo={method} .* this store's actions are discrete"):
+        with pytest.raises(ActionSpaceError, match=f"algo={method} .* this store's actions are integers"):
             train(_cfg(str(tmp_path / "md"), str(tmp_path / method), method))
 
 

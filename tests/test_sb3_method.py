@@ -77,6 +77,21 @@ def test_sb3_agent_trains_publishes_and_is_collected_with_discrete_actions(tmp_p
     for e in imported.episodes():
         np.testing.assert_array_equal(imported.load(e)["action"], original[e.seed])
 
+    # Offline BC of the imported integer actions clones the agent, and eval runs the clone.
+    _cli("train", f"store={back}", "algo=categorical_bc", "updates=400", "data.success=null", "show=false",
+         f"run_dir={tmp_path / 'clone'}")
+    clone = build_policy(*PolicyRegistry(back).load(1))
+    env = gym.make("CartPole-v1")
+    obs = np.concatenate([imported.load(e)["obs"]["observation"][:-1] for e in imported.episodes()])
+    agree = np.mean([clone.act({"observation": o}, env) == agent.act({"observation": o}, None) for o in obs])
+    assert agree > 0.9, agree
+    _cli("eval", f"store={back}", "version=1", "episodes_per_task=2", "show=false")
+    rollouts = Store.open(back + "-eval").snapshot()
+    assert len(rollouts) == 2
+    for e in rollouts.episodes():  # every evaluated action is the clone's greedy one
+        data = rollouts.load(e)
+        assert data["action"].tolist() == [int(clone.act({"observation": o}, env)) for o in data["obs"]["observation"][:-1]]
+
 
 def test_an_sb3_run_killed_after_publishing_does_not_publish_again(tmp_path):
     store, run_dir = str(tmp_path / "store"), str(tmp_path / "ppo")

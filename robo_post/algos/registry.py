@@ -30,12 +30,14 @@ import torch
 
 from robo_post.algos.actor_critic import PAIRS, ActorCritic, ActorCriticConfig
 from robo_post.algos.bc_flow import BCFlow, BCFlowConfig
+from robo_post.algos.categorical_bc import CategoricalBC, CategoricalBCConfig
 from robo_post.algos.craft import Craft, CraftConfig
 from robo_post.algos.drest import DReSTAgent, DReSTConfig
 from robo_post.algos.gaussian_bc import GaussianBC, GaussianBCConfig
 from robo_post.algos.sb3_agent import SB3Agent, SB3AgentConfig
 from robo_post.models.features import Feature
 from robo_post.models.candidate_policy import CandidatePolicy
+from robo_post.models.categorical import CategoricalPolicyConfig
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
 from robo_post.models.gaussian import GaussianPolicyConfig
 from robo_post.models.proposal_policy import ProposalPolicy
@@ -139,9 +141,14 @@ def method_spec(name: str) -> MethodSpec:
 
 
 # --- built-in methods ----------------------------------------------------------------
-def _continuous(name: str, data: DataSpec) -> None:
+class ActionSpaceError(ValueError):
+    """The method cannot act in the store's kind of action (continuous vs integer)."""
+
+
+def _continuous(name: str, data: DataSpec, policy: str = "a flow policy") -> None:
     if data.discrete_actions:
-        raise ValueError(f"algo={name} trains a flow policy over continuous (Box) actions; this store's actions are discrete")
+        raise ActionSpaceError(f"algo={name} trains {policy} over continuous (Box) actions; this store's actions are "
+                               "integers (Discrete): use algo=categorical_bc (offline) or algo=sb3 (online, in the env)")
 
 
 def _build_bc_flow(config: BCFlowConfig, data: DataSpec, device: torch.device, reference: FlowPolicy | None) -> BCFlow:
@@ -157,11 +164,22 @@ def _build_bc_flow(config: BCFlowConfig, data: DataSpec, device: torch.device, r
 
 def _build_gaussian_bc(config: GaussianBCConfig, data: DataSpec, device: torch.device,
                        reference: FlowPolicy | None) -> GaussianBC:
-    if data.discrete_actions:
-        raise ValueError("algo=gaussian_bc fits a Gaussian over continuous (Box) actions; this store's actions are discrete")
+    _continuous("gaussian_bc", data, "a Gaussian")
     model = GaussianPolicyConfig(features=data.features, action_dim=data.action_dim, use_text=data.use_text,
                                  action_low=data.action_low, action_high=data.action_high, **config.model)
     method = GaussianBC(config, model, device)
+    method.policy.set_state_stats(data.state_mean, data.state_std)
+    return method
+
+
+def _build_categorical_bc(config: CategoricalBCConfig, data: DataSpec, device: torch.device,
+                          reference: FlowPolicy | None) -> CategoricalBC:
+    if not data.discrete_actions:
+        raise ActionSpaceError("algo=categorical_bc clones integer (Discrete) actions; this store's actions are "
+                               "continuous (Box): use algo=bc_flow or algo=gaussian_bc")
+    model = CategoricalPolicyConfig(features=data.features, action_low=data.action_low, action_high=data.action_high,
+                                    use_text=data.use_text, **config.model)
+    method = CategoricalBC(config, model, device)
     method.policy.set_state_stats(data.state_mean, data.state_std)
     return method
 
@@ -189,6 +207,9 @@ register_method(MethodSpec("bc_flow", BCFlowConfig, _build_bc_flow,
                            description="flow-matching behaviour cloning of action chunks"))
 register_method(MethodSpec("gaussian_bc", GaussianBCConfig, _build_gaussian_bc,
                            description="maximum-likelihood BC of a diagonal-Gaussian actor (steerable; a learned prior)",
+                           model_keys=("embed_dim", "hidden_dim")))
+register_method(MethodSpec("categorical_bc", CategoricalBCConfig, _build_categorical_bc,
+                           description="cross-entropy BC of a categorical actor over integer (Discrete) actions",
                            model_keys=("embed_dim", "hidden_dim")))
 for _name, _description in (("divl_qam", "DIVL categorical value + QAM adjoint matching"),
                             ("iql_qam", "IQL expectile value + QAM adjoint matching"),
