@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from robo_post.models.encoders import ObservationEncoder, mlp, obs_batch
+from robo_post.models.encoders import ObservationEncoder, PublishedModel, mlp, obs_batch
 from robo_post.models.features import Feature, FeatureConfigJSON
 
 ARTIFACT_KIND = "candidate"
@@ -56,8 +56,10 @@ class CandidatePolicyConfig(FeatureConfigJSON):
             raise CandidateConfigError(f"candidates {empty} are empty sequences; each needs at least one meta-action")
 
 
-class CandidatePolicy(nn.Module):
+class CandidatePolicy(PublishedModel, nn.Module):
     """Observation encoder + MLP head to one logit per candidate."""
+
+    artifact_kind, config_class = ARTIFACT_KIND, CandidatePolicyConfig
 
     def __init__(self, config: CandidatePolicyConfig):
         super().__init__()
@@ -76,19 +78,6 @@ class CandidatePolicy(nn.Module):
     def logits(self, obs: dict[str, Any]) -> torch.Tensor:
         """Candidate logits (B, K) at a batch of observations."""
         return self.head(self.encoder(obs))
-
-    def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """``(weights, config)`` for ``PolicyRegistry.publish`` (kind ``candidate``)."""
-        weights = {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}
-        return weights, {"kind": ARTIFACT_KIND, "model": self.config.to_json(), **provenance}
-
-    @classmethod
-    def from_artifact(cls, weights: dict[str, torch.Tensor], config: dict[str, Any], device: str | torch.device = "cpu"
-                      ) -> "CandidatePolicy":
-        """The policy a ``candidate`` artifact describes, in eval mode on ``device``."""
-        model = cls(CandidatePolicyConfig.from_json(config["model"]))
-        model.load_state_dict(weights)
-        return model.to(device).eval()
 
 
 class CandidatePolicyRunner:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from robo_post.models.encoders import ObservationEncoder, mlp, obs_batch
+from robo_post.models.encoders import ObservationEncoder, PublishedModel, SeededRunner, mlp, obs_batch
 from robo_post.models.features import Feature, FeatureConfigJSON
 
 ARTIFACT_KIND = "categorical"
@@ -59,8 +59,10 @@ class CategoricalPolicyConfig(FeatureConfigJSON):
         return [h - lo + 1 for lo, h in zip(self.action_low, self.action_high)]
 
 
-class CategoricalPolicy(nn.Module):
+class CategoricalPolicy(PublishedModel, nn.Module):
     """Observation encoder + MLP head to the logits of every action dimension."""
+
+    artifact_kind, config_class = ARTIFACT_KIND, CategoricalPolicyConfig
 
     def __init__(self, config: CategoricalPolicyConfig):
         super().__init__()
@@ -94,32 +96,14 @@ class CategoricalPolicy(nn.Module):
                  torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0] for logits in self.logits(obs)]
         return torch.stack(picks, dim=-1) + self.action_low
 
-    def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        weights = {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}
-        return weights, {"kind": ARTIFACT_KIND, "model": self.config.to_json(), **provenance}
 
-    @classmethod
-    def from_artifact(cls, weights: dict[str, torch.Tensor], config: dict[str, Any], device: str = "cpu"
-                      ) -> "CategoricalPolicy":
-        model = cls(CategoricalPolicyConfig.from_json(config["model"]))
-        model.load_state_dict(weights)
-        return model.to(device).eval()
-
-
-class CategoricalPolicyRunner:
+class CategoricalPolicyRunner(SeededRunner):
     """Fleet ``Policy`` over a categorical actor: its most likely action (``deterministic``) or a
     sample seeded per episode, shaped as the env's action space (a scalar for ``Discrete``)."""
-
-    def __init__(self, model: CategoricalPolicy, deterministic: bool = True, device: str = "cpu"):
-        self.model = model.to(device).eval()
-        self.deterministic = deterministic
-        self.generator = torch.Generator(device=device)
-
-    def reset(self, env: Any, seed: int) -> None:
-        self.generator.manual_seed(seed)
 
     def act(self, obs: dict[str, Any], env: Any) -> np.ndarray:
         c = self.model.config
         action = self.model.act(obs_batch(obs, c.features, c.use_text, env),
                                 None if self.deterministic else self.generator)
         return action[0].cpu().numpy().reshape(env.action_space.shape)
+

@@ -187,3 +187,40 @@ class BoundedActions:
     def unnormalize_actions(self, x: torch.Tensor) -> torch.Tensor:
         """(..., A) in [-1, 1] -> env units."""
         return self.action_low + (x + 1.0) * 0.5 * (self.action_high - self.action_low)
+
+
+class PublishedModel:
+    """Mixin for an ``nn.Module`` published as ``(weights, {"kind": ..., "model": <config JSON>})``.
+
+    Subclasses set ``artifact_kind`` and ``config_class`` (a ``FeatureConfigJSON`` dataclass)
+    and keep their config in ``self.config``.
+    """
+
+    artifact_kind: str
+    config_class: type
+
+    def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``(weights, config)`` for ``PolicyRegistry.publish``."""
+        weights = {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}
+        return weights, {"kind": self.artifact_kind, "model": self.config.to_json(), **provenance}
+
+    @classmethod
+    def from_artifact(cls, weights: dict[str, torch.Tensor], config: dict[str, Any],
+                      device: str | torch.device = "cpu"):
+        """The model an artifact of this kind describes, in eval mode on ``device``."""
+        model = cls(cls.config_class.from_json(config["model"]))
+        model.load_state_dict(weights)
+        return model.to(device).eval()
+
+
+class SeededRunner:
+    """Base of a fleet ``Policy`` over a model that acts by its mode (``deterministic``) or by
+    sampling with a generator seeded per episode (``reset``), so rollouts repeat per seed."""
+
+    def __init__(self, model: nn.Module, deterministic: bool = True, device: str = "cpu"):
+        self.model = model.to(device).eval()
+        self.deterministic = deterministic
+        self.generator = torch.Generator(device=device)
+
+    def reset(self, env: Any, seed: int) -> None:
+        self.generator.manual_seed(seed)

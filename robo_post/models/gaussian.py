@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from robo_post.models.encoders import BoundedActions, ObservationEncoder, mlp, obs_batch
+from robo_post.models.encoders import BoundedActions, ObservationEncoder, PublishedModel, SeededRunner, mlp, obs_batch
 from robo_post.models.features import Feature, FeatureConfigJSON
 from robo_post.steering.poe import Gaussian
 
@@ -49,8 +49,10 @@ class GaussianPolicyConfig(FeatureConfigJSON):
     log_std_max: float = 1.0
 
 
-class GaussianPolicy(BoundedActions, nn.Module):
+class GaussianPolicy(PublishedModel, BoundedActions, nn.Module):
     """Observation encoder + MLP head to a state-dependent mean and log std."""
+
+    artifact_kind, config_class = ARTIFACT_KIND, GaussianPolicyConfig
 
     def __init__(self, config: GaussianPolicyConfig):
         super().__init__()
@@ -80,28 +82,9 @@ class GaussianPolicy(BoundedActions, nn.Module):
         z = (x - mean) * torch.exp(-log_std)
         return (0.5 * z.pow(2) + log_std + 0.5 * math.log(2 * math.pi)).mean()
 
-    def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        weights = {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}
-        return weights, {"kind": ARTIFACT_KIND, "model": self.config.to_json(), **provenance}
 
-    @classmethod
-    def from_artifact(cls, weights: dict[str, torch.Tensor], config: dict[str, Any], device: str = "cpu"
-                      ) -> "GaussianPolicy":
-        model = cls(GaussianPolicyConfig.from_json(config["model"]))
-        model.load_state_dict(weights)
-        return model.to(device).eval()
-
-
-class GaussianPolicyRunner:
+class GaussianPolicyRunner(SeededRunner):
     """Fleet ``Policy`` over a Gaussian actor: its mean (``deterministic``) or a sample seeded per episode."""
-
-    def __init__(self, model: GaussianPolicy, deterministic: bool = True, device: str = "cpu"):
-        self.model = model.to(device).eval()
-        self.deterministic = deterministic
-        self.generator = torch.Generator(device=device)
-
-    def reset(self, env: Any, seed: int) -> None:
-        self.generator.manual_seed(seed)
 
     @torch.no_grad()
     def act(self, obs: dict[str, Any], env: Any) -> np.ndarray:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from robo_post.models.candidate_policy import CandidatePolicyRunner
-from robo_post.models.encoders import BoundedActions, ObservationEncoder, mlp, obs_batch
+from robo_post.models.encoders import BoundedActions, ObservationEncoder, PublishedModel, mlp, obs_batch
 from robo_post.models.features import Feature, FeatureConfigJSON
 
 ARTIFACT_KIND = "proposal"
@@ -81,8 +81,10 @@ class ProposalPolicyConfig(FeatureConfigJSON):
                 raise ProposalConfigError(f"{name} has {len(getattr(self, name))} entries; action_dim is {self.action_dim}")
 
 
-class ProposalPolicy(BoundedActions, nn.Module):
+class ProposalPolicy(PublishedModel, BoundedActions, nn.Module):
     """Observation encoder + MLP head to a state-dependent mean and log std of every action of a chunk."""
+
+    artifact_kind, config_class = ARTIFACT_KIND, ProposalPolicyConfig
 
     def __init__(self, config: ProposalPolicyConfig):
         super().__init__()
@@ -140,19 +142,6 @@ class ProposalPolicy(BoundedActions, nn.Module):
         """Mean negative log-likelihood per action entry of env-unit chunks (B, H, A): the behaviour-cloning loss."""
         c = self.config
         return -self.logits(obs, chunks[:, None]).mean() / (c.horizon * c.action_dim)
-
-    def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """``(weights, config)`` for ``PolicyRegistry.publish`` (kind ``proposal``)."""
-        weights = {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}
-        return weights, {"kind": ARTIFACT_KIND, "model": self.config.to_json(), **provenance}
-
-    @classmethod
-    def from_artifact(cls, weights: dict[str, torch.Tensor], config: dict[str, Any], device: str | torch.device = "cpu"
-                      ) -> "ProposalPolicy":
-        """The policy a ``proposal`` artifact describes, in eval mode on ``device``."""
-        model = cls(ProposalPolicyConfig.from_json(config["model"]))
-        model.load_state_dict(weights)
-        return model.to(device).eval()
 
 
 class ProposalPolicyRunner(CandidatePolicyRunner):

@@ -114,7 +114,7 @@ def validate_store(root: str) -> tuple[int, list[str]]:
     for ep in snap:
         by_shard.setdefault(ep.client_id, []).append(ep)
     for shard, eps in by_shard.items():
-        steps = objs = 0
+        steps = 0
         for ep in eps:  # row ranges: checked when the snapshot read the records
             if ep.role not in ROLES:
                 problems.append(f"{ep.key}: unknown role {ep.role!r}")
