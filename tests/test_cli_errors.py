@@ -4,6 +4,7 @@ finished `train` re-run publishes nothing."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import yaml
 
 from robo_post.fleet.client import read_status
 from robo_post.store import PolicyRegistry
+from test_store import tree_hash
 
 
 def _cli(*args, cwd=None, timeout=120):
@@ -146,3 +148,22 @@ def test_rerunning_a_finished_train_publishes_nothing(interrupted, tmp_path):
     assert PolicyRegistry(store).versions() == [1]
     more = _cli(*args[:3], "updates=6", *args[4:])  # a larger target continues the run and publishes
     assert more.returncode == 0 and json.loads(more.stdout)["version"] == 2, more.stderr
+
+
+def test_a_run_dir_of_another_method_is_refused_and_left_as_it_was(interrupted, tmp_path):
+    """Two trains at one run_dir (e.g. the default): the second loaded the first's checkpoint and
+    failed calling it damaged, after overwriting the run's config.yaml with its own settings."""
+    store, run_dir = str(tmp_path / "store"), tmp_path / "run"
+    shutil.copytree(interrupted[0], store)
+    common = [f"store={store}", f"run_dir={run_dir}", "batch_size=4", "log_every=2", "prefetch=0",
+              "device=cpu", "show=false", "data.success=null", "model.use_images=false", "model.use_text=false",
+              "model.hidden_dim=16", "model.embed_dim=8"]
+    first = _cli("train", "algo=gaussian_bc", *common, "updates=4")
+    assert first.returncode == 0, first.stderr
+    before = tree_hash(str(run_dir))
+    for updates in ("updates=4", "updates=8"):  # as if finished, and as if to be continued
+        other = _cli("train", "algo=bc_flow", *common, updates, "model.flow_steps=2")
+        assert other.returncode == 1 and other.stderr.strip() == (
+            f"robo-post train: RunResumeError: {run_dir} holds a run of algo=gaussian_bc (store {store}), not of "
+            "algo=bc_flow; nothing was changed. Give this run its own run_dir, e.g. run_dir=runs/bc_flow"), other.stderr
+    assert tree_hash(str(run_dir)) == before and PolicyRegistry(store).versions() == [1]

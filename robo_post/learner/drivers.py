@@ -200,13 +200,34 @@ def warn_value_edges(logged: list[dict[str, float]], value_range_: tuple[float, 
               file=sys.stderr)
 
 
+def check_same_method(run_dir: str, cfg: DictConfig) -> None:
+    """Refuse a ``run_dir`` whose recorded run is of another method than ``cfg.algo.name``
+    (e.g. two ``train`` commands left at the default run_dir): neither resuming its
+    checkpoint nor publishing its weights again under the new method means anything, and
+    starting would overwrite its record. A damaged ``config.yaml`` is ``_run_record``'s to warn about.
+
+    Raises:
+        RunResumeError: naming both methods, the run's store and a way out.
+    """
+    config_path = os.path.join(run_dir, "config.yaml")
+    recorded = _run_record(config_path, OmegaConf.load) if os.path.exists(config_path) else None
+    algo = (recorded or {}).get("algo")
+    was = algo.get("name") if isinstance(algo, dict) else None
+    if was is not None and was != cfg.algo.name:
+        raise RunResumeError(f"{run_dir} holds a run of algo={was} (store {recorded.get('store')}), not of "
+                             f"algo={cfg.algo.name}; nothing was changed. Give this run its own run_dir, e.g. "
+                             f"run_dir=runs/{cfg.algo.name}")
+
+
 def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig) -> dict[str, Any] | None:
     """The summary of the run in ``run_dir`` when it has already finished with this config
     (``summary.json`` written, its checkpoint's ``counter`` at ``target`` or past it, the same
     settings but the display ones), else None: re-running a finished run would publish a duplicate
     version trained by 0 more updates. Changed settings (e.g. acting deterministically or
     not) publish the trained weights again under them, with a warning naming the changes:
-    the weights are not trained again, whatever the changed settings would have trained."""
+    the weights are not trained again, whatever the changed settings would have trained.
+    A run of another method is refused first (``check_same_method``)."""
+    check_same_method(run_dir, cfg)
     summary_path, ckpt = os.path.join(run_dir, "summary.json"), os.path.join(run_dir, "checkpoint")
     config_path = os.path.join(run_dir, "config.yaml")
     if not (os.path.exists(summary_path) and os.path.exists(config_path) and has_checkpoint(ckpt)):
