@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from robo_post.envs.registry import EnvSpec, NoExpertError, UnknownExpertModeError, env_spec
 from robo_post.fleet.client import ClientConfig, Overseer, store_schema
 from robo_post.fleet.launcher import LocalLauncher, RayLauncher, raise_unfinished
-from robo_post.store import Store
+from robo_post.store import PolicyNotFoundError, PolicyRegistry, Store
 from robo_post.store.schema import infer_role
 
 
@@ -66,19 +66,27 @@ class CollectSettingsError(ValueError):
 def check_env_supports(cfg: DictConfig, spec: EnvSpec) -> None:
     """Refuse, before the store or any client is made, what every client would crash on, restart
     and crash again: a scripted expert or an overseer the env's registry entry does not have, a
-    negative seed, an SB3 policy without its zip.
+    negative seed, an SB3 policy without its zip, a pinned version the store does not hold.
 
     Raises:
         NoExpertError: ``policy=expert`` (the default) with nothing published to run instead.
         UnknownExpertModeError: a ``policy.mode`` the env's expert does not have.
         OverseerUnsupportedError: ``fleet.overseer.enabled`` for an env without an overseer.
         CollectSettingsError: a negative ``seed``; ``policy=sb3`` whose ``policy.path`` is unset or no file.
+        PolicyNotFoundError: ``fleet.policy_version`` not published in the store (or unreadable).
     """
     fleet = cfg.fleet
     if fleet.overseer.enabled:
         Overseer(spec, **OmegaConf.to_container(fleet.overseer, resolve=True))
     if cfg.seed < 0:  # episode seeds derive from it; gymnasium takes non-negative seeds only
         raise CollectSettingsError(f"seed={cfg.seed}: seeds must be >= 0")
+    if (pinned := fleet.get("policy_version")) is not None:  # each client would fail loading it, and restart
+        policies = os.path.join(str(cfg.store), "policies")
+        published = PolicyRegistry(str(cfg.store)).versions() if os.path.isdir(policies) else []
+        if pinned not in published:
+            raise PolicyNotFoundError(f"fleet.policy_version={pinned} is not published in {policies}; "
+                                      f"published: {published or 'none'}")
+        PolicyRegistry(str(cfg.store)).load(pinned)  # a damaged version: its typed error, once
     runs_expert = not fleet.follow_registry and fleet.get("policy_version") is None
     if cfg.policy.kind == "sb3" and runs_expert:
         if OmegaConf.is_missing(cfg.policy, "path"):

@@ -103,14 +103,17 @@ def test_collect_refuses_an_expert_mode_the_env_lacks(tmp_path):
     (["seed=-1"], "CollectSettingsError: seed=-1: seeds must be >= 0"),
     (["policy=sb3"], "CollectSettingsError: policy=sb3 needs policy.path=AGENT.zip (the zip SB3's save wrote)"),
     (["policy=sb3", "policy.path=/nowhere/agent.zip"], "CollectSettingsError: policy.path=/nowhere/agent.zip: no such file"),
+    (["fleet.policy_version=1"], "PolicyNotFoundError: fleet.policy_version=1 is not published in {store}/policies; "
+                                 "published: none"),
 ])
 def test_collect_refuses_settings_every_client_would_fail_on(tmp_path, overrides, error):
-    """The clients failed on them (an SB3 path was even reported as '???.zip' or 'agent.zip.zip')."""
+    """The clients failed on them (an SB3 path was even reported as '???.zip' or 'agent.zip.zip'; a pinned
+    version that was never published created the store, then failed in every client)."""
     store = tmp_path / "store"
     r = subprocess.run([sys.executable, "-m", "robo_post.cli", "collect", "env=point_mass", *overrides,
                         "episodes=2", f"store={store}", "show=false"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1] == f"robo-post collect: {error}", r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == f"robo-post collect: {error.format(store=store)}", r.stderr[-2000:]
     assert not store.exists()
 
 
