@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any
@@ -120,7 +121,14 @@ def collect(cfg: DictConfig) -> list[dict[str, Any]]:
     """
     env, tasks = env_config(cfg)
     check_env_supports(cfg, env_spec(env["name"]))
-    store = Store.create(cfg.store, store_schema(env, tasks[0] if tasks else None), exist_ok=True)
+    schema = store_schema(env, tasks[0] if tasks else None)
+    if os.path.exists(os.path.join(cfg.store, "store.json")):
+        stored = Store.open(cfg.store).schema
+        if stored.extras and not stored.layout_differences(dataclasses.replace(schema, extras=stored.extras)):
+            # a store that also records per-step extras (a steering deployment's distributions,
+            # CRAFT's candidate scores): clients record them from what the policy and the env report
+            schema = dataclasses.replace(schema, extras=stored.extras)
+    store = Store.create(cfg.store, schema, exist_ok=True)
     statuses = make_launcher(cfg, client_configs(cfg, store)).run(show=cfg.show)
     raise_unfinished(statuses, "fleet clients", store.root)
     return statuses

@@ -91,6 +91,15 @@ def test_steer_cli_selects_alpha_publishes_and_records_auditable_extras(actor_st
                                 f"store={out}", "show=false", "fleet.n_clients=1").stdout)
     assert again["version"] == summary["version"] == PolicyRegistry(out).latest() and again["episodes"] == 2
     assert json.loads(open(os.path.join(out, "steer", f"v{summary['version']}.json")).read()) == again
+    # Fleet clients pinned to it record the same audit extras (the store's schema was refused before).
+    run_cli("collect", "env=point_mass", f"store={out}", f"fleet.policy_version={summary['version']}", "episodes=2",
+            "fleet.n_clients=1", "fleet.client_prefix=fleet", "show=false")
+    snap = Store.open(out).snapshot(record=False)
+    fleet = [e for e in snap.episodes() if e.client_id.startswith("fleet")]
+    assert len(fleet) == 2 and all(e.policy_version == summary["version"] for e in fleet)
+    data = snap.load(fleet[0])
+    assert np.allclose(data["action"], np.clip(data["extras"]["steered_mean"], -1, 1), atol=1e-6)
+    assert np.allclose(data["extras"]["prior_std"], 0.2)
 
 
 def test_steer_eval_grid_and_report(actor_store, tmp_path):
