@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from robo_post.config import compose
 from robo_post.learner.checkpoint import CheckpointError
-from robo_post.learner.drivers import publish_once
+from robo_post.learner.drivers import NoEpisodesError, publish_once
 from robo_post.learner.train import train
 from robo_post.models.features import Feature, state_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig, FlowPolicyRunner
@@ -167,7 +167,8 @@ def test_train_on_the_shards_of_named_clients_only(tiny_store, tmp_path):
     cfg = OmegaConf.merge(_train_cfg(tiny_store, str(tmp_path / "run"), 2), {"data": {"clients": ["client"]}})
     assert train(cfg)["episodes"] == 6  # shard client-0 of the fleet
     cfg = OmegaConf.merge(_train_cfg(tiny_store, str(tmp_path / "none"), 2), {"data": {"clients": ["demo", "clien"]}})
-    with pytest.raises(ValueError, match="match the data filter"):
+    with pytest.raises(NoEpisodesError, match=r"match the data filter .*; it holds 6 episodes of tasks \[reach\], "
+                                              r"roles \[other\], clients \[client-0\]"):
         train(cfg)  # a prefix names whole client ids' stems: "clien" is not "client"
     cfg = OmegaConf.merge(_train_cfg(tiny_store, str(tmp_path / "exact"), 2), {"data": {"clients": ["client-0"]}})
     assert train(cfg)["episodes"] == 6  # one shard by its exact id

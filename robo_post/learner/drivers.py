@@ -63,6 +63,14 @@ def register_driver(name: str, driver: Driver, check_env: EnvCheck | None = None
 
 
 # --- data -----------------------------------------------------------------------------
+class NoEpisodesError(ValueError):
+    """The ``data`` filter selects no episode of the snapshot."""
+
+
+def _listed(values: list[str], most: int = 8) -> str:
+    return "[" + ", ".join(values[:most]) + (f", ... ({len(values)} in all)" if len(values) > most else "") + "]"
+
+
 def select_episodes(snap: Snapshot, data: DictConfig) -> list[EpisodeInfo]:
     """Episodes of ``snap`` passing the ``data`` filter (tasks, success, roles, clients: a shard's
     exact id or the stem of several, ``demo`` for ``demo-0``, ``demo-1``, ...)."""
@@ -71,10 +79,15 @@ def select_episodes(snap: Snapshot, data: DictConfig) -> list[EpisodeInfo]:
     if data.get("clients"):
         episodes = [e for e in episodes if any(e.client_id == p or e.client_id.startswith(f"{p}-") for p in data.clients)]
     if not episodes:
-        unjudged = sum(e.success is None for e in snap.episodes())
+        every = list(snap.episodes())
+        unjudged = sum(e.success is None for e in every)
         hint = (f"; {unjudged} episodes have no success label (their env or import rule defines none): "
                 "data.success=null trains on them" if data.success is not None and unjudged else "")
-        raise ValueError(f"no episodes in snapshot {snap.id} match the data filter {OmegaConf.to_container(data)}{hint}")
+        held = {name: sorted({str(getattr(e, attr)) for e in every})
+                for name, attr in (("tasks", "task_id"), ("roles", "role"), ("clients", "client_id"))}
+        raise NoEpisodesError(f"no episodes in snapshot {snap.id} match the data filter "
+                              f"{OmegaConf.to_container(data)}{hint}; it holds {len(every)} episodes of "
+                              + ", ".join(f"{name} {_listed(values)}" for name, values in held.items()))
     return episodes
 
 
