@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from robo_post.config import compose
 from robo_post.learner.checkpoint import CheckpointError
-from robo_post.learner.drivers import NoEpisodesError, publish_once
+from robo_post.learner.drivers import NoEpisodesError, NonFiniteWeightsError, publish_once
 from robo_post.learner.train import train
 from robo_post.models.features import Feature, state_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig, FlowPolicyRunner
@@ -210,6 +210,11 @@ def test_publish_once_marks_the_same_weights_under_another_config(tmp_path):
     assert registry.load(2)[1]["same_weights_as"] == 1
     assert publish_once(registry, w, {"kind": "x", "lr": 2}) == 2  # the marked version is found again too
     assert publish_once(registry, other, {"kind": "x", "lr": 2}) == 3 and "same_weights_as" not in registry.load(3)[1]
+    for diverged in (float("nan"), float("inf")):  # a fleet following the registry would run it
+        with pytest.raises(NonFiniteWeightsError, match=r"non-finite weights in 1 tensors \(w, \.\.\.\): training "
+                                                        "diverged"):
+            publish_once(registry, {"w": torch.tensor([1.0, diverged]), "n": torch.tensor([1])}, {"kind": "x"})
+    assert registry.versions() == [1, 2, 3]
 
 
 def test_a_run_killed_after_publishing_does_not_publish_again(tiny_store, tmp_path):

@@ -326,12 +326,25 @@ def check_resume(run_dir: str, cfg: DictConfig, counter: str, target: int, setti
             f"new ones. Rerun with the recorded settings to resume it ({setting} may grow), or use a new run_dir")
 
 
+class NonFiniteWeightsError(ValueError):
+    """A trained policy holds NaN or infinite weights (training diverged): it is not published."""
+
+
 def publish_once(registry: PolicyRegistry, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> int:
     """Publish ``(weights, config)``, or return the registry's newest version when it already is
     exactly that: a run killed after publishing, before its ``summary.json``, resumes at its
     final checkpoint and would otherwise publish the same policy a second time. The newest
     version's weights under another config (a finished run published again under changed
-    settings) are published with ``same_weights_as`` naming that version."""
+    settings) are published with ``same_weights_as`` naming that version.
+
+    Raises:
+        NonFiniteWeightsError: a weight is NaN or infinite (a fleet following the registry would
+            run it, every action non-finite).
+    """
+    bad = sorted(k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all())
+    if bad:
+        raise NonFiniteWeightsError(f"the trained policy has non-finite weights in {len(bad)} tensors ({bad[0]}, ...): "
+                                    "training diverged (a lower algo.lr or grad_clip may help); nothing was published")
     latest = registry.latest()
     if latest is not None:
         published, published_config = registry.load(latest)
