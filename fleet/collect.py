@@ -12,8 +12,9 @@ from omegaconf import DictConfig, OmegaConf
 from robo_post.envs.registry import EnvSpec, NoExpertError, UnknownExpertModeError, env_spec
 from robo_post.fleet.client import ClientConfig, Overseer, store_schema
 from robo_post.fleet.launcher import LocalLauncher, RayLauncher, raise_unfinished
-from robo_post.store import PolicyNotFoundError, PolicyRegistry, Store
+from robo_post.store import PolicyNotFoundError, PolicyRegistry, ShardLockedError, Store
 from robo_post.store.schema import infer_role
+from robo_post.store.writer import lock_shard
 
 
 def env_config(cfg: DictConfig) -> tuple[dict[str, Any], list[str]]:
@@ -129,6 +130,15 @@ def collect(cfg: DictConfig) -> list[dict[str, Any]]:
             # CRAFT's candidate scores): clients record them from what the policy and the env report
             schema = dataclasses.replace(schema, extras=stored.extras)
     store = Store.create(cfg.store, schema, exist_ok=True)
-    statuses = make_launcher(cfg, client_configs(cfg, store)).run(show=cfg.show)
+    configs = client_configs(cfg, store)
+    for config in configs:  # another collect with the same client ids: its clients would count its episodes as ours
+        shard = os.path.join(store.root, "shards", config.client_id)
+        if os.path.isdir(shard):
+            try:
+                os.close(lock_shard(shard, config.client_id))
+            except ShardLockedError as e:
+                raise ShardLockedError(f"{e} (another collect into {store.root}?): nothing was recorded; give this "
+                                       "one its own fleet.client_prefix") from None
+    statuses = make_launcher(cfg, configs).run(show=cfg.show)
     raise_unfinished(statuses, "fleet clients", store.root)
     return statuses

@@ -9,6 +9,7 @@ import pytest
 
 from robo_post.config import compose
 from robo_post.store import PolicyRegistry, Store
+from robo_post.store.writer import lock_shard
 
 
 def test_run_end_to_end(tmp_path):
@@ -142,3 +143,21 @@ def test_a_run_dir_reused_with_other_settings_is_refused(tmp_path):
     assert damaged.returncode == 1 and damaged.stderr.strip().splitlines()[-1] == (
         f"robo-post run: RunSettingsChangedError: {run_dir / 'config.yaml'} is damaged (ParserError); restore it, "
         "or use a new run_dir")
+
+
+def test_a_second_collect_into_shards_in_use_is_refused(tmp_path):
+    """It exited 0 reporting its episodes done while recording none: its clients found the shards
+    locked and the first collect's status files reporting its own target."""
+    store = tmp_path / "store"
+    cli = [sys.executable, "-m", "robo_post.cli", "collect", "env=point_mass", "episodes=2", "fleet.n_clients=1",
+           f"store={store}", "show=false"]
+    assert subprocess.run(cli, capture_output=True, text=True, timeout=120).returncode == 0
+    held = lock_shard(str(store / "shards" / "client-0"), "client-0")  # as the first collect's client, still running
+    try:
+        r = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    finally:
+        os.close(held)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+        f"robo-post collect: ShardLockedError: shard 'client-0' is already open for writing by another process "
+        f"(another collect into {store}?): nothing was recorded; give this one its own fleet.client_prefix"), r.stderr
+    assert len(Store.open(str(store)).snapshot(record=False)) == 2
