@@ -606,6 +606,14 @@ class BridgeConfig:
     burst_episodes: int = 2
     exit_on_final: bool = False
 
+    def __post_init__(self) -> None:
+        # timeout <= 0 discarded every episode as it opened; the queue depth needs whole episodes
+        if not self.timeout > 0:
+            raise ValueError(f"timeout={self.timeout}: seconds an open episode may stay silent, must be > 0")
+        if self.max_steps < 0 or self.burst_episodes < 1:
+            raise ValueError(f"max_steps={self.max_steps} must be >= 0 (0: the description's) and "
+                             f"burst_episodes={self.burst_episodes} >= 1")
+
 
 @dataclass
 class StatusConfig:
@@ -639,7 +647,10 @@ def parse_config(cls: type, argv: list[str]) -> Any:
         key, sep, text = arg.partition("=")
         if not sep or key not in hints:
             raise ValueError(f"expected key=value with key in {sorted(hints)}, got {arg!r}")
-        values[key] = _convert(text, hints[key])
+        try:
+            values[key] = _convert(text, hints[key])
+        except ValueError as e:
+            raise ValueError(f"{key}={text!r}: {e}") from None
     return cls(**values)
 
 

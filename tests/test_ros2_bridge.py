@@ -765,9 +765,15 @@ def test_cli_refuses_bad_args_in_one_line(tmp_path, capsys):
     sim config its robot cannot run; ros2-status on a missing store says so instead of
     printing nothing."""
     for arg, message in [("namespace=bad-ns", "namespace='bad-ns': Invalid namespace"),
-                         ("domain_id=300", "domain_id=300: ROS domain ids are 0..232")]:
+                         ("domain_id=300", "domain_id=300: ROS domain ids are 0..232"),
+                         # accepted before, then every episode was discarded as a timeout
+                         ("timeout=-1", "timeout=-1.0: seconds an open episode may stay silent, must be > 0"),
+                         ("timeout=0", "timeout=0.0: seconds an open episode may stay silent, must be > 0"),
+                         ("timeout=abc", "timeout='abc': could not convert string to float: 'abc'"),
+                         ("burst_episodes=0", "burst_episodes=0 >= 1")]:
         assert cli_main(["fleet", "ros2-bridge", f"store={tmp_path / 'store'}", arg]) == 2
         assert message in capsys.readouterr().err
+        assert not (tmp_path / "store").exists()
     sim = ["fleet", "ros2-sim", f"robot={ARM2_PATH}", f"domain_id={fresh_domain()}", "discovery_timeout=1"]
     assert cli_main(sim) == 1  # the default policy=expert: refused before waiting for a bridge
     assert "names no simulator env, and its kinematic stand-in has no expert" in capsys.readouterr().err
