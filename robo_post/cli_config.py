@@ -154,6 +154,14 @@ def _registry_version(key: str, v: Any) -> None:
 
 
 _COUNT, _COUNT0 = integer(1), integer(0)
+
+
+def _seed(key: str, v: Any) -> None:
+    """What numpy, torch and gymnasium all take: 0 .. 2**63 - 1."""
+    if not (_is_int(v) and 0 <= v < 2 ** 63):
+        raise ConfigError(key, v, "an integer in [0, 2**63)")
+
+
 _SPLIT = choice("train", "heldout")
 _FLEET = {
     "fleet.n_clients": _COUNT, "fleet.max_restarts": _COUNT0, "fleet.layout_repeats": _COUNT,
@@ -163,7 +171,7 @@ _FLEET = {
     "fleet.overseer.stall_tol": number(0), "fleet.overseer.deadline": number(0, 1, low_open=True, optional=True),
 }
 _TRAIN = {
-    "store": text(), "run_dir": text(), "device": device, "torch_threads": _COUNT, "updates": _COUNT,
+    "store": text(), "run_dir": text(), "device": device, "torch_threads": _COUNT, "updates": _COUNT, "seed": _seed,
     "batch_size": _COUNT, "gamma": number(0, 1, low_open=True), "prefetch": _COUNT0, "amp": choice("bf16", optional=True),
     "compile": boolean,
     "log_every": _COUNT, "checkpoint_every": _COUNT, "eval.every": _COUNT0, "eval.episodes_per_task": _COUNT,
@@ -185,12 +193,13 @@ RULES: dict[str, dict[str, Check]] = {
     "eval": {
         "store": text(), "version": _version, "env.name": text(optional=True), "tasks": items(text(), "task ids"),
         "episodes_per_task": _COUNT, "split": items(_SPLIT, "splits (train | heldout)", single=True, optional=False),
-        "n_clients": _COUNT, "out_store": text(optional=True), "device": device,
+        "n_clients": _COUNT, "out_store": text(optional=True), "device": device, "seed": _seed,
     },
     "report": {"run_dir": items(text(), "run dirs", single=True), "eval_store": text(optional=True),
                "results": items(text(), "result files"), "out_dir": text()},
     "run": {
-        "run_dir": text(), "device": device, "env.name": text(), "env.tasks": items(text(), "task ids"), **_FLEET,
+        "run_dir": text(), "device": device, "seed": _seed, "env.name": text(), "env.tasks": items(text(), "task ids"),
+        **_FLEET,
         "demos.episodes": _COUNT, "demos.noise": number(0), "play.episodes": _COUNT0, "play.noise": number(0),
         "play.mode": choice("near_miss", "expert"), "deploy.episodes": _COUNT0, "deploy.layout_repeats": _COUNT,
         "lwd.algo": choice("divl_qam", "iql_qam", "fql"), "lwd.device": device, "lwd.torch_threads": _COUNT,

@@ -35,6 +35,10 @@ BAD = [  # (command, overrides, what the error line must name)
     ("eval", ["version=newest"], ["version='newest'", "latest"]),
     ("train", ["algo=nope"], ["algo='nope'", "divl_qam"]),
     ("train", ["updates=1.5"], ["updates=1.5", "integer >= 1"]),
+    # numpy's "expected non-negative integer" (eval: from every client) and torch's overflow, naming no key
+    ("train", ["seed=-1"], ["seed=-1", "an integer in [0, 2**63)"]),
+    ("train", ["seed=99999999999999999999"], ["seed=99999999999999999999", "[0, 2**63)"]),
+    ("eval", ["seed=-1"], ["seed=-1", "an integer in [0, 2**63)"]),
     ("train", ["+algo.critic_warmpu=3", "algo=divl_qam"], ["algo.critic_warmpu", "critic_warmup"]),
     ("report", ["frames=maybe"], ["frames='maybe'", "true | false"]),
     ("run", ["+bc.model.hiden=3"], ["bc.model.hiden", "hidden_dim"]),
