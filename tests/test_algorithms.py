@@ -73,6 +73,15 @@ def test_train_publishes_the_extracted_policy_with_provenance(bc_store, tmp_path
     assert ("tau_mean" in rows[-1]) == (algo == "divl_qam")
 
 
+def test_a_budget_within_the_critic_warmup_is_warned_about(bc_store, tmp_path, capsys):
+    """The published actor was the reference unchanged, with nothing said."""
+    train(_cfg(bc_store, str(tmp_path / "short"), "divl_qam", 4, warmup=4))
+    assert ("warning: updates=4 <= algo.critic_warmup=4: only the critic trains, and the published actor is the "
+            "reference policy unchanged") in capsys.readouterr().err
+    train(_cfg(bc_store, str(tmp_path / "long"), "divl_qam", 4, warmup=2))
+    assert "critic_warmup" not in capsys.readouterr().err
+
+
 def test_the_reference_is_the_first_flow_version_and_another_kind_is_named(bc_store, tmp_path):
     store = Store.create(str(tmp_path / "store"), Store.open(bc_store).schema)
     registry = PolicyRegistry(store.root)

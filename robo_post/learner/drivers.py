@@ -408,6 +408,9 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     if "model" in spec.config.__dataclass_fields__:
         values.setdefault("model", {k: cfg.model[k] for k in spec.model_keys if cfg.model.get(k) is not None})
     config = spec.make_config(values)
+    if cfg.updates <= getattr(config, "critic_warmup", 0):
+        print(f"warning: updates={cfg.updates} <= algo.critic_warmup={config.critic_warmup}: only the critic "
+              "trains, and the published actor is the reference policy unchanged", file=sys.stderr)
     reference, parent = (load_reference(store, config.reference_version, device) if spec.needs_reference
                          else (None, None))
     horizon = reference.config.horizon if reference is not None else cfg.model.horizon or chunk_defaults(store.schema)[0]
