@@ -84,12 +84,14 @@ def check_env_supports(cfg: DictConfig, spec: EnvSpec) -> None:
         raise CollectSettingsError(f"seed={cfg.seed}: seeds must be >= 0")
     if (pinned := fleet.get("policy_version")) is not None:  # each client would fail loading it, and restart
         policies = os.path.join(str(cfg.store), "policies")
-        published = PolicyRegistry(str(cfg.store)).versions() if os.path.isdir(policies) else []
+        # no registry yet: nothing published (and PolicyRegistry would create its folder)
+        registry = PolicyRegistry(str(cfg.store)) if os.path.isdir(policies) else None
+        published = registry.versions() if registry is not None else []
         if pinned not in published:
             raise PolicyNotFoundError(f"fleet.policy_version={pinned} is not published in {policies}; "
                                       f"published: {published or 'none'}")
-        PolicyRegistry(str(cfg.store)).load(pinned)  # a damaged version: its typed error, once
-    runs_expert = not fleet.follow_registry and fleet.get("policy_version") is None
+        registry.load(pinned)  # a damaged version: its typed error, once
+    runs_expert = not fleet.follow_registry and pinned is None
     if cfg.policy.kind == "sb3" and runs_expert:
         if OmegaConf.is_missing(cfg.policy, "path"):
             raise CollectSettingsError("policy=sb3 needs policy.path=AGENT.zip (the zip SB3's save wrote)")

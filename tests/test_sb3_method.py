@@ -90,7 +90,8 @@ def test_sb3_agent_trains_publishes_and_is_collected_with_discrete_actions(tmp_p
     assert len(rollouts) == 2
     for e in rollouts.episodes():  # every evaluated action is the clone's greedy one
         data = rollouts.load(e)
-        assert data["action"].tolist() == [int(clone.act({"observation": o}, env)) for o in data["obs"]["observation"][:-1]]
+        greedy = [int(clone.act({"observation": o}, env)) for o in data["obs"]["observation"][:-1]]
+        assert data["action"].tolist() == greedy
 
 
 def test_an_sb3_run_killed_after_publishing_does_not_publish_again(tmp_path):

@@ -147,8 +147,9 @@ class ActionSpaceError(ValueError):
 
 def _continuous(name: str, data: DataSpec, policy: str = "a flow policy") -> None:
     if data.discrete_actions:
-        raise ActionSpaceError(f"algo={name} trains {policy} over continuous (Box) actions; this store's actions are "
-                               "integers (Discrete): use algo=categorical_bc (offline) or algo=sb3 (online, in the env)")
+        raise ActionSpaceError(f"algo={name} trains {policy} over continuous (Box) actions; this store's actions "
+                               "are integers (Discrete): use algo=categorical_bc (offline) or algo=sb3 (online, in "
+                               "the env)")
 
 
 def _build_bc_flow(config: BCFlowConfig, data: DataSpec, device: torch.device, reference: FlowPolicy | None) -> BCFlow:

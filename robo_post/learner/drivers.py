@@ -252,8 +252,8 @@ def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig) -> di
     if done < target:
         return None
     if changed := changed_settings(saved, OmegaConf.to_container(cfg, resolve=True)):
-        print(f"warning: {run_dir} finished at {counter} {done} with other settings "
-              f"({describe_changes(changed, None)}); its weights are published again under the new ones without training (the version records "
+        print(f"warning: {run_dir} finished at {counter} {done} with other settings ({describe_changes(changed, None)}); "
+              "its weights are published again under the new ones without training (the version records "
               "`same_weights_as`): settings that shape training take effect in a new run_dir", file=sys.stderr)
         return None
     print(f"{run_dir} is already done ({counter} {done} of {target}, published version {summary.get('version')}); "
