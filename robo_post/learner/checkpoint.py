@@ -3,11 +3,14 @@
 A checkpoint holds named modules, named optimizers, the torch and numpy RNG
 states and a JSON dict of counters/config. It is written to a temporary
 directory and swapped in with renames, so a learner killed mid-save keeps its
-previous checkpoint.
+previous checkpoint. The JSON part records the SHA-256 of the tensor file, so damage
+inside a well-formed tensor file (a flipped byte, a NaN written over weights) is found
+on resume instead of trained on.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -15,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save
 
 TENSORS, STATE = "tensors.safetensors", "state.json"
 
@@ -72,15 +75,18 @@ def save_checkpoint(
     tensors["rng.torch"] = torch.get_rng_state()
     if torch.cuda.is_available():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    blob = save(tensors)
     payload = {
         "state": state,
+        "tensors_sha256": hashlib.sha256(blob).hexdigest(),
         "optimizers": meta,
         "numpy_rngs": {name: rng.bit_generator.state for name, rng in rngs.items()},
     }
     tmp, old = f"{path}.tmp", f"{path}.old"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    save_file(tensors, os.path.join(tmp, TENSORS))
+    with open(os.path.join(tmp, TENSORS), "wb") as f:
+        f.write(blob)
     with open(os.path.join(tmp, STATE), "w") as f:
         json.dump(payload, f)
     shutil.rmtree(old, ignore_errors=True)
@@ -101,10 +107,16 @@ def load_checkpoint(
     ``counters`` (the steps the run resumes from) is a non-negative int."""
     path = _complete(path)
     try:
-        tensors = load_file(os.path.join(path, TENSORS))
+        with open(os.path.join(path, TENSORS), "rb") as f:
+            blob = f.read()
         payload = _payload(path)
+        tensors = load(blob)
     except Exception as e:  # safetensors raises its own error type for a malformed file
         raise _unreadable(path, e) from e
+    digest = payload.get("tensors_sha256")  # absent in checkpoints written before it was recorded
+    if digest is not None and hashlib.sha256(blob).hexdigest() != digest:
+        raise CheckpointError(f"checkpoint {path} is damaged: {TENSORS} does not match the checksum its {STATE} "
+                              f"recorded when it was saved; a new run_dir starts over")
     for name in counters:
         value = payload["state"].get(name)
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
