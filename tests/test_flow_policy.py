@@ -217,6 +217,20 @@ def test_publish_once_marks_the_same_weights_under_another_config(tmp_path):
     assert registry.versions() == [1, 2, 3]
 
 
+def test_a_damaged_newest_version_does_not_block_publishing(tmp_path, capsys):
+    """The comparison with the newest version (a run killed after publishing) must not turn a
+    version damaged since into a failure of every later publish, found only after training."""
+    registry = PolicyRegistry(str(tmp_path))
+    w = {"w": torch.ones(3)}
+    assert publish_once(registry, w, {"kind": "x"}) == 1
+    weights = tmp_path / "policies" / "v000001" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\x00")
+    assert publish_once(registry, w, {"kind": "x"}) == 2
+    assert "warning: policy version 1: " in capsys.readouterr().err
+    assert torch.equal(registry.load(2)[0]["w"], w["w"]) and "same_weights_as" not in registry.load(2)[1]
+    assert publish_once(registry, w, {"kind": "x"}) == 2  # the intact newest is compared again
+
+
 def test_a_run_killed_after_publishing_does_not_publish_again(tiny_store, tmp_path):
     cfg = OmegaConf.merge(_train_cfg(tiny_store, str(tmp_path / "run"), 10), {"publish": True})
     registry = PolicyRegistry(tiny_store)

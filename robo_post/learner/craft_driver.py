@@ -57,7 +57,7 @@ from robo_post.learner.loop import truncate_log
 from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyConfig
 from robo_post.models.features import infer_features, state_keys
 from robo_post.models.proposal_policy import ProposalPolicy, ProposalPolicyConfig
-from robo_post.store.registry import PolicyRegistry
+from robo_post.store.registry import PolicyArtifactError, PolicyRegistry
 from robo_post.store.sampler import WindowSampler
 from robo_post.store.schema import ArraySpec, StoreSchema
 from robo_post.store.store import Snapshot, Store
@@ -321,7 +321,10 @@ def _published_acting(registry: PolicyRegistry, run_dir: str, iteration: int) ->
     latest = registry.latest()
     if latest is None:
         return None
-    config = registry.load(latest)[1]
+    try:
+        config = registry.load(latest)[1]
+    except PolicyArtifactError:  # damaged since; publish_once publishes after it
+        return None
     ours = (config.get("phase"), config.get("iteration"), config.get("run_dir")) == (
         "online", iteration, os.path.abspath(run_dir))
     return latest if ours else None

@@ -35,8 +35,8 @@ from robo_post.learner.tracking import Tracker, tracking_settings
 from robo_post.learner.value_report import write_value_report
 from robo_post.models.features import infer_features, state_keys
 from robo_post.models.flow import FlowPolicy
-from robo_post.store import (EpisodeInfo, ImitationSampler, PolicyRegistry, Snapshot, Store, StoreSchema,
-                             WindowSampler)
+from robo_post.store import (EpisodeInfo, ImitationSampler, PolicyArtifactError, PolicyRegistry, Snapshot, Store,
+                             StoreSchema, WindowSampler)
 from robo_post.store.writer import write_json_atomic
 
 # Chunking for data of an env the environment registry does not know: a reactive
@@ -347,7 +347,12 @@ def publish_once(registry: PolicyRegistry, weights: dict[str, torch.Tensor], con
                                     "training diverged (a lower algo.lr or grad_clip may help); nothing was published")
     latest = registry.latest()
     if latest is not None:
-        published, published_config = registry.load(latest)
+        try:
+            published, published_config = registry.load(latest)
+        except PolicyArtifactError as e:
+            # A version damaged after publishing must not block every later one; validate lists it.
+            print(f"warning: {e}; publishing version {latest + 1} after it", file=sys.stderr)
+            return registry.publish(weights, config)
         if (published.keys() == weights.keys()
                 and all(torch.equal(published[k], v.detach().cpu()) for k, v in weights.items())):
             if ({k: v for k, v in published_config.items() if k not in ("version", "same_weights_as")}
