@@ -2,6 +2,7 @@
 a non-zero exit and nothing written; Ctrl-C; help, `--cfg job`, `config`, `--version`; a
 finished `train` re-run publishes nothing."""
 
+import fcntl
 import json
 import os
 import shutil
@@ -171,3 +172,32 @@ def test_a_run_dir_of_another_method_is_refused_and_left_as_it_was(interrupted, 
             f"robo-post train: RunResumeError: {run_dir} holds a run of algo=gaussian_bc (store {store}), not of "
             "algo=bc_flow; nothing was changed. Give this run its own run_dir, e.g. run_dir=runs/bc_flow"), other.stderr
     assert tree_hash(str(run_dir)) == before and PolicyRegistry(store).versions() == published
+
+
+def test_a_run_dir_in_use_or_not_a_run_dir_is_refused_and_nothing_is_written(interrupted, tmp_path):
+    """Two trains at once in one run_dir wrote one checkpoint and one metrics log over each
+    other (a traceback from the checkpoint's temp dir, duplicate metric rows)."""
+    store, run_dir = str(tmp_path / "store"), tmp_path / "run"
+    shutil.copytree(interrupted[0], store)
+    common = [f"store={store}", "algo=gaussian_bc", "updates=4", "batch_size=4", "prefetch=0", "device=cpu",
+              "show=false", "data.success=null", "model.use_images=false", "model.use_text=false",
+              "model.hidden_dim=16"]
+    run_dir.mkdir()
+    held = os.open(run_dir, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # what a training process holds while it runs
+    busy = _cli("train", *common, f"run_dir={run_dir}")
+    assert busy.returncode == 1 and busy.stderr.strip() == (
+        f"robo-post train: RunLockedError: run_dir={run_dir} is in use by another training process: wait for it "
+        "to finish, or give this run its own run_dir"), busy.stderr
+    assert os.listdir(run_dir) == []
+    os.close(held)
+    (tmp_path / "a_file").write_text("x")
+    stored = tree_hash(store)
+    for bad, what in ((store, "is a trajectory store"), (tmp_path / "a_file", "is a file, not a directory")):
+        refused = _cli("train", *common, f"run_dir={bad}")
+        assert refused.returncode == 1 and f"robo-post train: ValueError: run_dir={bad} {what}" in refused.stderr
+    assert tree_hash(store) == stored and (tmp_path / "a_file").read_text() == "x"
+    nothing = _cli("train", *common, f"run_dir={tmp_path / 'new'}", "data.tasks=[nope]")
+    assert nothing.returncode == 1 and "NoEpisodesError" in nothing.stderr
+    assert not (tmp_path / "new").exists()  # the run dir the refused run created is gone again
+    assert _cli("train", *common, f"run_dir={run_dir}").returncode == 0  # released when its holder ends

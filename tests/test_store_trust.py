@@ -455,6 +455,8 @@ def test_a_store_is_not_created_among_other_files(tmp_path):
     assert sorted(os.listdir(folder)) == ["notes.txt"]
     (tmp_path / "new" / "fleet").mkdir(parents=True)  # a launcher's logs come before the store
     Store.create(str(tmp_path / "new"), SCHEMA)
+    with pytest.raises(StoreError, match=r"notes.txt is a file, not a robo-post store"):
+        Store.create(str(folder / "notes.txt"), SCHEMA, exist_ok=True)
 
 
 def test_a_broken_store_json_is_named(tmp_path):

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -360,6 +361,42 @@ def publish_once(registry: PolicyRegistry, weights: dict[str, torch.Tensor], con
                 return latest
             config = {**config, "same_weights_as": latest}
     return registry.publish(weights, config)
+
+
+class RunLockedError(RuntimeError):
+    """Another process is training in this run dir."""
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: str) -> Iterator[None]:
+    """Hold ``run_dir`` for this process while it trains: two runs in one directory would write
+    one checkpoint and one metrics log over each other. A run dir this creates is removed again
+    if the run leaves it empty (settings refused before anything was written).
+
+    Raises:
+        RunLockedError: another process is training there.
+        ValueError: ``run_dir`` is a file, or the root of a trajectory store.
+    """
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ValueError(f"run_dir={run_dir} is a file, not a directory: give the run a directory of its own")
+    if os.path.exists(os.path.join(run_dir, "store.json")):  # its checkpoint and log would sit among the shards
+        raise ValueError(f"run_dir={run_dir} is a trajectory store: give the run a directory of its own")
+    created = not os.path.isdir(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunLockedError(f"run_dir={run_dir} is in use by another training process: wait for it to finish, "
+                             "or give this run its own run_dir") from None
+    try:
+        yield
+    finally:
+        os.close(fd)
+        if created:
+            with contextlib.suppress(OSError):  # only an empty directory is removed
+                os.rmdir(run_dir)
 
 
 def begin_run(run_dir: str, cfg: DictConfig) -> None:

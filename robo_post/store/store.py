@@ -114,6 +114,8 @@ class Store:
                 raise StoreError(f"store at {root} has a different schema than requested (stored != requested): "
                                  + "; ".join(differences))
             return store
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise StoreError(f"{root} is a file, not a robo-post store; give a new or empty path")
         # A store= typo naming a folder of other files would scatter the store's files among them.
         foreign = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else [])
                          if n not in _STORE_ENTRIES and not n.startswith("store.json"))
