@@ -1,11 +1,13 @@
 """Minari export/import: exact round trips both ways, typed errors, and the CLI."""
 
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 
 import gymnasium as gym
 import minari
@@ -15,6 +17,8 @@ import torch
 from minari.data_collector import EpisodeBuffer
 
 from robo_post.cli import main
+from robo_post.envs.registry import env_spec
+from robo_post.eval.rollout import recorded_env_kwargs
 from robo_post.store import ArraySpec, EpisodeValidationError, PolicyRegistry, Store, StoreError, StoreSchema
 from robo_post.store.minari_io import SuccessRuleError, UnsupportedSpaceError, export_minari, import_minari
 
@@ -161,10 +165,17 @@ def test_minari_to_store_to_minari_is_exact(tmp_path, monkeypatch):
     assert [e.task_id for e in infos] == ["pendulum/random-v0"] * 3
     assert [e.seed for e in infos] == [0, 1, 2]
     assert [e.success for e in infos] == [False] * 3  # truncated, never terminated
+    # The env as recorded: eval rebuilds it with the dataset's step limit, not the id's default of 200.
+    recorded = {"max_episode_steps": 12, **minari.MinariDataset(str(root / "pendulum" / "random-v0" / "data")
+                                                                 ).spec.env_spec.kwargs}
     assert [(e.role, e.attrs) for e in infos] == [
-        ("imported", {"success_rule": "termination", "imported_from": {"dataset": "pendulum/random-v0", "episode": i}})
+        ("imported", {"success_rule": "termination", "imported_from": {"dataset": "pendulum/random-v0", "episode": i},
+                      "env_kwargs": recorded})
         for i in range(3)
     ]
+    spec = env_spec("Pendulum-v1")
+    assert recorded_env_kwargs(str(tmp_path / "store"), spec) == recorded
+    assert spec.make(**recorded).spec.max_episode_steps == 12
 
     export_minari(snap, "pendulum/again-v0", minari_root=root)
     a = minari.MinariDataset(str(root / "pendulum" / "random-v0" / "data"))
@@ -390,6 +401,51 @@ def test_a_failed_import_names_the_episode_and_what_it_left_imported(tmp_path, m
     assert len(Store.open(str(tmp_path / "store")).snapshot()) == 2
 
 
+def test_an_import_refused_at_its_first_episode_leaves_no_store(tmp_path, monkeypatch):
+    """A store created for an import and left empty would keep the refused dataset's schema."""
+    root = tmp_path / "minari"
+    _dataset(root, monkeypatch, "nan/first-v0", _buffers(2, bad=0))
+    with pytest.raises(EpisodeValidationError, match=r"'nan/first-v0', episode 0: .*contains NaN.*nothing was imported"):
+        import_minari("nan/first-v0", tmp_path / "store", minari_root=root, success_from="none")
+    assert not (tmp_path / "store").exists()
+    (tmp_path / "mine").mkdir()  # a folder the user made for it stays, empty
+    with pytest.raises(EpisodeValidationError):
+        import_minari("nan/first-v0", tmp_path / "mine", minari_root=root, success_from="none")
+    assert os.listdir(tmp_path / "mine") == []
+    # text is not a reward: refused, not parsed ("1.0" -> 1.0) or a bare ValueError
+    texts = [dataclasses.replace(b, rewards=np.array([b"1.0", b"0", b"x"])) for b in _buffers(2)]
+    _dataset(root, monkeypatch, "text/reward-v0", texts)
+    with pytest.raises(EpisodeValidationError, match=r"'text/reward-v0', episode 0: .*field 'reward': dtype \|S3, "
+                                                     "expected numbers; nothing was imported"):
+        import_minari("text/reward-v0", tmp_path / "store", minari_root=root, success_from="none")
+    assert not (tmp_path / "store").exists()
+
+
+def test_two_imports_at_once_import_each_episode_once(tmp_path, monkeypatch):
+    """Two imports of one dataset into different shards each found its episodes missing."""
+    root, store = tmp_path / "minari", str(tmp_path / "store")
+    _dataset(root, monkeypatch, "race/first-v0", _buffers(1))
+    import_minari("race/first-v0", store, minari_root=root, success_from="none")
+    _dataset(root, monkeypatch, "race/ep-v0", _buffers(6))
+    held = os.open(store, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # both start while a third import holds the store
+    procs, logs = [], []
+    for client in ("a", "b"):
+        logs.append(tmp_path / f"{client}.err")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "robo_post.cli", "store", "import-minari", "race/ep-v0", store, "--minari-root",
+             str(root), "--client", client, "--success-from", "none"], stdout=subprocess.DEVNULL,
+            stderr=open(logs[-1], "w"), env={**os.environ, "MINARI_DATASETS_PATH": str(root)}))
+    deadline = time.monotonic() + 120
+    while not all("waiting for another import" in log.read_text() for log in logs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.close(held)
+    assert [p.wait(timeout=120) for p in procs] == [0, 0], [log.read_text() for log in logs]
+    sources = sorted(e.attrs["imported_from"]["episode"] for e in Store.open(store).snapshot()
+                     if e.attrs["imported_from"]["dataset"] == "race/ep-v0")
+    assert sources == list(range(6))
+
+
 def test_importing_again_adds_only_the_episodes_the_store_lacks(tmp_path, monkeypatch, capsys):
     root, store = tmp_path / "minari", str(tmp_path / "store")
     _dataset(root, monkeypatch, "part/ep-v0", _buffers(4, bad=2))
@@ -464,7 +520,8 @@ def test_cli_os_errors_are_one_line(tmp_path, monkeypatch):
                         str(tmp_path / "file"), "--minari-root", str(root), "--success-from", "none"],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.strip() == f"robo-post store: NotADirectoryError: [Errno 20] Not a directory: '{tmp_path / 'file'}/shards'"
+    assert r.stderr.strip() == (f"robo-post store: StoreError: {tmp_path / 'file'} is a file, not a robo-post store; "
+                                "give a new or empty path")
 
 
 def test_unbounded_actions_train_on_the_data_range_and_scalar_actions_are_refused(tmp_path, monkeypatch):

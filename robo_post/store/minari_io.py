@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
+import sys
 import warnings
 from typing import Any, Callable, Iterator, Sequence
 
@@ -377,19 +379,30 @@ def import_minari(
             f"Minari dataset {dataset_id!r} was not exported by robo-post, so its episodes carry no success label: "
             f"pass success_from (CLI: --success-from RULE), one of: {_rules_help()}"
         )
+    existed = os.path.exists(store_root)
     try:
         store = Store.open(str(store_root))
+        created = False
     except StoreNotFoundError:
         store = Store.create(str(store_root), schema)
+        created = True
+    # The env the data was recorded in, as eval rebuilds it (its step limit above all).
+    env_kwargs = {**_json_safe(env_spec.kwargs), "max_episode_steps": env_spec.max_episode_steps} if (
+        env_spec is not None and env_spec.max_episode_steps is not None) else None
     bare_key = schema.attrs.get(BARE_OBS_ATTR)
-    held = {}  # dataset index -> the episode imported from it
-    for e in store.snapshot(verify=False, record=False):
-        source = e.attrs.get(SOURCE_ATTR)
-        if isinstance(source, dict) and source.get("dataset") == dataset_id:  # attrs are free-form: check the shape
-            held[source.get("episode")] = e
-
     n = 0
     with contextlib.ExitStack() as stack:
+        # One import at a time per store: two imports of one dataset into different shards
+        # would each find its episodes missing and both write them.
+        stack.enter_context(_import_lock(store.root))
+        # A store this import created and left empty is removed (a foreign dataset's first
+        # episode refused): the next try creates it afresh, with this dataset's schema.
+        stack.callback(lambda: _remove_if_empty(store.root, existed) if created and n == 0 else None)
+        held = {}  # dataset index -> the episode imported from it
+        for e in store.snapshot(verify=False, record=False):
+            source = e.attrs.get(SOURCE_ATTR)
+            if isinstance(source, dict) and source.get("dataset") == dataset_id:  # attrs are free-form: check the shape
+                held[source.get("episode")] = e
         writers: dict[str, ShardWriter] = {}
         episodes = dataset.iterate_episodes()
         for index, meta in zip(dataset.episode_indices, metas, strict=True):
@@ -408,6 +421,8 @@ def import_minari(
                 extras = {k: np.asarray(v)[: len(episode)] for k, v in extra.pop("extras", {}).items()}
                 columns = {_WRITE_ARG[k]: np.asarray(v)[: len(episode)] for k, v in extra.items() if k in _WRITE_ARG}
                 attrs = {**(record.get("attrs") or {}), SOURCE_ATTR: {"dataset": dataset_id, "episode": index}}
+                if env_kwargs is not None and exported is None:  # exported episodes carry their own
+                    attrs["env_kwargs"] = env_kwargs
                 if decide is not None:
                     success = decide(episode)
                     attrs["success_rule"] = success_from
@@ -446,6 +461,44 @@ def import_minari(
                 raise
             n += 1
     return MinariImport(imported=n, skipped=len(metas) - n)
+
+
+@contextlib.contextmanager
+def _import_lock(root: str) -> Iterator[None]:
+    """Hold the store's import lock (a flock on its directory); wait while another import holds it."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another import into {root} to finish", file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _remove_if_empty(root: str, existed: bool) -> None:
+    """Remove a store that holds no episode: the whole folder if this import made it, else the
+    store's own entries in the folder the user gave."""
+    store = Store.open(root)
+    if any(store.read_commit(shard)["episodes"] for shard in store.shards()):
+        return
+    if not existed:
+        shutil.rmtree(root)
+        return
+    for name in ("shards", "snapshots", "policies", "store.json"):
+        path = os.path.join(root, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def _json_safe(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The entries of an env's kwargs that JSON can hold (the episode attrs they are recorded in)."""
+    safe = {}
+    for key, value in kwargs.items():
+        with contextlib.suppress(TypeError, ValueError):
+            safe[key] = json.loads(json.dumps(value, allow_nan=False))
+    return safe
 
 
 def _check_same(held: EpisodeInfo, episode: Any) -> None:

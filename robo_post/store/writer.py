@@ -303,7 +303,7 @@ class ShardWriter:
         extras = {
             k: stack_field(f"extras/{k}", [s["extras"][k] for s in steps], spec) for k, spec in self.schema.extras.items()
         }
-        table = np.array([s["step"] for s in steps], dtype=np.float64)
+        table = self._build_table(len(steps), *zip(*(s["step"] for s in steps)))  # one column per step field
         return self.write_episode(observations, actions, table=table, extras=extras, role=role, **meta)
 
     # --- whole-episode API ------------------------------------------------------
@@ -425,7 +425,11 @@ class ShardWriter:
         for name, values in columns.items():
             if values is None:
                 continue
-            values = np.asarray(values, dtype=np.float64)
+            values = np.asarray(values)
+            # numpy would parse strings ("1.0" -> 1.0) and fail on others untyped.
+            if values.dtype.kind not in "biuf":
+                raise EpisodeValidationError(name, f"dtype {values.dtype}, expected numbers")
+            values = values.astype(np.float64)
             if values.ndim and values.shape != (T,):
                 raise EpisodeValidationError(name, f"shape {values.shape}, expected ({T},) to match the actions")
             table[:, _COL[name]] = values
