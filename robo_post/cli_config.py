@@ -282,16 +282,35 @@ def expand_overrides(job: str, overrides: list[str]) -> list[str]:
     from robo_post.envs.registry import expand_env_override
 
     parser = OverridesParser.create()
+    parsed = []
     for override in overrides:
         try:
             parser.parse_override(override)
         except HydraException as e:
             key, _, value = override.partition("=")
-            reason = str(e).splitlines()[0]
-            raise ConfigError(key, value, "", f"cannot parse {override!r} ({reason}); expected KEY=VALUE, "
-                              "+KEY=VALUE or GROUP=CHOICE with hydra's value syntax") from None
+            # hydra's grammar takes only ASCII unquoted: a plain non-ASCII value (a path such as
+            # store=runs/données) is read as the quoted string it can only mean.
+            quoted = f"{key}='{value}'"
+            if value and not value.isascii() and not set(value) & set("'\"[]{}(),\\") and _parses(parser, quoted):
+                override = quoted
+            else:
+                reason = str(e).splitlines()[0]
+                raise ConfigError(key, value, "", f"cannot parse {override!r} ({reason}); expected KEY=VALUE, "
+                                  "+KEY=VALUE or GROUP=CHOICE with hydra's value syntax") from None
+        parsed.append(override)
+    overrides = parsed
     groups = config_groups(job)
     return expand_env_override(overrides, groups["env"][1]) if "env" in groups else list(overrides)
+
+
+def _parses(parser: Any, override: str) -> bool:
+    from hydra.errors import HydraException
+
+    try:
+        parser.parse_override(override)
+    except HydraException:
+        return False
+    return True
 
 
 def _choices(job: str, overrides: list[str]) -> dict[str, str]:

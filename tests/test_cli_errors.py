@@ -98,6 +98,11 @@ def test_cfg_job_and_config_print_the_composed_config_without_running(tmp_path):
     r = _cli("config", "steer", cwd=tmp_path)
     assert r.returncode == 0 and yaml.safe_load(r.stdout)["actor"]["kind"] == "???", r.stderr
     assert _cli("config", "steer", "actor.kind=foo", cwd=tmp_path).returncode == 2
+    # hydra's grammar refused an unquoted non-ASCII path ("token recognition error at: 'é'")
+    r = _cli("collect", "--cfg", "job", "store=runs/données", "+env.kwargs.note=é,x", cwd=tmp_path)
+    assert r.returncode == 2 and "cannot parse '+env.kwargs.note=é,x'" in r.stderr  # not a plain value: not quoted
+    r = _cli("collect", "--cfg", "job", "store=runs/données", cwd=tmp_path)
+    assert r.returncode == 0 and yaml.safe_load(r.stdout)["store"] == "runs/données", r.stderr
     assert os.listdir(tmp_path) == []
 
 
