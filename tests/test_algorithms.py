@@ -24,7 +24,8 @@ from robo_post.models.features import Feature
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
 from robo_post.pipelines import lwd
 from robo_post.models.ranked import flow_of
-from robo_post.store import FreshPERConfig, MixedSampler, PolicyRegistry, PrioritizedSampler, Store, WindowSampler
+from robo_post.store import (FreshPERConfig, MixedSampler, PolicyArtifactError, PolicyRegistry, PrioritizedSampler,
+                             Store, WindowSampler)
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +100,11 @@ def test_the_reference_is_the_first_flow_version_and_another_kind_is_named(bc_st
                           {"algo": {"reference_version": pinned}})
     with pytest.raises(ValueError, match=rf"version {pinned} is a 'gaussian' policy"):
         train(cfg)
+    config_file = tmp_path / "data" / "policies" / "v000001" / "config.json"
+    config_file.write_text(config_file.read_text() + " ")
+    with pytest.raises(PolicyArtifactError, match=r"policy version 1: .* does not match the checksum .*; set "
+                                                  "algo.reference_version to an intact flow version"):
+        load_reference(Store.open(str(tmp_path / "data")), None, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("algo", sorted(PAIRS))

@@ -177,7 +177,10 @@ def load_reference(store: Store, version: int | None, device: torch.device) -> t
     registry = PolicyRegistry(store.root)
     kinds = {}
     for v in [version] if version else registry.versions():
-        weights, config = registry.load(v)
+        try:
+            weights, config = registry.load(v)
+        except PolicyArtifactError as e:
+            raise PolicyArtifactError(f"{e}; set algo.reference_version to an intact flow version") from None
         if config.get("kind") in FLOW_KINDS:
             return flow_of(weights, config).to(device), v
         kinds[v] = config.get("kind")
