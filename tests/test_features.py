@@ -16,6 +16,7 @@ from robo_post.learner.drivers import value_range, warn_value_edges
 from robo_post.learner.train import train
 from robo_post.models.features import Feature, FeatureSpecError, infer_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
+from robo_post.models.encoders import TextEncoder
 from robo_post.models.ranked import RankedFlowPolicy
 from robo_post.models.critic import CriticConfig, CriticNet
 from robo_post.store import ArraySpec, PolicyRegistry, Store, StoreSchema
@@ -247,3 +248,13 @@ def test_qam_temperature_is_in_units_of_the_data_return_span(tmp_path):
     assert method.actor.config.q_scale == pytest.approx(top, rel=1e-5)
     pinned = spec.build(spec.make_config({"actor": {"q_scale": 1.0}}), data, "cpu", reference)
     assert pinned.actor.config.q_scale == 1.0
+
+
+def test_an_instruction_embeds_the_same_whatever_strings_come_with_it():
+    """A batch of strings is padded to its longest: encoded together, the embeddings moved in
+    their last bits with the company they kept, so a resumed run (an empty cache, other
+    groups) drifted from the uninterrupted one and a deployed policy saw other inputs."""
+    texts = ["reach the red target", "push the small blue block all the way to the left zone", "go"]
+    together = TextEncoder(4).embed(texts)
+    for i, text in enumerate(texts):
+        assert torch.equal(TextEncoder(4).embed([text])[0], together[i]), text

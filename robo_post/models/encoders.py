@@ -29,7 +29,8 @@ class TextEncoder(nn.Module):
 
     Embeddings are cached per string on the module's device: a fleet has few distinct
     instructions and the encoder is frozen, so each phrasing is encoded once per
-    process and a forward only gathers cached rows (no host-to-device copy).
+    process and a forward only gathers cached rows (no host-to-device copy). Each is
+    encoded alone, so its embedding does not depend on the strings met with it.
     """
 
     def __init__(self, dim: int):
@@ -42,10 +43,12 @@ class TextEncoder(nn.Module):
         device = self.proj.weight.device
         if self._cache and next(iter(self._cache.values())).device != device:  # the module moved
             self._cache = {t: v.to(device) for t, v in self._cache.items()}
-        missing = sorted({t for t in texts if t not in self._cache})
-        if missing:
-            vectors = _minilm().encode(missing, convert_to_tensor=True, normalize_embeddings=True)
-            self._cache.update({t: v.float().to(device) for t, v in zip(missing, vectors)})
+        # One string per call: a batch is padded to its longest string, which moves the others'
+        # embeddings in the last bits, so they would depend on which strings came together (a
+        # resumed run or a deployed policy meets them in other groups than training did).
+        for t in sorted({t for t in texts if t not in self._cache}):
+            vector = _minilm().encode([t], convert_to_tensor=True, normalize_embeddings=True)[0]
+            self._cache[t] = vector.float().to(device)
         return torch.stack([self._cache[t] for t in texts])
 
     def forward(self, texts: list[str]) -> torch.Tensor:
