@@ -184,7 +184,7 @@ def test_collect_and_eval_a_gymnasium_env_with_a_random_policy(tmp_path):
     lo, hi = s["return_ci95"]
     half = 3.182446305284263 * np.std(returns, ddof=1) / 2  # t(0.975, df=3) * s / sqrt(4)
     assert (lo, hi) == pytest.approx((np.mean(returns) - half, np.mean(returns) + half))
-    assert s["length_ci95"] == pytest.approx(mean_interval(lengths))
+    assert s["length_ci95"] == pytest.approx(mean_interval(lengths, low=0))
 
     md = open(write_report(str(tmp_path / "report"), [r])).read()
     assert "| InvertedPendulum-v5 | 4 | – | – |" in md and "## Success rates" not in md

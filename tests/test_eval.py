@@ -22,11 +22,11 @@ from robo_post.envs.tabletop import PROPRIO_DIM
 from robo_post.eval import EVAL_SEED, evaluate, load_results, wilson_interval, write_report
 from robo_post.envs import env_spec
 from robo_post.eval import report as report_mod
-from robo_post.eval.rollout import recorded_env_kwargs
+from robo_post.eval.rollout import _save_result, _summarise, format_mean, mean_interval, recorded_env_kwargs
 from robo_post.fleet.client import episode_seed, store_schema
 from robo_post.models.features import state_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
-from robo_post.store import ArraySpec, PolicyRegistry, Store, StoreSchema
+from robo_post.store import ArraySpec, EpisodeInfo, PolicyRegistry, Store, StoreSchema
 
 ENV: dict[str, Any] = {"name": "tabletop", "render_images": False}
 TASKS = ["reach", "push"]
@@ -52,6 +52,61 @@ def test_wilson_interval_matches_hand_computed_values(k, n, expected):
 def test_wilson_interval_rejects_impossible_counts():
     with pytest.raises(ValueError):
         wilson_interval(11, 10)
+
+
+def test_wilson_bounds_at_no_and_all_successes_are_exact():
+    """0/7 had a lower bound of 2.8e-17 and 10/10 an upper bound of 0.9999999999999999 (rounding noise)."""
+    for n in range(1, 200):
+        assert wilson_interval(0, n)[0] == 0.0 and wilson_interval(n, n)[1] == 1.0
+    assert wilson_interval(0, 7) == (0.0, pytest.approx(0.354330, abs=1e-6))  # upper = z² / (n + z²)
+
+
+def test_mean_intervals_stay_inside_known_bounds():
+    """A t interval of a few skewed values reached below 0 for a length (or a fraction) that cannot."""
+    assert mean_interval([1, 1, 1, 30]) == pytest.approx([-14.823, 31.323], abs=1e-3)  # unbounded: as computed
+    assert mean_interval([1, 1, 1, 30], low=0) == pytest.approx([0.0, 31.323], abs=1e-3)
+    assert mean_interval([0.0, 0.0, 0.1, 0.9], low=0, high=1) == pytest.approx([0.0, 0.944], abs=1e-3)
+    assert mean_interval([0.9, 1.0, 1.0, 1.0], low=0, high=1) == pytest.approx([0.895, 1.0], abs=1e-3)
+    episodes = [_episode(i, length=n, ret=r) for i, (n, r) in enumerate([(1, -3.0), (1, 0.0), (1, 1.0), (30, 9.0)])]
+    stats = _summarise(episodes, ["reach"])["tasks"]["reach"]
+    assert stats["length_ci95"] == pytest.approx([0.0, 31.323], abs=1e-3)  # a length is never negative
+    assert stats["return_ci95"][0] < -5  # a return has no known bound: left as computed
+
+
+def test_saved_result_writes_null_not_nan(tmp_path):
+    """A NaN or infinite return was saved as bare NaN / Infinity, which strict JSON parsers reject."""
+    result = _summarise([_episode(0, ret=float("nan")), _episode(1, ret=float("inf"))], ["reach"])
+    result["results_path"] = str(tmp_path / "evals" / "r.json")
+    saved = _save_result(result)
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    with open(result["results_path"]) as f:
+        loaded = json.loads(f.read(), parse_constant=refuse)
+    assert loaded == saved
+    reach = loaded["tasks"]["reach"]
+    assert (reach["mean_return"], reach["return_ci95"]) == (None, [None, None])
+    assert [e["return"] for e in loaded["episodes"]] == [None, None]
+    assert reach["mean_length"] == 10.0  # finite values stay as they were
+    assert format_mean(1.0, [None, None]) == "1.00"  # a saved bound that was not finite: no interval, no crash
+
+
+def test_report_counts_are_singular_for_one(tmp_path):
+    """The report said '1 episodes on 1 clients' and '1 eval layouts also occur'."""
+    def text(n):
+        result = {**_summarise([_episode(i, success=True) for i in range(n)], ["reach"]),
+                  "policy": {"version": 0, "label": "expert", "store": "s", "config": {}}, "split": "train",
+                  "created": "now", "episodes_per_task": n, "n_clients": n, "wall_s": 1.0, "seed": 0,
+                  "train_seed_overlap": n, "env": {"name": "tabletop"}, "results_path": "r.json"}
+        return open(write_report(str(tmp_path / str(n)), [result], frames=False)).read()
+
+    assert "1 episode on 1 client in 1 s, base seed 0; 1 eval layout also occurs in the training store." in text(1)
+    assert "2 episodes on 2 clients in 1 s, base seed 0; 2 eval layouts also occur in the training store." in text(2)
+
+
+def _episode(i: int, success: bool | None = None, length: int = 10, ret: float = 0.0) -> EpisodeInfo:
+    return EpisodeInfo(f"eval-c{i}", 0, "reach", "", i, success, length, 0, 0, 0, True, 0.0, 0.0, {}, 0, ret, "eval")
 
 
 def test_eval_keeps_the_env_kwargs_all_episodes_agree_on(tmp_path, capsys):

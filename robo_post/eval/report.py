@@ -200,8 +200,9 @@ def _returns_section(doc: _Doc, results: list[dict[str, Any]], labels: list[str]
         provenance = ", ".join(f"{k} `{v}`" for k, v in cfg.items() if k != "kind") or "scripted expert"
         doc.paragraph(
             f"Policy `{r['policy']['label']}` from `{r['policy']['store']}` ({provenance}). "
-            f"{r['overall']['episodes']} episodes on {r['n_clients']} clients in {r['wall_s']:.0f} s, "
-            f"base seed {r['seed']}; {r['train_seed_overlap']} eval layouts also occur in the training store. "
+            f"{_count(r['overall']['episodes'], 'episode')} on {_count(r['n_clients'], 'client')} "
+            f"in {r['wall_s']:.0f} s, base seed {r['seed']}; {_count(r['train_seed_overlap'], 'eval layout')} "
+            f"also occur{'s' if r['train_seed_overlap'] == 1 else ''} in the training store. "
             f"Env `{r['env']['name']}`; success: {r.get('success_rule', 'info[success]')}. "
             f"Results: `{r['results_path']}`."
         )
@@ -216,6 +217,11 @@ def _returns_section(doc: _Doc, results: list[dict[str, Any]], labels: list[str]
                 for t, s in r["tasks"].items()
             ],
         )
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 episode``, ``2 episodes``, ``0 episodes``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _bar_chart(path: str, results: list[dict[str, Any]], labels: list[str], tasks: list[str]) -> None:
@@ -468,7 +474,7 @@ def _plot_strip(path: str, title: str, rows: list[tuple[EpisodeInfo, np.ndarray,
         else:
             outcome, color = ("SUCCESS", SUCCESS_COLOR) if episode.success else ("FAILURE", FAILURE_COLOR)
         said = f"“{episode.instruction}”  ·  " if episode.instruction else ""
-        sub.suptitle(f"{outcome}  ·  {said}{episode.length} steps, seed {episode.seed}, {note}",
+        sub.suptitle(f"{outcome}  ·  {said}{_count(episode.length, 'step')}, seed {episode.seed}, {note}",
                      color=color, fontsize=11)
         axes = sub.subplots(1, ncols)
         for ax, i, frame in zip(np.atleast_1d(axes), idx, frames):

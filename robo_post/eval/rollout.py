@@ -60,14 +60,22 @@ def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, flo
     denom = 1.0 + z2 / n
     center = (p + z2 / (2 * n)) / denom
     half = z / denom * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    return max(0.0, center - half), min(1.0, center + half)
+    # At 0/n and n/n the bound is exactly 0 or 1; center ∓ half leaves rounding noise
+    # there (2.8e-17 for 0/7, 0.9999999999999999 for 10/10).
+    low = 0.0 if successes == 0 else max(0.0, center - half)
+    high = 1.0 if successes == n else min(1.0, center + half)
+    return low, high
 
 
-def mean_interval(values: Iterable[float], confidence: float = 0.95) -> list[float] | None:
+def mean_interval(values: Iterable[float], confidence: float = 0.95, low: float | None = None,
+                  high: float | None = None) -> list[float] | None:
     """Two-sided Student-t interval of a mean (default: 95%); ``None`` for fewer than two values.
 
     t rather than the normal quantile, since eval sets are often a handful of episodes
     per task; it still assumes the mean is roughly normal (many episodes, or mild spread).
+    ``low`` / ``high``: bounds the values cannot leave (0 for a count, 0 and 1 for a
+    fraction), where known; the interval is clipped to them, since a few skewed values
+    otherwise give bounds the mean cannot take (a negative length).
     """
     from scipy.stats import t
 
@@ -75,7 +83,8 @@ def mean_interval(values: Iterable[float], confidence: float = 0.95) -> list[flo
     if len(x) < 2:
         return None
     half = float(t.ppf(0.5 + confidence / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
-    return [float(x.mean()) - half, float(x.mean()) + half]
+    lo, hi = float(x.mean()) - half, float(x.mean()) + half
+    return [lo if low is None else max(lo, low), hi if high is None else min(hi, high)]
 
 
 def pct(x: float | None) -> str:
@@ -92,10 +101,11 @@ def format_rate(stats: dict[str, Any]) -> str:
 
 
 def format_mean(value: float | None, ci: list[float] | None, digits: int = 2) -> str:
-    """``12.30 [10.10–14.50]``; ``–`` when undefined, no interval below two episodes."""
+    """``12.30 [10.10–14.50]``; ``–`` when undefined, no interval below two episodes (or
+    where a saved result holds ``null`` for a non-finite bound)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
-    return f"{value:.{digits}f}" + (f" [{ci[0]:.{digits}f}–{ci[1]:.{digits}f}]" if ci else "")
+    return f"{value:.{digits}f}" + (f" [{ci[0]:.{digits}f}–{ci[1]:.{digits}f}]" if ci and None not in ci else "")
 
 
 def format_metric(stats: dict[str, Any]) -> str:
@@ -152,7 +162,7 @@ def evaluate(
         device: torch device the policy runs on.
 
     Returns:
-        A JSON-ready dict, also saved at its ``results_path``:
+        A JSON-ready dict (non-finite numbers as ``None``), also saved at its ``results_path``:
 
         - ``policy``: ``version`` (0 = ``policy``), ``label``, ``store``, ``config`` (provenance).
         - ``tasks``: task -> ``episodes``, ``successes``, ``judged`` (episodes with a
@@ -224,9 +234,28 @@ def evaluate(
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         results_path=os.path.join(store.root, RESULTS_DIR, f"{tag}.json"),
     )
+    return _save_result(result)
+
+
+def _save_result(result: dict[str, Any]) -> dict[str, Any]:
+    """Write ``result`` to its ``results_path`` and return it as written: non-finite floats
+    (a NaN return, an infinite interval) become ``None``, since JSON has no NaN or Infinity
+    and strict parsers reject the bare ``NaN`` that ``json.dump`` writes by default."""
+    result = _finite(result)
     os.makedirs(os.path.dirname(result["results_path"]), exist_ok=True)
     write_json_atomic(result["results_path"], result, fsync=False)
     return result
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float, at any depth of dicts and lists, as ``None``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def in_process_success(model: Any, tasks: Iterable[str], episodes_per_task: int, seed: int = EVAL_SEED,
@@ -522,7 +551,7 @@ def _task_stats(episodes: list[EpisodeInfo], ids: Iterable[str] = ()) -> dict[st
         "success_rate": k / len(judged) if judged else None,
         "ci95": list(wilson_interval(k, len(judged))) if judged else None,
         "mean_length": float(np.mean([e.length for e in episodes])) if n else None,
-        "length_ci95": mean_interval(e.length for e in episodes),
+        "length_ci95": mean_interval((e.length for e in episodes), low=0),
         "mean_return": float(np.mean([e.ret for e in episodes])) if n else None,
         "return_ci95": mean_interval(e.ret for e in episodes),
         "metrics": {name: _metric_stats(values) for name, values in metrics.items()},
