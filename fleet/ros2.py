@@ -15,8 +15,9 @@ keep-last ``burst_episodes * (max_steps + 1)`` (see Bursts):
 ==================  =======================  ================  ==========================================
 topic               type                     direction         content
 ==================  =======================  ================  ==========================================
-``joint_states``    sensor_msgs/JointState   robot -> bridge   the described joints (any order, by name);
-                                                               the described fields (position, velocity,
+``joint_states``    sensor_msgs/JointState   robot -> bridge   the described joints (any order, by name;
+                                                               other joints it names are ignored); the
+                                                               described fields (position, velocity,
                                                                effort) are recorded
 ``camera/image``    sensor_msgs/Image        robot -> bridge   camera frame in the described size and
                                                                encoding (absent without a camera)
@@ -47,15 +48,20 @@ locally, otherwise the one the bridge served. Last comes ``{"event": "end", "epi
 Alignment: every message, valid or not, is attributed by its stamp (whatever order
 topics arrive in; events may overtake data, so several episodes can be open at once): an
 episode owns the stamps in [start.stamp, end.stamp]. An episode commits once it holds
-T + 1 observations and T actions. A malformed message (joint names or lengths that do
-not match the description, NaN/inf, an action out of bounds, wrong image encoding or
-size, an unset (zero) stamp, a stamp not after the previous message's on its topic or one
-that topic already delivered, a bad event, an ``end`` without a ``start``) is counted by
-kind in ``malformed``, logged and dropped, and the episode that owns its stamp (if any) is
-discarded at its end (a stamp far ahead, from a node on another clock, thus costs its own
-episode and the next message's, never the later ones); a bad end
-event (even one without a stamp) discards its own episode; ``success``, ``terminated``
-and ``truncated`` (and ``aborted``, ``final`` if given) must be JSON booleans. An
+T + 1 observations and T actions. A malformed message (a described joint missing, action
+names other than the described ones, field lengths that differ from the names, NaN/inf, an
+action out of bounds, wrong image encoding or size, an unset (zero) stamp, a stamp not
+after the previous message's on its topic or one that topic already delivered, a bad
+event, an ``end`` without a ``start``) is counted by kind in ``malformed``, logged and
+dropped, and the episode that owns its stamp (if any) is discarded at its end (a stamp far
+ahead, from a node on another clock, thus costs its own episode and the next message's,
+never the later ones); a bad end event (even one without a stamp) discards its own
+episode; ``success``, ``terminated`` and ``truncated`` (and ``aborted``, ``final`` if
+given) must be JSON booleans, ``rewards`` finite JSON numbers (not strings or booleans),
+and ``episode``, ``seed``, ``length`` and ``stamp`` JSON integers: ``stamp`` is the header
+stamp in integer nanoseconds, which a JSON float cannot hold exactly (beyond 2**53 ns,
+i.e. any wall-clock stamp), so a float stamp is refused rather than rounded onto a
+neighbouring message's. An
 episode that receives nothing for ``timeout`` seconds is discarded; one still awaiting
 its end when a start of the same index comes (the robot restarted) is discarded as
 ``abandoned``; one awaiting its end whose start is after a newer start event and after every
@@ -94,6 +100,7 @@ os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
 
 import importlib.resources
 import json
+import math
 import signal
 import socket
 import sys
@@ -221,7 +228,8 @@ class RobotDescription:
         joint_key: observation key of the recorded joint vector.
         joint_fields: JointState fields recorded, concatenated in this order, each with
             one value per joint in ``joints`` order.
-        joints: joint names in recorded order.
+        joints: joint names in recorded order (required: the store's columns are fixed by
+            them). A JointState may name other joints too; they are not recorded.
         camera: the camera, or None.
         action_names: JointState names of the action dims, in order.
         action_low, action_high: action bounds per dim.
@@ -389,11 +397,14 @@ class RobotDescription:
     def parse_joints(self, msg: JointState) -> np.ndarray:
         """The recorded joint vector of a JointState (reordered by name), as float32.
 
+        Joints the description does not name are ignored (a robot's joint_states often
+        also carries e.g. gripper fingers or wheels that are not recorded).
+
         Raises:
             MalformedMessage: ``joint_length`` (a field's length differs from the names'),
-                ``joint_names`` (names other than the described joints), ``nan``.
+                ``joint_names`` (a described joint missing or repeated), ``nan``.
         """
-        return _by_name(msg, self.joints, self.joint_fields, "joint")
+        return _by_name(msg, self.joints, self.joint_fields, "joint", extra_ok=True)
 
     def parse_action(self, msg: JointState) -> np.ndarray:
         """The action of a JointState (positions reordered by action name), as float32.
@@ -401,7 +412,9 @@ class RobotDescription:
         Raises:
             MalformedMessage: ``action_length``, ``action_names``, ``nan``, ``action_bounds``.
         """
-        action = _by_name(msg, self.action_names, ("position",), "action")
+        # Strict, unlike joints: an action dim the robot executed but we did not record
+        # would leave a stored action that cannot reproduce what the robot did.
+        action = _by_name(msg, self.action_names, ("position",), "action", extra_ok=False)
         low, high = np.float32(self.action_low), np.float32(self.action_high)
         if (action < low).any() or (action > high).any():
             raise MalformedMessage("action_bounds", f"action {action.tolist()} outside [{low.tolist()}, {high.tolist()}]")
@@ -436,7 +449,9 @@ class RobotDescription:
         return joint_msg(ns, self.action_names, action)
 
 
-def _by_name(msg: JointState, names: tuple[str, ...], fields: tuple[str, ...], what: str) -> np.ndarray:
+def _by_name(msg: JointState, names: tuple[str, ...], fields: tuple[str, ...], what: str,
+             extra_ok: bool) -> np.ndarray:
+    """``fields`` of the entries ``names`` of ``msg``, in that order; ``extra_ok``: ignore other names."""
     got = list(msg.name)
     for f in fields:
         n = len(getattr(msg, f))
@@ -444,13 +459,15 @@ def _by_name(msg: JointState, names: tuple[str, ...], fields: tuple[str, ...], w
             raise MalformedMessage(
                 f"{what}_length", f"{what} message has {len(got)} names but {n} {f} values (names {got[:40]})"
             )
-    if len(got) != len(names) or set(got) != set(names):
-        unknown = [x for x in got if x not in names]
-        missing = [x for x in names if x not in got]
-        dups = sorted({x for x in got if got.count(x) > 1})
+    missing = [x for x in names if x not in got]
+    unknown = [] if extra_ok else [x for x in got if x not in names]
+    # A repeated name we record has no one value to record.
+    dups = sorted({x for x in got if got.count(x) > 1 and (x in names or not extra_ok)})
+    if missing or unknown or dups:
+        problems = {"missing": missing, "unknown": unknown, "repeated": dups}
         raise MalformedMessage(
-            f"{what}_names", f"{what} names do not match the description: unknown {unknown}, missing {missing}"
-            + (f", repeated {dups}" if dups else "")
+            f"{what}_names", f"{what} names do not match the description: "
+            + ", ".join(f"{k} {v}" for k, v in problems.items() if v) + f" (names {got[:40]})"
         )
     order = [got.index(x) for x in names]
     values = np.concatenate([np.asarray(getattr(msg, f), dtype=np.float64)[order] for f in fields])
@@ -577,7 +594,9 @@ class BridgeConfig:
     Attributes:
         store: store root; created with the robot's schema if missing (an existing store
             must match the robot description).
-        robot: robot description (a name in ``configs/robots/`` or a file path).
+        robot: robot description (a name in ``configs/robots/`` or a file path). Its
+            ``joints.names`` are required and are what is recorded, selected by name from
+            each JointState; other joints in it are ignored.
         client_id: shard this bridge writes (one writer per shard).
         namespace: namespace of the robot's topics.
         domain_id: ROS domain id (None: ``$ROS_DOMAIN_ID``, else 0).
@@ -1083,7 +1102,7 @@ class BridgeNode(Node):
         ev: Any = None
         try:
             ev = json.loads(msg.data)
-            stamp = int(ev["stamp"])
+            stamp = _event_int(ev, "stamp")  # int() would move 1000.7 onto stamp 1000's message
         except (ValueError, KeyError, TypeError) as e:
             self._sequence(EPISODE_TOPIC, None, info)  # it arrived: not lost, only malformed
             detail = f"bad episode event {msg.data[:200]!r}: {e!r}"
@@ -1091,6 +1110,7 @@ class BridgeNode(Node):
             if ep is not None:  # an end naming its episode costs exactly that one, now
                 self._bad_end(ep, ep.last_stamp, detail)
             else:
+                self._refused_start(ev)
                 self._reject("event", None, detail)
             return
         if ev.get("event") == "start" and self._clock_went_back(stamp, info):
@@ -1107,9 +1127,14 @@ class BridgeNode(Node):
         except MalformedMessage as e:
             self._reject(e.kind, None, str(e))
         except (ValueError, KeyError, TypeError) as e:
-            if ev.get("event") == "start" and isinstance(ev.get("episode"), int):
-                self._closed_index[ev["episode"]] = None  # its end is then no surprise
+            self._refused_start(ev)
             self._reject("event", stamp, f"bad episode event {msg.data[:200]!r}: {e!r}")
+
+    def _refused_start(self, ev: Any) -> None:
+        """Remember the index of a refused start event (if ``ev`` is one): its end is then no
+        surprise, not a second malformed message (``end_without_start``)."""
+        if isinstance(ev, dict) and ev.get("event") == "start" and isinstance(ev.get("episode"), int):
+            self._closed_index[ev["episode"]] = None
 
     def _clock_went_back(self, stamp: int, info: dict[str, Any]) -> bool:
         """Whether a new publisher's first start event comes before stamps already seen: a
@@ -1157,7 +1182,7 @@ class BridgeNode(Node):
             raise ValueError(f"episode {index} starts at {start}, not after the episodes already seen")
         # The event's instruction is tied to this episode; the topic's latest one may not be yet.
         instruction = str(ev.get("instruction", self._instruction))
-        version, policy_error = int(ev.get("policy_version", 0)), False
+        version, policy_error = (_event_int(ev, "policy_version") if "policy_version" in ev else 0), False
         if self.cfg.serve_policy:
             try:
                 version = self._prepare_policy(instruction, task, seed)
@@ -1197,7 +1222,7 @@ class BridgeNode(Node):
         try:
             if not isinstance(ev["length"], int) or isinstance(ev["length"], bool):  # int(2.7) would be 2
                 raise TypeError(f"length {ev['length']!r} must be a whole number")
-            length, rewards = ev["length"], [float(r) for r in ev["rewards"]]
+            length, rewards = ev["length"], _event_rewards(ev)
             if len(rewards) != length or stamp < ep.start:
                 raise ValueError(f"{len(rewards)} rewards for {length} steps, end stamp {stamp} < start {ep.start}")
             # Truthiness would record "false" as True: flags must be JSON booleans.
@@ -1302,8 +1327,14 @@ class BridgeNode(Node):
     def _discard(self, ep: _Episode, reason: str) -> None:
         self.discarded[reason] += 1
         self.writer.discard()
-        self.get_logger().warning(f"discarded episode {ep.index} ({reason})")
+        self.get_logger().warning(f"discarded episode {ep.index} ({reason}); so far {self.discard_summary()}")
         self._close(ep)
+
+    def discard_summary(self) -> str:
+        """The episodes discarded so far by reason, e.g. ``discarded 3 episodes: inconsistent=2, timeout=1``."""
+        n = sum(self.discarded.values())
+        reasons = ", ".join(f"{reason}={count}" for reason, count in sorted(self.discarded.items()))
+        return f"discarded {n} episode{'' if n == 1 else 's'}" + (f": {reasons}" if n else "")
 
     def _close(self, ep: _Episode) -> None:
         """Forget an episode and the messages it owns; no other episode's data are touched."""
@@ -1387,6 +1418,8 @@ class BridgeNode(Node):
         """Discard the episodes still open, release the shard and write the final status."""
         for ep in list(self._open):
             self._discard(ep, "shutdown")
+        self.get_logger().info(f"stopping: committed={self.committed} to shard {self.cfg.client_id}; "
+                               f"{self.discard_summary()}")
         status = self.write_status("stopped")
         self.writer.close()
         self.destroy_node()
@@ -1400,6 +1433,24 @@ def _event_int(ev: dict[str, Any], key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{key} must be a JSON integer, got {value!r}")
     return value
+
+
+def _event_rewards(ev: dict[str, Any]) -> list[float]:
+    """``ev["rewards"]`` as finite floats. ``float()`` would record a reward "1.0" or true as 1.0
+    (and a string "123" as three rewards), and raise OverflowError, which kills the bridge, on
+    an integer beyond float64."""
+    rewards = ev["rewards"]
+    if not isinstance(rewards, list):
+        raise TypeError(f"rewards must be a JSON list of numbers, got {type(rewards).__name__}")
+    out = []
+    for t, r in enumerate(rewards):
+        if isinstance(r, bool) or not isinstance(r, (int, float)):
+            raise TypeError(f"rewards[{t}] must be a JSON number, got {type(r).__name__} {r!r}")
+        value = float(r) if isinstance(r, float) or abs(r) <= sys.float_info.max else math.inf
+        if not math.isfinite(value):
+            raise ValueError(f"rewards[{t}] is {value}: rewards must be finite")
+        out.append(value)
+    return out
 
 
 def _pid_alive(pid: int) -> bool:

@@ -720,6 +720,131 @@ def test_a_repeated_stamp_never_replaces_recorded_data(tmp_path):
     assert [e.attrs["robot_episode"] for e in snap.episodes(client="unit")] == [1]
 
 
+def test_a_float_event_stamp_is_refused_not_rounded(tmp_path, capfd):
+    """Event stamps are the header stamps in integer nanoseconds. A float one was truncated
+    (an end at 1_003.9 read as 1_003), and beyond 2**53 ns (any wall-clock stamp) JSON has
+    already rounded it onto another message's stamp, so it cannot be kept exactly: it is
+    refused, naming the field and value, and costs its own episode only."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.episode(0, 1_000, 3, stamp=1_003.9)  # an end: its episode is discarded at once
+        bridge.episode(1, 2_000, 3)
+        bridge.event(event="start", episode=2, seed=2, task="fold", instruction="fold", stamp=3_000.0)
+        for t in range(4):  # episode 2's data, then its end: never recorded, never an end_without_start
+            bridge.node._on_joint(ARM2.joint_msg(3_000 + t, np.zeros(4)), bridge.info(ros2.JOINT_TOPIC))
+            if t < 3:
+                bridge.node._on_action(ARM2.action_msg(3_000 + t, np.zeros(3)), bridge.info(ros2.ACTION_TOPIC))
+        bridge.event(event="end", episode=2, seed=2, task="fold", length=3, rewards=[0.0] * 3, success=False,
+                     terminated=True, truncated=False, stamp=3_003)
+        bridge.episode(3, 4_000, 3)
+        # the same for a policy version: int() recorded 1.5 as version 1
+        bridge.event(event="start", episode=4, seed=4, task="fold", instruction="fold", stamp=5_000,
+                     policy_version=1.5)
+        bridge.event(event="end", episode=4, seed=4, task="fold", length=3, rewards=[0.0] * 3, success=False,
+                     terminated=True, truncated=False, stamp=5_003)
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"], status["malformed"]) == (2, {"malformed": 1}, {"event": 3})
+    assert [e.attrs["robot_episode"] for e in Store.open(root).snapshot().episodes(client="unit")] == [1, 3]
+    err = capfd.readouterr().err
+    assert "stamp must be a JSON integer, got 1003.9" in err and "stamp must be a JSON integer, got 3000.0" in err
+    assert "policy_version must be a JSON integer, got 1.5" in err
+
+
+def test_rewards_must_be_finite_json_numbers(tmp_path, capfd):
+    """``float()`` recorded a reward "1.0" or true as 1.0 and a string "123" as three rewards,
+    and a NaN reward cost a store round trip; an integer beyond float64 raised OverflowError out
+    of the callback. Each is a bad end naming the field and the value's type; ints stay numbers."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.episode(0, 1_000, 3, rewards=[0.0, "1.0", 0.0])
+        bridge.episode(1, 2_000, 3, rewards=[True, 0.0, 0.0])
+        bridge.episode(2, 3_000, 3, rewards="123")
+        bridge.episode(3, 4_000, 3, rewards=[0.0, 0.0, float("nan")])  # json writes NaN, and reads it back
+        bridge.episode(4, 5_000, 3, rewards=[0.0, 10**400, 0.0])
+        bridge.episode(5, 6_000, 3, rewards=[1, 0.5, -2])
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"], status["malformed"]) == (1, {"malformed": 5}, {"event": 5})
+    snap = Store.open(root).snapshot()
+    (episode,) = snap.episodes(client="unit")
+    assert episode.attrs["robot_episode"] == 5
+    np.testing.assert_array_equal(snap.load(episode)["reward"], [1.0, 0.5, -2.0])
+    err = capfd.readouterr().err
+    for reason in ["rewards[1] must be a JSON number, got str '1.0'", "rewards[0] must be a JSON number, got bool True",
+                   "rewards must be a JSON list of numbers, got str", "rewards[2] is nan: rewards must be finite",
+                   "rewards[1] is inf: rewards must be finite"]:
+        assert reason in err
+
+
+def test_joint_states_naming_other_joints_are_recorded(tmp_path):
+    """A robot's joint_states often names joints that are not recorded (wheels, gripper
+    fingers): every such message was refused as ``joint_names``. The described joints are
+    picked by name, in the described order, whatever the others hold; a described joint that
+    is missing (or repeated) is refused by name. Actions stay strict."""
+    names = ["wheel", "elbow", "gripper", "shoulder"]
+
+    def joints(ns: int, t: int) -> JointState:
+        return ros2.joint_msg(ns, names, np.array([np.nan, 2.0 + t, 7.0, 1.0 + t]),
+                              velocity=np.array([np.inf, 20.0, 7.0, 10.0]))
+
+    np.testing.assert_array_equal(ARM2.parse_joints(joints(1, 0)), np.float32([1, 2, 10, 20]))
+    for bad, reason in [(["wheel", "elbow", "gripper", "base"], r"missing \['shoulder'\]"),
+                        (["elbow", "elbow", "gripper", "shoulder"], r"repeated \['elbow'\]")]:
+        msg = joints(1, 0)
+        msg.name = bad
+        with pytest.raises(ros2.MalformedMessage, match=reason) as e:
+            ARM2.parse_joints(msg)
+        assert e.value.kind == "joint_names"
+    with pytest.raises(ros2.MalformedMessage, match=r"unknown \['gripper'\]"):
+        ARM2.parse_action(ros2.joint_msg(1, [*ARM2.action_names, "gripper"], np.array([0.5, 0.1, 0.5, 0.0])))
+    data = yaml.safe_load(Path(ARM2_PATH).read_text())
+    del data["joints"]["names"]  # nothing to select by: refused, not "record whatever arrives"
+    with pytest.raises(ros2.RobotDescriptionError, match="missing joints.names"):
+        ros2.RobotDescription.from_dict(data)
+
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.event(event="start", episode=0, seed=0, task="fold", instruction="fold", stamp=1_000)
+        for t in range(4):
+            bridge.node._on_joint(joints(1_000 + t, t), bridge.info(ros2.JOINT_TOPIC))
+            if t < 3:
+                bridge.node._on_action(ARM2.action_msg(1_000 + t, np.zeros(3)), bridge.info(ros2.ACTION_TOPIC))
+        bridge.event(event="end", episode=0, seed=0, task="fold", length=3, rewards=[0.0] * 3, success=False,
+                     terminated=True, truncated=False, stamp=1_003)
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"], status["malformed"]) == (1, {}, {})
+    snap = Store.open(root).snapshot()
+    (episode,) = snap.episodes(client="unit")
+    want = [[1 + t, 2 + t, 10, 20] for t in range(4)]
+    np.testing.assert_array_equal(snap.load(episode)["obs"]["joints"], np.float32(want))
+
+
+def test_discards_are_counted_by_reason_in_the_log_and_status(tmp_path, capfd):
+    """Each discard and the final log line give the counts by reason, as the status does."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.episode(0, 1_000, 4, length=3, rewards=[0.0] * 3)  # 5 observations for 3 steps
+        bridge.episode(1, 2_000, 4, length=3, rewards=[0.0] * 3)
+        bridge.episode(2, 3_000, 3, success="false")
+        bridge.episode(3, 4_000, 3)
+        bridge.episode(4, 5_000, 3, end=False)  # still open at shutdown
+        assert read_status(root, "unit")["discarded"] == {"inconsistent": 2, "malformed": 1}
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"]) == (1, {"inconsistent": 2, "malformed": 1, "shutdown": 1})
+    err = capfd.readouterr().err
+    assert "discarded episode 1 (inconsistent); so far discarded 2 episodes: inconsistent=2" in err
+    assert "discarded episode 2 (malformed); so far discarded 3 episodes: inconsistent=2, malformed=1" in err
+    assert ("stopping: committed=1 to shard unit; discarded 4 episodes: inconsistent=2, malformed=1, shutdown=1"
+            in err)
+
+
 def test_a_damaged_status_file_is_named_in_one_line(tmp_path, capsys):
     """`ros2-status` on a status file that is not a JSON object used to end in an AttributeError
     traceback, and on one with an unreadable pid or heartbeat in a ValueError naming no file."""
