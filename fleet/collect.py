@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import math
 import os
 from typing import Any
@@ -132,15 +133,38 @@ def collect(cfg: DictConfig) -> list[dict[str, Any]]:
             # CRAFT's candidate scores): clients record them from what the policy and the env report
             schema = dataclasses.replace(schema, extras=stored.extras)
     store = Store.create(cfg.store, schema, exist_ok=True)
-    configs = client_configs(cfg, store)
-    for config in configs:  # another collect with the same client ids: its clients would count its episodes as ours
-        shard = os.path.join(store.root, "shards", config.client_id)
-        if os.path.isdir(shard):
-            try:
-                os.close(lock_shard(shard, config.client_id))
-            except ShardLockedError as e:
-                raise ShardLockedError(f"{e} (another collect into {store.root}?): nothing was recorded; give this "
-                                       "one its own fleet.client_prefix") from None
-    statuses = make_launcher(cfg, configs).run(show=cfg.show)
+    # Another collect with the same client ids counts from the same commits, so its clients
+    # would take this one's episodes for their own: held from before the targets are read.
+    held = _lock_client_ids(store.root, cfg.fleet.client_prefix)
+    try:
+        configs = client_configs(cfg, store)
+        for config in configs:  # clients still writing (of a collect killed a moment ago)
+            shard = os.path.join(store.root, "shards", config.client_id)
+            if os.path.isdir(shard):
+                try:
+                    os.close(lock_shard(shard, config.client_id))
+                except ShardLockedError as e:
+                    raise ShardLockedError(f"{e} (another collect into {store.root}?): nothing was recorded; give "
+                                           "this one its own fleet.client_prefix") from None
+        statuses = make_launcher(cfg, configs).run(show=cfg.show)
+    finally:
+        os.close(held)
     raise_unfinished(statuses, "fleet clients", store.root)
     return statuses
+
+
+def _lock_client_ids(root: str, prefix: str) -> int:
+    """Take the lock of the client ids ``prefix-*`` in store ``root``; returns its descriptor.
+
+    Raises:
+        ShardLockedError: another collect with this prefix is running into the store.
+    """
+    os.makedirs(os.path.join(root, "fleet"), exist_ok=True)
+    fd = os.open(os.path.join(root, "fleet", f".collect-{prefix}.lock"), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ShardLockedError(f"another collect with fleet.client_prefix={prefix} is running into {root}: nothing "
+                               "was recorded; wait for it, or give this one its own fleet.client_prefix") from None
+    return fd

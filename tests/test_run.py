@@ -1,6 +1,7 @@
 """Smoke test of the main job (`robo-post run`) on a tiny, state-only budget."""
 
 import json
+import fcntl
 import os
 import subprocess
 import sys
@@ -161,3 +162,17 @@ def test_a_second_collect_into_shards_in_use_is_refused(tmp_path):
         f"robo-post collect: ShardLockedError: shard 'client-0' is already open for writing by another process "
         f"(another collect into {store}?): nothing was recorded; give this one its own fleet.client_prefix"), r.stderr
     assert len(Store.open(str(store)).snapshot(record=False)) == 2
+    # Started within a second of each other, both read the same commits before either client
+    # held a shard: the second exited 0 having recorded nothing. A running collect holds its ids.
+    held = os.open(store / "fleet" / ".collect-client.lock", os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        r = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    finally:
+        os.close(held)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+        f"robo-post collect: ShardLockedError: another collect with fleet.client_prefix=client is running into "
+        f"{store}: nothing was recorded; wait for it, or give this one its own fleet.client_prefix"), r.stderr
+    assert len(Store.open(str(store)).snapshot(record=False)) == 2
+    assert subprocess.run(cli, capture_output=True, text=True, timeout=120).returncode == 0  # released on exit
+    assert len(Store.open(str(store)).snapshot(record=False)) == 4
