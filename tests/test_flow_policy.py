@@ -12,11 +12,12 @@ from omegaconf import OmegaConf
 
 from robo_post.config import compose
 from robo_post.learner.checkpoint import CheckpointError
-from robo_post.learner.drivers import NoEpisodesError, NonFiniteWeightsError, publish_once
+from robo_post.learner.drivers import NoEpisodesError, NonFiniteWeightsError, RunResumeError, publish_once
 from robo_post.learner.train import train
 from robo_post.models.features import Feature, state_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig, FlowPolicyRunner
 from robo_post.store import ArraySpec, PolicyRegistry, Store, StoreSchema
+from test_store import tree_hash
 
 MU, S = 0.3, 0.5
 
@@ -261,6 +262,23 @@ def test_a_damaged_run_record_resumes_the_run_with_a_warning_naming_it(tiny_stor
     assert again["version"] == first == PolicyRegistry(tiny_store).latest()
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["version"] == first
     assert OmegaConf.load(tmp_path / "run" / "config.yaml").updates == 10
+
+
+@pytest.mark.parametrize("damage", ["missing", "damaged"])
+def test_an_unfinished_run_without_its_settings_record_is_not_resumed(tiny_store, tmp_path, damage):
+    """With config.yaml removed (or damaged), a killed run resumed under another learning rate
+    with no word, and the rewritten record named that rate as if the whole run used it."""
+    run_dir = tmp_path / "run"
+    train(_train_cfg(tiny_store, str(run_dir), 10))
+    (run_dir / "summary.json").unlink()  # as if killed at its last checkpoint, short of a larger budget
+    path = run_dir / "config.yaml"
+    path.unlink() if damage == "missing" else path.write_text(": : [")
+    before = tree_hash(str(run_dir))
+    other = OmegaConf.merge(_train_cfg(tiny_store, str(run_dir), 20), {"algo": {"lr": 0.5}})
+    with pytest.raises(RunResumeError, match=rf"holds an unfinished run \(update 10 of 20\), but {path}, the record of "
+                                             rf"the settings it started with, is {damage}: resuming could go on under"):
+        train(other)
+    assert tree_hash(str(run_dir)) == before
 
 
 def test_a_resumed_run_trains_on_the_snapshot_it_started_on(tiny_store, tmp_path):

@@ -316,11 +316,20 @@ def check_resume(run_dir: str, cfg: DictConfig, counter: str, target: int, setti
                              f"set {setting}>={done} to continue it, or a new run_dir starts over")
     started = done is not None or any(os.path.exists(os.path.join(run_dir, f)) for f in progress)
     config_path = os.path.join(run_dir, "config.yaml")
-    if not started or (isinstance(done, int) and done >= target) or not os.path.exists(config_path):
+    if not started or (isinstance(done, int) and done >= target):
         return
-    recorded = _run_record(config_path, OmegaConf.load)
-    if recorded is None:  # damaged: which settings it held is unknown (warned), resume as before
-        return
+    recorded = None
+    with contextlib.suppress(FileNotFoundError, yaml.YAMLError, ValueError):  # UnicodeDecodeError is a ValueError
+        recorded = OmegaConf.to_container(OmegaConf.load(config_path))
+    if not isinstance(recorded, dict):
+        if done is None:  # nothing trained to carry over: it starts over under the new settings
+            return
+        # The weights' settings are unknown: they could go on under others unnoticed.
+        state = "is damaged" if os.path.exists(config_path) else "is missing"
+        raise RunResumeError(
+            f"{run_dir} holds an unfinished run ({counter} {done or 0} of {target}), but {config_path}, the record "
+            f"of the settings it started with, {state}: resuming could go on under other settings unnoticed. "
+            "Restore it, or use a new run_dir")
     changed = {k: v for k, v in changed_settings(recorded, OmegaConf.to_container(cfg, resolve=True)).items()
                if k != setting and k.split(".")[0] not in RESUMABLE_SETTINGS}
     if changed:
@@ -412,8 +421,10 @@ def begin_run(run_dir: str, cfg: DictConfig) -> None:
     os.makedirs(run_dir, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(run_dir, "summary.json"))
-    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+    path = os.path.join(run_dir, "config.yaml")
+    with open(f"{path}.tmp", "w") as f:  # renamed into place: a kill never leaves half a record
         f.write(OmegaConf.to_yaml(cfg, resolve=True))
+    os.replace(f"{path}.tmp", path)
 
 
 # --- the off-policy driver ----------------------------------------------------------------
