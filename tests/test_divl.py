@@ -327,3 +327,13 @@ def test_a_per_head_state_dict_and_its_optimizer_state_resume_exactly():
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="heads"):  # a head missing from an old-layout dict is named
         DIVL(_critic_config()).net.load_state_dict({k: v for k, v in old_net.items() if not k.startswith("q_heads.1.")})
+
+
+@pytest.mark.parametrize("v_min,v_max", [(10.0, 10.0), (10.0, -10.0), (0.0, float("inf")), (float("nan"), 1.0)])
+def test_a_value_support_without_width_is_refused(v_min, v_max):
+    """Equal bounds trained to NaN losses and inverted ones to a negative cross-entropy, both published."""
+    with pytest.raises(ValueError, match=r"algo.value.v_min=.* and algo.value.v_max=.*: the value support needs finite "
+                                         "v_min < v_max"):
+        DIVLConfig(v_min=v_min, v_max=v_max)
+    with pytest.raises(ValueError, match="at least 2 atoms"):
+        DIVLConfig(num_atoms=1)

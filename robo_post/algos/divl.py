@@ -292,6 +292,14 @@ class DIVLConfig(ValueLearnerConfig):
     adaptive_tau: bool = True
     quantile_interp: str = "atom"
 
+    def __post_init__(self) -> None:
+        # A support of zero or negative width gave NaN or negative cross-entropies, published.
+        if not (math.isfinite(self.v_min) and math.isfinite(self.v_max) and self.v_min < self.v_max):
+            raise ValueError(f"algo.value.v_min={self.v_min} and algo.value.v_max={self.v_max}: the value support "
+                             "needs finite v_min < v_max")
+        if self.num_atoms < 2:
+            raise ValueError(f"algo.value.num_atoms={self.num_atoms}: a categorical value needs at least 2 atoms")
+
 
 class DIVL(ValueLearner):
     """DIVL value learner: categorical V over replay-action critic values, quantile bootstrap."""
