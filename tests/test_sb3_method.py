@@ -196,6 +196,7 @@ def test_a_budget_below_one_on_policy_rollout_is_refused_before_training(tmp_pat
                 "show=false", ok=False)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert f"is less than one on-policy rollout (algo.n_envs={rollout} steps)" in r.stderr
+    assert "or +algo.hyperparameters.n_steps=N" in r.stderr  # a key to add: without the + hydra refuses it
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
 

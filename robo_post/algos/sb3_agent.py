@@ -140,7 +140,7 @@ def check_budget(timesteps: int, model: Any) -> None:
     if isinstance(model, OnPolicyAlgorithm) and timesteps < model.n_envs * model.n_steps:
         raise ValueError(f"algo.timesteps={timesteps} is less than one on-policy rollout (algo.n_envs={model.n_envs} "
                          f"x n_steps={model.n_steps} = {model.n_envs * model.n_steps} steps), which SB3 would train "
-                         "anyway; raise algo.timesteps or lower algo.n_envs or algo.hyperparameters.n_steps")
+                         "anyway; raise algo.timesteps or lower algo.n_envs or +algo.hyperparameters.n_steps=N")
 
 
 class SB3Agent:
