@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.resources
+import os
 from typing import Any
 
 from omegaconf import DictConfig
@@ -44,3 +45,10 @@ def describe_changes(changed: dict[str, tuple[Any, Any]], limit: int | None = 5)
     items = list(changed.items())
     shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in items[:limit])
     return shown + (", ..." if limit is not None and len(items) > limit else "")
+
+
+def check_dir_path(key: str, path: str) -> None:
+    """Refuse setting ``key=path`` where ``path`` is a file: a job writing its folder there would
+    fail deep inside with an errno that names neither the setting nor the way out."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{key}={path} is a file, not a directory: give the job a directory of its own")

@@ -202,6 +202,8 @@ def test_a_run_dir_in_use_or_not_a_run_dir_is_refused_and_nothing_is_written(int
         refused = _cli("train", *common, f"run_dir={bad}")
         assert refused.returncode == 1 and f"robo-post train: ValueError: run_dir={bad} {what}" in refused.stderr
     assert tree_hash(store) == stored and (tmp_path / "a_file").read_text() == "x"
+    refused = _cli("run", f"run_dir={tmp_path / 'a_file'}")  # was FileExistsError: [Errno 17]
+    assert refused.returncode == 1 and f"robo-post run: ValueError: run_dir={tmp_path / 'a_file'} is a file" in refused.stderr
     nothing = _cli("train", *common, f"run_dir={tmp_path / 'new'}", "data.tasks=[nope]")
     assert nothing.returncode == 1 and "NoEpisodesError" in nothing.stderr
     assert not (tmp_path / "new").exists()  # the run dir the refused run created is gone again

@@ -105,6 +105,13 @@ def test_report_counts_are_singular_for_one(tmp_path):
     assert "2 episodes on 2 clients in 1 s, base seed 0; 2 eval layouts also occur in the training store." in text(2)
 
 
+def test_a_report_into_a_file_is_refused_naming_it(tmp_path):
+    (tmp_path / "a_file").write_text("x")  # was FileExistsError: [Errno 17]
+    with pytest.raises(ValueError, match=r"out_dir=.*a_file is a file, not a directory"):
+        write_report(str(tmp_path / "a_file"), [])
+    assert (tmp_path / "a_file").read_text() == "x"
+
+
 def _episode(i: int, success: bool | None = None, length: int = 10, ret: float = 0.0) -> EpisodeInfo:
     return EpisodeInfo(f"eval-c{i}", 0, "reach", "", i, success, length, 0, 0, 0, True, 0.0, 0.0, {}, 0, ret, "eval")
 

@@ -30,6 +30,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
+from robo_post.config import check_dir_path
 from robo_post.envs.registry import env_spec
 from robo_post.eval.rollout import (format_mean, format_metric, format_rate, load_results, pct as _pct,
                                    read_json_object, read_result)
@@ -58,6 +59,7 @@ def write_report(
         frames: include rollout frame strips (re-rendering costs ~1 s per episode).
         title: report title.
     """
+    check_dir_path("out_dir", out_dir)
     os.makedirs(out_dir, exist_ok=True)
     results = sorted(results, key=lambda r: (r["policy"]["version"], _SPLIT_ORDER.get(r["split"], 9), r["created"]))
     labels = _labels(results)

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from robo_post.algos.divl import DIVL
 from robo_post.algos.registry import DataSpec, MethodSpec
 from robo_post.algos.sb3_agent import check_budget
-from robo_post.config import changed_settings, describe_changes
+from robo_post.config import changed_settings, check_dir_path, describe_changes
 from robo_post.learner.checkpoint import (CheckpointError, checkpoint_state, has_checkpoint, load_checkpoint,
                                          save_checkpoint)
 from robo_post.learner.loop import truncate_log, resolve_device, train_loop
@@ -389,8 +389,7 @@ def run_lock(run_dir: str) -> Iterator[None]:
         RunLockedError: another process is training there.
         ValueError: ``run_dir`` is a file, or the root of a trajectory store.
     """
-    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
-        raise ValueError(f"run_dir={run_dir} is a file, not a directory: give the run a directory of its own")
+    check_dir_path("run_dir", run_dir)
     if os.path.exists(os.path.join(run_dir, "store.json")):  # its checkpoint and log would sit among the shards
         raise ValueError(f"run_dir={run_dir} is a trajectory store: give the run a directory of its own")
     created = not os.path.isdir(run_dir)

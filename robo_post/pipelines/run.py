@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from robo_post.config import changed_settings, compose, describe_changes
+from robo_post.config import changed_settings, check_dir_path, compose, describe_changes
 from robo_post.pipelines import lwd
 from robo_post.store import PolicyRegistry, Store
 from robo_post.store.writer import write_json_atomic
@@ -142,6 +142,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     tracking_settings(cfg.get("tracking"))  # an enabled tracker that is not installed fails before any work
     check_stages(cfg)
+    check_dir_path("run_dir", cfg.run_dir)
     check_same_settings(cfg)
     os.makedirs(cfg.run_dir, exist_ok=True)
     store_root = os.path.join(cfg.run_dir, "store")

@@ -140,7 +140,8 @@ class Store:
         """
         path = os.path.join(root, "store.json")
         if not os.path.exists(path):
-            raise StoreNotFoundError(f"no robo-post store at {root} (missing store.json)")
+            what = f"{root} is a file, not a robo-post store" if os.path.isfile(root) else f"no robo-post store at {root}"
+            raise StoreNotFoundError(f"{what} (missing store.json)")
         try:
             with open(path, "rb") as f:
                 meta = json.loads(f.read())
