@@ -120,11 +120,14 @@ def _store_import_minari(args: argparse.Namespace) -> int:
     from robo_post.store.minari_io import import_minari
 
     done = import_minari(args.dataset_id, args.store, args.client, minari_root=args.minari_root, task_id=args.task,
-                         success_from=args.success_from)
+                         success_from=args.success_from, skip_invalid=args.skip_invalid)
     rule = args.success_from or "as exported"
     held = f"; {done.skipped} the store already held were skipped" if done.skipped else ""
-    print(f"imported {done.imported} episodes from {args.dataset_id} into {args.store} "
-          f"(shard {args.client}, success: {rule}){held}")
+    for index, reason in done.invalid:
+        print(f"skipped invalid episode {index}: {reason}", file=sys.stderr)
+    invalid = f"; {len(done.invalid)} invalid skipped (listed above)" if done.invalid else ""
+    print(f"imported {done.imported} episode{'' if done.imported == 1 else 's'} from {args.dataset_id} into "
+          f"{args.store} (shard {args.client}, success: {rule}){held}{invalid}")
     return 0
 
 
@@ -161,6 +164,9 @@ def _store_main(argv: list[str]) -> int:
         help="how each episode's success is decided: termination | truncation | info:KEY | return>=X | none "
         "(required for datasets not exported by robo-post; default for those: the exported success)",
     )
+    p.add_argument("--skip-invalid", action="store_true",
+                   help="import the other episodes when one fails validation (NaN, an action out of bounds), "
+                   "listing each skipped one; by default it stops the import")
     p.set_defaults(fn=_store_import_minari)
     args = parser.parse_args(argv)
     return args.fn(args)

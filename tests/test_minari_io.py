@@ -234,7 +234,7 @@ def test_cli_export_and_import(tmp_path, capsys):
 
     assert main(["store", "import-minari", "robo/failures-v0", str(tmp_path / "dst"), "--minari-root", mroot,
                  "--client", "lab", "--task", "relabelled"]) == 0
-    assert "imported 1 episodes" in capsys.readouterr().out
+    assert "imported 1 episode from" in capsys.readouterr().out
     (ep,) = Store.open(str(tmp_path / "dst")).snapshot().episodes()
     assert (ep.client_id, ep.task_id, ep.success, ep.length) == ("lab", "relabelled", False, 7)
 
@@ -446,10 +446,28 @@ def test_two_imports_at_once_import_each_episode_once(tmp_path, monkeypatch):
     assert sources == list(range(6))
 
 
+def test_skip_invalid_imports_the_other_episodes_and_names_the_skipped(tmp_path, monkeypatch, capsys):
+    """An invalid episode in the dataset stopped every import at it, and the message promised a
+    rerun would add the rest."""
+    root, store = tmp_path / "minari", str(tmp_path / "store")
+    _dataset(root, monkeypatch, "skip/ep-v0", _buffers(4, bad=1))
+    args = ["store", "import-minari", "skip/ep-v0", store, "--minari-root", str(root), "--success-from", "none"]
+    assert main(args) == 1
+    assert "--skip-invalid to import the others" in capsys.readouterr().err
+    assert main([*args, "--skip-invalid"]) == 0
+    out, err = capsys.readouterr()
+    assert "skipped invalid episode 1: invalid episode: field 'obs/observation' at step 1: contains NaN" in err
+    assert "imported 2 episodes from skip/ep-v0" in out and "1 the store already held" in out and "1 invalid" in out
+    assert sorted(e.attrs["imported_from"]["episode"] for e in Store.open(store).snapshot()) == [0, 2, 3]
+    again = import_minari("skip/ep-v0", store, minari_root=root, success_from="none", skip_invalid=True)
+    assert (again.imported, again.skipped, [i for i, _ in again.invalid]) == (0, 3, [1])
+
+
 def test_importing_again_adds_only_the_episodes_the_store_lacks(tmp_path, monkeypatch, capsys):
     root, store = tmp_path / "minari", str(tmp_path / "store")
     _dataset(root, monkeypatch, "part/ep-v0", _buffers(4, bad=2))
-    with pytest.raises(EpisodeValidationError, match="2 earlier episode\\(s\\) stay imported .* adds only the rest"):
+    with pytest.raises(EpisodeValidationError, match="2 earlier episode\\(s\\) stay imported .* fix it and import again "
+                                                     "\\(only the rest is added\\), or pass --skip-invalid"):
         import_minari("part/ep-v0", store, minari_root=root, success_from="none")
     shutil.rmtree(root / "part")  # the user repairs the dataset and imports it again
     _dataset(root, monkeypatch, "part/ep-v0", _buffers(4))

@@ -54,6 +54,7 @@ from minari.storage import get_dataset_path
 from robo_post.store.schema import (
     BARE_OBS_ATTR,
     ArraySpec,
+    EpisodeValidationError,
     StoreError,
     StoreNotFoundError,
     StoreSchema,
@@ -89,10 +90,12 @@ SOURCE_ATTR = "imported_from"
 
 @dataclasses.dataclass(frozen=True)
 class MinariImport:
-    """What ``import_minari`` did: episodes appended, and episodes skipped as the store already held them."""
+    """What ``import_minari`` did: episodes appended, episodes skipped as the store already held
+    them, and (with ``skip_invalid``) the dataset's episodes refused: ``(index, reason)``."""
 
     imported: int
     skipped: int
+    invalid: tuple[tuple[int, str], ...] = ()
 
 
 class UnsupportedSpaceError(StoreError, ValueError):
@@ -322,6 +325,7 @@ def import_minari(
     minari_root: str | os.PathLike | None = None,
     task_id: str | None = None,
     success_from: str | None = None,
+    skip_invalid: bool = False,
 ) -> MinariImport:
     """Append the episodes of a Minari dataset that the store does not hold yet.
 
@@ -345,6 +349,9 @@ def import_minari(
             (``termination``, ``truncation``, ``info:KEY``, ``return>=X``, ``none``).
             Required for foreign datasets; by default exported episodes keep their
             recorded success. A rule given is recorded in ``attrs["success_rule"]``.
+        skip_invalid: import the other episodes when one fails validation (NaN, an
+            action out of bounds, ...), listing it in ``MinariImport.invalid``; by
+            default such an episode stops the import.
 
     Raises:
         SuccessRuleError: a foreign dataset and no rule, a malformed rule, or an
@@ -390,7 +397,7 @@ def import_minari(
     env_kwargs = {**_json_safe(env_spec.kwargs), "max_episode_steps": env_spec.max_episode_steps} if (
         env_spec is not None and env_spec.max_episode_steps is not None) else None
     bare_key = schema.attrs.get(BARE_OBS_ATTR)
-    n = 0
+    n, invalid = 0, []
     with contextlib.ExitStack() as stack:
         # One import at a time per store: two imports of one dataset into different shards
         # would each find its episodes missing and both write them.
@@ -452,15 +459,26 @@ def import_minari(
                     # Exported before roles were recorded: the role its shard's name gave it.
                     role=record.get("role") or (infer_role(record["client_id"]) if "client_id" in record else "imported"),
                 )
+            except EpisodeValidationError as e:
+                if not skip_invalid:  # the dataset's own episode: importing again stops here again
+                    e.args = (f"Minari dataset {dataset_id!r}, episode {index}: {e}; {_kept(n, store_root)}; the "
+                              "dataset's episode is invalid: fix it and import again (only the rest is added), or "
+                              "pass --skip-invalid to import the others", *e.args[1:])
+                    raise
+                invalid.append((index, str(e)))
+                continue
             except StoreError as e:
                 # Same type, with where it stopped: earlier episodes stay committed, and
                 # importing the dataset again skips them.
-                done = (f"{n} earlier episode(s) stay imported in {store_root}; importing again adds only the rest"
-                        if n else "nothing was imported")
-                e.args = (f"Minari dataset {dataset_id!r}, episode {index}: {e}; {done}", *e.args[1:])
+                e.args = (f"Minari dataset {dataset_id!r}, episode {index}: {e}; {_kept(n, store_root)}"
+                          + ("; importing again adds only the rest" if n else ""), *e.args[1:])
                 raise
             n += 1
-    return MinariImport(imported=n, skipped=len(metas) - n)
+    return MinariImport(imported=n, skipped=len(metas) - n - len(invalid), invalid=tuple(invalid))
+
+
+def _kept(n: int, store_root: str | os.PathLike) -> str:
+    return f"{n} earlier episode(s) stay imported in {store_root}" if n else "nothing was imported"
 
 
 @contextlib.contextmanager
