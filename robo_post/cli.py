@@ -12,9 +12,8 @@ import json
 import sys
 from typing import Callable
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from robo_post.config import compose
 from robo_post.store.schema import StoreError
 
 
