@@ -517,6 +517,32 @@ def test_an_import_killed_part_way_completes_when_run_again(tmp_path, monkeypatc
     assert main(["store", "validate", store]) == 0
 
 
+def test_an_export_killed_part_way_leaves_no_dataset(tmp_path, monkeypatch):
+    """Minari writes in place: a killed export left a partial dataset that read as complete (221
+    of 400 episodes imported without a word) and blocked the rerun as existing."""
+    root, store = tmp_path / "minari", str(tmp_path / "store")
+    _dataset(root, monkeypatch, "src/ep-v0", _buffers(6))
+    import_minari("src/ep-v0", store, minari_root=root, success_from="none")
+    script = (
+        "import os, signal\n"
+        "from minari.dataset.minari_dataset import MinariDataset\n"
+        "from robo_post.cli import main\n"
+        "update, n = MinariDataset.update_dataset_from_buffer, [0]\n"
+        "def killing(self, *a, **k):\n"
+        "    out = update(self, *a, **k); n[0] += 1\n"
+        "    if n[0] == 3: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return out\n"
+        "MinariDataset.update_dataset_from_buffer = killing\n"
+        f"main(['store', 'export-minari', {store!r}, 'out/ep-v0', '--minari-root', {str(root)!r}])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert r.returncode == -9, r.stderr
+    assert not (root / "out").exists()
+    assert main(["store", "export-minari", store, "out/ep-v0", "--minari-root", str(root)]) == 0
+    assert len(minari.MinariDataset(str(root / "out" / "ep-v0" / "data"))) == 6
+    assert sorted(os.listdir(root)) == ["out", "src"]
+
+
 def test_an_empty_or_damaged_dataset_is_refused_before_a_store_is_created(tmp_path, monkeypatch):
     root = tmp_path / "minari"
     _dataset(root, monkeypatch, "empty/none-v0", [])

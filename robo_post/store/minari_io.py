@@ -41,6 +41,7 @@ import json
 import os
 import shutil
 import sys
+import uuid
 import warnings
 from typing import Any, Callable, Iterator, Sequence
 
@@ -246,8 +247,8 @@ def export_minari(
             (``$MINARI_DATASETS_PATH`` or ``~/.minari/datasets``).
 
     Raises:
-        StoreError: bad or existing dataset id, or no episodes to export. A failed
-            export removes its partial dataset.
+        StoreError: bad or existing dataset id, or no episodes to export. The dataset
+            appears whole or not at all, also when the export is killed.
     """
     _check_dataset_id(dataset_id)
     episodes = list(snapshot.episodes() if episodes is None else episodes)
@@ -259,9 +260,14 @@ def export_minari(
     obs_space = spaces[bare_key] if bare_key else gym.spaces.Dict(spaces)
 
     with _datasets_path(minari_root):
+        root = str(get_dataset_path())
         path = str(get_dataset_path(dataset_id))
-        if os.path.exists(path):
-            raise StoreError(f"Minari dataset {dataset_id!r} already exists at {path}")
+    if os.path.exists(path):
+        raise StoreError(f"Minari dataset {dataset_id!r} already exists at {path}")
+    # Minari writes in place: the dataset is built beside the datasets folder and renamed into
+    # it whole, so a killed export leaves no partial dataset that reads as a complete one.
+    staging = f"{root.rstrip(os.sep)}.export-{uuid.uuid4().hex}"
+    with _datasets_path(staging):
         try:
             first, *rest = episodes
             buffer, meta = _episode_buffer(snapshot, first, bare_key)
@@ -285,10 +291,13 @@ def export_minari(
                 metas.append(meta)
             dataset.storage.update_episode_metadata(metas, range(len(metas)))
             dataset.storage.update_metadata({META_KEY: {"schema": schema.to_json(), "snapshot": snapshot.id}})
-        except BaseException:
-            # Minari writes in place; don't leave a half dataset that blocks a retry.
-            shutil.rmtree(path, ignore_errors=True)
-            raise
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            try:
+                os.rename(os.path.join(staging, dataset_id), path)  # fails if `path` appeared meanwhile
+            except OSError:
+                raise StoreError(f"Minari dataset {dataset_id!r} already exists at {path}") from None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return path
 
 
