@@ -329,6 +329,26 @@ def repair_store(root: str, apply: bool = False) -> list[str]:
     actions = []
     for shard in store.shards():
         path = os.path.join(store.root, "shards", shard)
+        lost = _lost_array_metadata(store, path)
+        if lost:
+            # An array's zarr.json holds no rows, only what the schema gives (dtype, chunks) and a
+            # length the writer sets from the commit record: a writer opening the shard writes it
+            # again. Whether the rows then verify is checked below like any episode's data.
+            line = f"shard {shard}: the zarr.json of {', '.join(lost)} is missing or damaged; "
+            if not apply:
+                line += "would rewrite it from the store's schema"
+            else:
+                for name in lost:  # a damaged one is kept beside
+                    with contextlib.suppress(FileNotFoundError):
+                        meta = os.path.join(path, name, "zarr.json")
+                        os.replace(meta, f"{meta}.damaged")
+                try:
+                    with store.writer(shard):
+                        pass
+                    line += "rewrote it from the store's schema"
+                except StoreError as e:
+                    line += f"cannot rewrite it yet: {e}"
+            actions.append(line)
         status = inspect_commit(path)
         why = status.problem
         if why is None and status.counts["episodes"]:
@@ -383,6 +403,26 @@ def repair_store(root: str, apply: bool = False) -> list[str]:
             if apply:
                 os.replace(path, f"{path}.damaged")
     return actions
+
+
+def _lost_array_metadata(store: Store, path: str) -> list[str]:
+    """The folders under the shard at ``path`` whose ``zarr.json`` is lost: an array's that is
+    missing or not a JSON object, a group's that is not one (readers do without a missing one)."""
+    schema = store.schema
+    arrays = [f"obs/{k}" for k in schema.observations] + ["action", "step"] + [f"extras/{k}" for k in schema.extras]
+    lost = []
+    for name, is_array in [("data", False), ("data/obs", False), ("data/extras", False),
+                           *((f"data/{a}", True) for a in arrays)]:
+        meta = os.path.join(path, name, "zarr.json")
+        if not os.path.isdir(os.path.dirname(meta)) or not (is_array or os.path.exists(meta)):
+            continue
+        try:
+            with open(meta, "rb") as f:
+                if not isinstance(json.load(f), dict):
+                    raise ValueError("not a JSON object")
+        except (OSError, ValueError):
+            lost.append(name)
+    return lost
 
 
 def _salvage(store: Store, shard: str, episodes: list[EpisodeInfo], target: str) -> int:

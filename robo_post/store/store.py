@@ -359,7 +359,8 @@ class Snapshot:
                 where = path if name is None else os.path.join(path, name)
                 meta = os.path.join(where, "zarr.json")
                 reason = "its zarr.json is missing" if not os.path.exists(meta) else repr(e)
-                raise StoreIntegrityError(f"shard {shard}: {where} unreadable: {reason}") from e
+                raise StoreIntegrityError(f"shard {shard}: {where} unreadable: {reason} (`robo-post store repair "
+                                          "--apply` writes lost array metadata again)") from e
             self._arrays[shard] = arrays
         return self._arrays[shard]
 
