@@ -116,6 +116,9 @@ class EnvSpec:
             (bools are rates, floats means); ``None``: none.
         metric_ids: names among ``metrics`` that identify the episode (a world index, a
             seed): recorded with each episode, not averaged by eval.
+        bounds: ``name -> (low, high)`` (``None``: unbounded) of per-episode quantities that
+            cannot leave a range: ``"return"`` or a metric. Eval clips their 95% intervals
+            to it, which a few skewed episodes otherwise overshoot.
         horizon: default action-chunk length for chunked policies.
         execute_steps: default actions executed open-loop per chunk (1 for reactive
             control: locomotion, balancing).
@@ -155,6 +158,7 @@ class EnvSpec:
     success_rule: str = GENERIC_SUCCESS_RULE
     metrics: Callable[[list[Mapping[str, Any]]], dict[str, Metric]] | None = None
     metric_ids: tuple[str, ...] = ()
+    bounds: Mapping[str, tuple[float | None, float | None]] = field(default_factory=dict)
     horizon: int = 4
     execute_steps: int = 1
     language: bool = False
@@ -383,6 +387,7 @@ register_env(EnvSpec(
     step_limit=lambda env: env.unwrapped.max_steps,
     success=lambda info: bool(info["success"]),
     success_rule="info['success'] of the last step: the task's goal state was reached (which ends the episode)",
+    bounds={"return": (0.0, 1.0)},  # reward 1 on the step that succeeds, else 0
     horizon=8,
     execute_steps=4,
     language=True,
@@ -432,6 +437,7 @@ register_env(EnvSpec(
     success=lambda info: bool(info["success"]),
     success_rule="info['success'] of the last step: the episode ran to its end without a collision or leaving the road",
     metrics=_driving_metrics,
+    bounds={"mean_speed": (0.0, None)},
     # 5 decisions per second by default: a 4-step chunk covers 0.8 s, re-planned every step
     # (executing 2 open-loop left the road in 64% of roundabout episodes, 1 in 12%).
     horizon=4,
@@ -460,6 +466,7 @@ register_env(EnvSpec(
     success_rule="undefined: an episode is judged by its length class and score (metrics long, usefulness)",
     metrics=_shutdown_grid_metrics,
     metric_ids=("grid", "meta_episode", "mini_episode"),
+    bounds={"score": (0.0, None), "usefulness": (0.0, 1.0)},  # coins collected, and their share of the most
     horizon=1,
     execute_steps=1,
     split_kwarg="split",
@@ -554,6 +561,7 @@ register_env(EnvSpec(
     success=lambda info: not bool(info["crashed"]),
     success_rule="not info['crashed'] at the last step: the episode ended without a collision",
     metrics=_highway_meta_metrics,
+    bounds={"mean_speed": (0.0, None)},
     candidates=lambda: importlib.import_module("robo_post.envs.highway_meta").CANDIDATES,
     step_extras=lambda info: {"events": np.asarray(info["events"], dtype=np.float32)},
     step_extra_specs={"events": ArraySpec("float32", (5,))},  # highway_meta.EVENTS

@@ -9,6 +9,7 @@ import os
 
 os.environ.setdefault("MUJOCO_GL", "egl")  # headless rendering; must precede importing mujoco
 
+import dataclasses
 import json
 import math
 from typing import Any
@@ -71,6 +72,13 @@ def test_mean_intervals_stay_inside_known_bounds():
     stats = _summarise(episodes, ["reach"])["tasks"]["reach"]
     assert stats["length_ci95"] == pytest.approx([0.0, 31.323], abs=1e-3)  # a length is never negative
     assert stats["return_ci95"][0] < -5  # a return has no known bound: left as computed
+    # Where the env's registry entry knows a range (tabletop's 0/1 return gave [-0.07, 1.07]):
+    episodes = [dataclasses.replace(_episode(i, ret=float(i == 0)), attrs={"metrics": {"usefulness": u, "other": u}})
+                for i, u in enumerate([0.0, 0.0, 0.1, 0.95])]
+    stats = _summarise(episodes, ["reach"], bounds=env_spec("tabletop").bounds | {"usefulness": (0.0, 1.0)})
+    stats = stats["tasks"]["reach"]
+    assert stats["return_ci95"] == [0.0, 1.0]  # unclipped [-0.546, 1.046]
+    assert stats["metrics"]["usefulness"]["ci95"][0] == 0.0 and stats["metrics"]["other"]["ci95"][0] < 0
 
 
 def test_saved_result_writes_null_not_nan(tmp_path):

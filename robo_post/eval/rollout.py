@@ -24,7 +24,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable, Literal, Mapping
 
 import numpy as np
 import safetensors.torch
@@ -223,7 +223,7 @@ def evaluate(
 
     snap = store.snapshot()
     episodes = [e for c in configs for e in snap.episodes(client=c.client_id)[: c.episodes]]
-    result = _summarise(episodes, tasks, spec.metric_ids)
+    result = _summarise(episodes, tasks, spec.metric_ids, spec.bounds)
     result.update(
         policy={"version": version or 0, "label": label, "store": policy_store,
                 "config": _provenance(policy_config)},
@@ -527,15 +527,21 @@ def _provenance(policy_config: dict[str, Any]) -> dict[str, Any]:
     return {k: policy_config[k] for k in keys if k in policy_config}
 
 
-def _metric_stats(values: list[bool | float]) -> dict[str, Any]:
-    """A boolean metric as a rate with a Wilson interval, a numeric one as a mean with a t interval."""
+def _metric_stats(values: list[bool | float], bounds: tuple[float | None, float | None] = (None, None)
+                  ) -> dict[str, Any]:
+    """A boolean metric as a rate with a Wilson interval, a numeric one as a mean with a t interval
+    clipped to the metric's ``bounds``."""
     if all(isinstance(v, bool) for v in values):
         k = sum(values)
         return {"rate": k / len(values), "ci95": list(wilson_interval(k, len(values))), "episodes": len(values)}
-    return {"mean": float(np.mean(values)), "ci95": mean_interval(values), "episodes": len(values)}
+    return {"mean": float(np.mean(values)), "ci95": mean_interval(values, 0.95, *bounds), "episodes": len(values)}
 
 
-def _task_stats(episodes: list[EpisodeInfo], ids: Iterable[str] = ()) -> dict[str, Any]:
+Bounds = Mapping[str, tuple[float | None, float | None]]  # EnvSpec.bounds
+
+
+def _task_stats(episodes: list[EpisodeInfo], ids: Iterable[str] = (), bounds: Bounds | None = None) -> dict[str, Any]:
+    bounds = bounds or {}
     n = len(episodes)
     judged = [e for e in episodes if e.success is not None]
     k = sum(bool(e.success) for e in judged)
@@ -553,20 +559,21 @@ def _task_stats(episodes: list[EpisodeInfo], ids: Iterable[str] = ()) -> dict[st
         "mean_length": float(np.mean([e.length for e in episodes])) if n else None,
         "length_ci95": mean_interval((e.length for e in episodes), low=0),
         "mean_return": float(np.mean([e.ret for e in episodes])) if n else None,
-        "return_ci95": mean_interval(e.ret for e in episodes),
-        "metrics": {name: _metric_stats(values) for name, values in metrics.items()},
+        "return_ci95": mean_interval((e.ret for e in episodes), 0.95, *bounds.get("return", (None, None))),
+        "metrics": {name: _metric_stats(values, bounds.get(name, (None, None))) for name, values in metrics.items()},
     }
 
 
-def _summarise(episodes: list[EpisodeInfo], tasks: list[str], ids: Iterable[str] = ()) -> dict[str, Any]:
+def _summarise(episodes: list[EpisodeInfo], tasks: list[str], ids: Iterable[str] = (),
+               bounds: Bounds | None = None) -> dict[str, Any]:
     """Per-task and overall statistics, and one row per episode; metrics named in ``ids`` (the
-    env's ``metric_ids``) stay in the rows only."""
-    per_task = {t: _task_stats([e for e in episodes if e.task_id == t], ids) for t in tasks}
+    env's ``metric_ids``) stay in the rows only; intervals are clipped to the env's ``bounds``."""
+    per_task = {t: _task_stats([e for e in episodes if e.task_id == t], ids, bounds) for t in tasks}
     rates = [s["success_rate"] for s in per_task.values() if s["success_rate"] is not None]
     return {
         "tasks": per_task,
         "mean_success_rate": float(np.mean(rates)) if rates else None,
-        "overall": _task_stats(episodes, ids),
+        "overall": _task_stats(episodes, ids, bounds),
         "episodes": [
             {"key": e.key, "task": e.task_id, "seed": e.seed, "success": e.success, "length": e.length,
              "return": e.ret, "metrics": e.attrs.get("metrics", {}), "policy_version": e.policy_version,
