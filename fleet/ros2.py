@@ -1223,8 +1223,10 @@ class BridgeNode(Node):
             if not isinstance(ev["length"], int) or isinstance(ev["length"], bool):  # int(2.7) would be 2
                 raise TypeError(f"length {ev['length']!r} must be a whole number")
             length, rewards = ev["length"], _event_rewards(ev)
-            if len(rewards) != length or stamp < ep.start:
-                raise ValueError(f"{len(rewards)} rewards for {length} steps, end stamp {stamp} < start {ep.start}")
+            if len(rewards) != length:
+                raise ValueError(f"{len(rewards)} rewards for {length} steps")
+            if stamp < ep.start:
+                raise ValueError(f"end stamp {stamp} < start {ep.start}")
             # Truthiness would record "false" as True: flags must be JSON booleans.
             flags = {k: ev[k] for k in END_FLAGS if k in ev or k in REQUIRED_END_FLAGS}
             if not all(isinstance(v, bool) for v in flags.values()):

@@ -198,6 +198,7 @@ def test_a_budget_below_one_on_policy_rollout_is_refused_before_training(tmp_pat
     assert f"is less than one on-policy rollout (algo.n_envs={rollout} steps)" in r.stderr
     assert "or +algo.hyperparameters.n_steps=N" in r.stderr  # a key to add: without the + hydra refuses it
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+    assert not os.path.exists(tmp_path / "store")  # the store created for it is removed again
 
 
 @pytest.mark.parametrize("algo, args, said", [

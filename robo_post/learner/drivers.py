@@ -38,6 +38,7 @@ from robo_post.models.features import infer_features, state_keys
 from robo_post.models.flow import FlowPolicy
 from robo_post.store import (EpisodeInfo, ImitationSampler, PolicyArtifactError, PolicyRegistry, Snapshot, Store,
                              StoreSchema, WindowSampler)
+from robo_post.store.store import remove_empty_store
 from robo_post.store.writer import write_json_atomic
 
 # Chunking for data of an env the environment registry does not know: a reactive
@@ -566,11 +567,18 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     torch.set_num_threads(cfg.torch_threads)
     values = {k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"}
     config = spec.make_config(values)
+    existed = os.path.exists(cfg.store)
+    created = not os.path.exists(os.path.join(cfg.store, "store.json"))
     store = _open_or_create_store(cfg.store, config)
     if config.seed is None:
         config.seed = cfg.seed
-    agent = spec.build(config, None, resolve_device(cfg.device), None)
-    check_budget(config.timesteps, agent.model)
+    try:
+        agent = spec.build(config, None, resolve_device(cfg.device), None)
+        check_budget(config.timesteps, agent.model)
+    except BaseException:
+        if created:  # refused settings leave no store behind
+            remove_empty_store(store.root, existed)
+        raise
     run_dir = cfg.run_dir
     begin_run(run_dir, cfg)
     ckpt, log_path = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "metrics.jsonl")

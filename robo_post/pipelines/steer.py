@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from robo_post.config import check_dir_path
 from robo_post.envs.registry import env_spec, spec_for_env
 from robo_post.fleet.client import make_env, store_schema
 from robo_post.fleet.collect import client_configs, env_config, make_launcher
@@ -130,6 +131,7 @@ def steer(cfg: DictConfig) -> dict[str, Any]:
 
 def steer_eval(cfg: DictConfig) -> dict[str, Any]:
     """The evaluation grid for every prior quality in ``qualities``; writes the report page."""
+    check_dir_path("out_dir", cfg.out_dir)  # before the grid's minutes of episodes, not after
     torch.set_num_threads(1)
     env_cfg, tasks = env_config(cfg)
     task = tasks[0] if tasks else None

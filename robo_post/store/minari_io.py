@@ -61,7 +61,7 @@ from robo_post.store.schema import (
     StoreSchema,
     infer_role,
 )
-from robo_post.store.store import EpisodeInfo, Snapshot, Store
+from robo_post.store.store import EpisodeInfo, Snapshot, Store, remove_empty_store
 from robo_post.store.writer import ShardWriter
 
 # Step columns carried in infos["robo_post"]; the other three are Minari arrays.
@@ -376,7 +376,9 @@ def import_minari(
     root = get_dataset_path(dataset_id) if minari_root is None else os.path.join(minari_root, dataset_id)
     path = os.path.join(root, "data")
     if not os.path.isdir(path):
-        raise StoreError(f"no Minari dataset {dataset_id!r} at {path}")
+        raise StoreError(f"no Minari dataset {dataset_id!r} at {path}: create it with Minari (a DataCollector or "
+                         f"create_dataset_from_buffers), `minari download {dataset_id}` where Minari's server is "
+                         "reachable, or point --minari-root at the folder that holds it")
     with _reading(dataset_id, path):  # before the store exists: a damaged dataset creates nothing
         dataset = minari.MinariDataset(path)
         metas = list(dataset.storage.get_episode_metadata(dataset.episode_indices))
@@ -413,7 +415,7 @@ def import_minari(
         stack.enter_context(_import_lock(store.root))
         # A store this import created and left empty is removed (a foreign dataset's first
         # episode refused): the next try creates it afresh, with this dataset's schema.
-        stack.callback(lambda: _remove_if_empty(store.root, existed) if created and n == 0 else None)
+        stack.callback(lambda: remove_empty_store(store.root, existed) if created and n == 0 else None)
         held = {}  # dataset index -> the episode imported from it
         for e in store.snapshot(verify=False, record=False):
             source = e.attrs.get(SOURCE_ATTR)
@@ -503,20 +505,6 @@ def _import_lock(root: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
-
-
-def _remove_if_empty(root: str, existed: bool) -> None:
-    """Remove a store that holds no episode: the whole folder if this import made it, else the
-    store's own entries in the folder the user gave."""
-    store = Store.open(root)
-    if any(store.read_commit(shard)["episodes"] for shard in store.shards()):
-        return
-    if not existed:
-        shutil.rmtree(root)
-        return
-    for name in ("shards", "snapshots", "policies", "store.json"):
-        path = os.path.join(root, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
 def _json_safe(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -442,6 +443,24 @@ class Snapshot:
 
     def __iter__(self) -> Iterator[EpisodeInfo]:
         return iter(self._episodes)
+
+
+def remove_empty_store(root: str, folder_existed: bool) -> None:
+    """Remove the store at ``root`` if it holds no episode and no policy (one a command created
+    and then refused to fill): the folder too, unless it was there before (a user's folder)."""
+    store = Store.open(root, verify=False)
+    policies = os.path.join(root, "policies")
+    if (any(store.read_commit(shard)["episodes"] for shard in store.shards())
+            or any(not name.startswith(".") for name in os.listdir(policies))):
+        return
+    if not folder_existed:
+        shutil.rmtree(root)
+        return
+    for name in _STORE_ENTRIES:
+        path = os.path.join(root, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+    os.remove(os.path.join(root, "store.json"))
 
 
 def _schema_crc(meta: dict[str, Any]) -> int:
