@@ -1292,7 +1292,9 @@ class BridgeNode(Node):
             if len(stamps) > T + 1:
                 self._discard(ep, "inconsistent")
             elif (
-                len(stamps) == T + 1
+                # the end stamp is s_T: T + 1 stamps short of it are the head of a longer episode
+                # whose tail is still in flight (it then holds too many: inconsistent)
+                len(stamps) == T + 1 and stamps[-1] == ep.end["stamp"]
                 and all(self._obs_keys <= self._pool[ns].keys() for ns in stamps)
                 and all("action" in self._pool[ns] for ns in stamps[:T])
             ):

@@ -752,6 +752,21 @@ def test_a_float_event_stamp_is_refused_not_rounded(tmp_path, capfd):
     assert "policy_version must be a JSON integer, got 1.5" in err
 
 
+def test_an_end_event_shorter_than_its_data_is_not_committed_cut_short(tmp_path):
+    """An end event overtaking its data with ``length`` 3 for 5 steps (its stamp s_5) committed
+    the first 3 steps as the episode and dropped the rest, with no word."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.episode(0, 1_000, 5, end_first=True, length=3, rewards=[0.0] * 3)
+        bridge.episode(1, 2_000, 3, end_first=True)
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"]) == (1, {"inconsistent": 1})
+    (episode,) = Store.open(root).snapshot().episodes(client="unit")
+    assert (episode.attrs["robot_episode"], episode.length) == (1, 3)
+
+
 def test_rewards_must_be_finite_json_numbers(tmp_path, capfd):
     """``float()`` recorded a reward "1.0" or true as 1.0 and a string "123" as three rewards,
     and a NaN reward cost a store round trip; an integer beyond float64 raised OverflowError out
