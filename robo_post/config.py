@@ -37,7 +37,11 @@ def changed_settings(recorded: dict[str, Any], given: dict[str, Any]) -> dict[st
         return {k: v for k, v in _flat(node).items() if not set(k.split(".")) & set(DISPLAY_SETTINGS)}
 
     old, new = settings(recorded), settings(given)
-    return {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}
+    # A key set to None on one side and absent on the other differs (``model.features={goal: null}``
+    # against the default ``features: null``); it is shown as None.
+    absent = object()
+    return {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys())
+            if old.get(k, absent) != new.get(k, absent)}
 
 
 def describe_changes(changed: dict[str, tuple[Any, Any]], limit: int | None = 5) -> str:

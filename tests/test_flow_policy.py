@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -262,6 +263,26 @@ def test_a_damaged_run_record_resumes_the_run_with_a_warning_naming_it(tiny_stor
     assert again["version"] == first == PolicyRegistry(tiny_store).latest()
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["version"] == first
     assert OmegaConf.load(tmp_path / "run" / "config.yaml").updates == 10
+
+
+def test_a_finished_run_rerun_on_another_store_or_model_is_refused(tiny_store, tmp_path):
+    """It warned 'published again under the new ones' and then failed on the other store's
+    snapshot id or the other model's shapes; a key set to null against an absent one (a
+    dropped ``model.features`` override) was not a change at all: 'already done'."""
+    from robo_post.config import changed_settings
+
+    run_dir = tmp_path / "run"
+    train(_train_cfg(tiny_store, str(run_dir), 10))
+    before = tree_hash(str(run_dir))
+    other_store = str(tmp_path / "other")
+    shutil.copytree(tiny_store, other_store)
+    for change in ({"store": other_store}, {"model": {"hidden_dim": 64}}):
+        with pytest.raises(RunResumeError, match=rf"{run_dir} finished a run with other settings \(.*\) than these; "
+                                                 "nothing was changed. Give this run its own run_dir"):
+            train(OmegaConf.merge(_train_cfg(tiny_store, str(run_dir), 10), change))
+    assert tree_hash(str(run_dir)) == before
+    assert changed_settings({"model": {"features": {"goal": None}}}, {"model": {"features": None}}) == {
+        "model.features": (None, None), "model.features.goal": (None, None)}
 
 
 @pytest.mark.parametrize("damage", ["missing", "damaged"])

@@ -257,6 +257,11 @@ def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig) -> di
     if done < target:
         return None
     if changed := changed_settings(saved, OmegaConf.to_container(cfg, resolve=True)):
+        if moved := [k for k in changed if k == "store" or k.startswith("model.")]:
+            # Its weights neither fit another model nor belong to another store's registry.
+            what = describe_changes({k: changed[k] for k in moved})
+            raise RunResumeError(f"{run_dir} finished a run with other settings ({what}) than these; nothing was "
+                                 f"changed. Give this run its own run_dir, e.g. run_dir=runs/{cfg.algo.name}")
         print(f"warning: {run_dir} finished at {counter} {done} with other settings ({describe_changes(changed, None)}); "
               "its weights are published again under the new ones without training (the version records "
               "`same_weights_as`): settings that shape training take effect in a new run_dir", file=sys.stderr)
