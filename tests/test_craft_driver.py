@@ -297,7 +297,9 @@ def test_bad_craft_settings_are_one_line_errors_before_any_work(craft_run, tmp_p
     # kwargs that change what the env observes: named up front (the clients failed after pretraining published)
     bad = run_cli("train", "algo=craft", f"store={store}", f"run_dir={tmp_path / 'r'}", "+algo.env_kwargs.lane_features=true",
                   f"algo.online_store={tmp_path / 'online'}", "show=false", ok=False)
-    assert bad.returncode == 1 and "EnvMismatchError: env 'highway_meta' with kwargs {'lane_features': True}" in bad.stderr
+    # the recorded kwargs with the given one on top
+    assert bad.returncode == 1 and ("EnvMismatchError: env 'highway_meta' with kwargs {'duration': 12, 'vehicles_count': "
+                                    "8, 'lane_features': True}") in bad.stderr
     assert "give algo.env_kwargs the kwargs they were collected with" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "r").exists() and not (tmp_path / "online").exists()
     # another env than the store's: it failed deep in pretraining, after creating an online store of the

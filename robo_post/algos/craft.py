@@ -546,7 +546,8 @@ class CraftConfig:
         bc_label_smoothing: target mass spread over all candidates in pretraining (0: one-hot;
             0.2 leaves every candidate enough probability for the clipped updates to raise it).
         model: ``CandidatePolicyConfig`` settings for a fresh policy (``embed_dim``, ``hidden_dim``).
-        env / env_kwargs: the env the fleet runs (``None``: the store's) and its constructor keywords.
+        env / env_kwargs: the env the fleet runs (``None``: the store's) and constructor keywords
+            over those the store's episodes were recorded with.
         iterations / episodes_per_iteration / n_clients: the on-policy loop: versions trained,
             episodes each version runs before its update, parallel client processes.
         explore_eps: share of each on-policy choice given to the proxy's best candidate (0: sample

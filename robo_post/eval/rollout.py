@@ -439,7 +439,7 @@ def recorded_env_kwargs(policy_store: str, spec: EnvSpec) -> dict[str, Any] | No
     if not recorded or any(kwargs is None for kwargs in recorded):
         return None
     keys = set().union(*recorded) - {spec.split_kwarg}
-    agreed = {k: recorded[0][k] for k in keys if all(k in r and r[k] == recorded[0][k] for r in recorded)}
+    agreed = {k: recorded[0][k] for k in sorted(keys) if all(k in r and r[k] == recorded[0][k] for r in recorded)}
     if mixed := sorted(keys - set(agreed)):
         print(f"the episodes of {policy_store} were recorded with different values of env kwargs {mixed}; "
               "the env's defaults apply to them unless given", file=sys.stderr)

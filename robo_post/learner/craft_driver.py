@@ -352,8 +352,9 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         raise CraftDataError(f"store {cfg.store} names no env; set algo.env")
     kind = policy_kind(env, config)
     event_weights = _event_weights(env, config.event_weights)
-    # no kwargs given: the scene the store's episodes were all recorded in (as `robo-post eval` does)
-    scene = dict(config.env_kwargs) or (recorded_env_kwargs(store.root, env_spec(env)) or {})
+    # the scene the store's episodes were all recorded in (as `robo-post eval` runs it), with the
+    # kwargs given on top: `+algo.env_kwargs.continuation=3` dropped the recorded lane features
+    scene = (recorded_env_kwargs(store.root, env_spec(env)) or {}) | dict(config.env_kwargs)
     env_kwargs = scene | ({"oracle": True} if config.oracle else {})
     tasks: list[str] = []
     recorded_in = store.schema.attrs.get("env")
