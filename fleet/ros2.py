@@ -108,7 +108,8 @@ import threading
 import time
 import typing
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
@@ -643,11 +644,17 @@ class StatusConfig:
         store: store root.
         client_id: one bridge ("": every bridge with a status file in the store).
         stale_s: a heartbeat older than this many seconds means dead.
+
+    Exits 1 when a bridge shown is dead (so scripts can watch it), 0 otherwise.
     """
 
     store: str
     client_id: str = ""
     stale_s: float = STALE_S
+
+    def __post_init__(self):
+        if not self.stale_s > 0:
+            raise ValueError(f"stale_s={self.stale_s}: a heartbeat age in seconds must be > 0")
 
 
 def queue_depth(max_steps: int, burst_episodes: int) -> int:
@@ -670,6 +677,10 @@ def parse_config(cls: type, argv: list[str]) -> Any:
             values[key] = _convert(text, hints[key])
         except ValueError as e:
             raise ValueError(f"{key}={text!r}: {e}") from None
+    missing = [f.name for f in dataclass_fields(cls)
+               if f.name not in values and f.default is MISSING and f.default_factory is MISSING]
+    if missing:  # the dataclass would say "__init__() missing 1 required positional argument"
+        raise ValueError(f"missing {', '.join(f'{k}=...' for k in missing)}")
     return cls(**values)
 
 
@@ -1631,6 +1642,8 @@ def main(argv: list[str]) -> int:
             return 1
         for status in statuses:
             print(json.dumps(status))
+        if any(status["state"] == "dead" for status in statuses):
+            return 1
     else:
         run(cfg)
     return 0

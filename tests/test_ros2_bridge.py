@@ -400,7 +400,7 @@ def test_refused_bursts_are_counted_and_a_killed_bridge_reads_dead(tmp_path):
     stale = ros2.read_bridge_status(root, "arm-3", now=dead["heartbeat"] + 60, stale_s=10)
     out = subprocess.run([sys.executable, "-m", "robo_post.cli", "fleet", "ros2-status", f"store={root}"],
                          capture_output=True, text=True, timeout=DEADLINE_S)
-    assert out.returncode == 0 and json.loads(out.stdout)["state"] == "dead", out.stderr
+    assert out.returncode == 1 and json.loads(out.stdout)["state"] == "dead", out.stderr  # scripts can watch it
     assert stale["state"] == "dead"
 
 
@@ -921,6 +921,11 @@ def test_cli_refuses_bad_args_in_one_line(tmp_path, capsys):
     assert "RobotDescriptionError: task 'nope' is not one of robot 'arm2'" in capsys.readouterr().err
     assert cli_main(["fleet", "ros2-status", f"store={tmp_path / 'none'}"]) == 1
     assert capsys.readouterr().err.strip() == f"robo-post fleet ros2-status: no store {tmp_path / 'none'}"
+    # a missing required key was the dataclass's "__init__() missing 1 required positional argument"
+    assert cli_main(["fleet", "ros2-status"]) == 2
+    assert capsys.readouterr().err.strip() == "robo-post fleet ros2-status: missing store=..."
+    assert cli_main(["fleet", "ros2-status", f"store={tmp_path}", "stale_s=-1"]) == 2
+    assert "stale_s=-1.0: a heartbeat age in seconds must be > 0" in capsys.readouterr().err
 
 
 def test_publisher_of_another_type_and_another_bridge_are_reported(tmp_path):
