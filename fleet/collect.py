@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import math
 import os
 from typing import Any
@@ -15,7 +14,7 @@ from robo_post.fleet.client import ClientConfig, Overseer, store_schema
 from robo_post.fleet.launcher import LocalLauncher, RayLauncher, raise_unfinished
 from robo_post.store import PolicyNotFoundError, PolicyRegistry, ShardLockedError, Store
 from robo_post.store.schema import infer_role
-from robo_post.store.writer import lock_shard
+from robo_post.store.writer import lock_shard, try_lock
 
 
 def env_config(cfg: DictConfig) -> tuple[dict[str, Any], list[str]]:
@@ -160,11 +159,6 @@ def _lock_client_ids(root: str, prefix: str) -> int:
         ShardLockedError: another collect with this prefix is running into the store.
     """
     os.makedirs(os.path.join(root, "fleet"), exist_ok=True)
-    fd = os.open(os.path.join(root, "fleet", f".collect-{prefix}.lock"), os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise ShardLockedError(f"another collect with fleet.client_prefix={prefix} is running into {root}: nothing "
-                               "was recorded; wait for it, or give this one its own fleet.client_prefix") from None
-    return fd
+    return try_lock(os.path.join(root, "fleet", f".collect-{prefix}.lock"), lambda: ShardLockedError(
+        f"another collect with fleet.client_prefix={prefix} is running into {root}: nothing was recorded; wait for "
+        "it, or give this one its own fleet.client_prefix"))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import json
 import os
 import sys
@@ -39,7 +38,7 @@ from robo_post.models.flow import FlowPolicy
 from robo_post.store import (EpisodeInfo, ImitationSampler, PolicyArtifactError, PolicyRegistry, Snapshot, Store,
                              StoreSchema, WindowSampler)
 from robo_post.store.store import remove_empty_store
-from robo_post.store.writer import write_json_atomic
+from robo_post.store.writer import try_lock, write_json_atomic
 
 # Chunking for data of an env the environment registry does not know: a reactive
 # controller that re-plans every step (an open-loop chunk cannot balance a pendulum).
@@ -400,13 +399,8 @@ def run_lock(run_dir: str) -> Iterator[None]:
         raise ValueError(f"run_dir={run_dir} is a trajectory store: give the run a directory of its own")
     created = not os.path.isdir(run_dir)
     os.makedirs(run_dir, exist_ok=True)
-    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise RunLockedError(f"run_dir={run_dir} is in use by another training process: wait for it to finish, "
-                             "or give this run its own run_dir") from None
+    fd = try_lock(run_dir, lambda: RunLockedError(f"run_dir={run_dir} is in use by another training process: wait "
+                                                   "for it to finish, or give this run its own run_dir"))
     try:
         yield
     finally:

@@ -121,20 +121,32 @@ def episode_checksum(arrays: Mapping[str, np.ndarray]) -> int:
     return crc
 
 
-def lock_shard(path: str, shard: str) -> int:
-    """Take shard ``shard``'s (directory ``path``) writer lock; returns the descriptor that
-    holds it (closing it releases the lock, as does the process dying).
+def try_lock(path: str, refused: Callable[[], Exception]) -> int:
+    """Take an exclusive flock on ``path`` (a directory, or a lock file created if missing)
+    without waiting; returns the descriptor that holds it (closing it releases the lock, as
+    does the process dying).
 
     Raises:
-        ShardLockedError: another process holds it.
+        ``refused()``: another process holds it.
     """
-    fd = os.open(os.path.join(path, ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
+    flags = os.O_RDONLY | os.O_DIRECTORY if os.path.isdir(path) else os.O_CREAT | os.O_RDWR
+    fd = os.open(path, flags, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise ShardLockedError(f"shard {shard!r} is already open for writing by another process") from None
+        raise refused() from None
     return fd
+
+
+def lock_shard(path: str, shard: str) -> int:
+    """Take shard ``shard``'s (directory ``path``) writer lock; returns the descriptor that holds it.
+
+    Raises:
+        ShardLockedError: another process holds it.
+    """
+    return try_lock(os.path.join(path, ".lock"),
+                    lambda: ShardLockedError(f"shard {shard!r} is already open for writing by another process"))
 
 
 class ShardWriter:
