@@ -132,8 +132,9 @@ from std_msgs.msg import String
 
 from robo_post.fleet.client import episode_seed, make_env
 from robo_post.fleet.policies import Policy, build_policy
-from robo_post.store import EpisodeValidationError, PolicyRegistry, Store, StoreNotFoundError, StoreSchema
-from robo_post.store.writer import write_json_atomic
+from robo_post.store import (EpisodeValidationError, PolicyRegistry, ShardLockedError, Store, StoreNotFoundError,
+                             StoreSchema)
+from robo_post.store.writer import try_lock, write_json_atomic
 
 JOINT_TOPIC, IMAGE_TOPIC, INSTRUCTION_TOPIC, ACTION_TOPIC, EPISODE_TOPIC, STATUS_TOPIC = (
     "joint_states", "camera/image", "instruction", "action", "episode", "bridge/status",
@@ -961,6 +962,15 @@ class BridgeNode(Node):
         except StoreNotFoundError:
             self.store = Store.create(cfg.store, self.robot.schema(), exist_ok=True)
         self.robot.check_store(self.store.schema, f"the store {self.store.root}")
+        # Every bridge on a namespace records every episode: a second one into the same store
+        # (under another client_id) would store each twice.
+        domain, where = self.context.get_domain_id(), "/" + cfg.namespace.strip("/")
+        os.makedirs(os.path.join(self.store.root, "fleet"), exist_ok=True)
+        self._namespace_lock = try_lock(
+            os.path.join(self.store.root, "fleet", f".ros2-{domain}-{where.strip('/').replace('/', '.')}.lock"),
+            lambda: ShardLockedError(f"another bridge records namespace {where} (ROS domain {domain}) into "
+                                     f"{self.store.root}: each would store every episode; stop it, or record "
+                                     "into another store"))
         self.writer = self.store.writer(cfg.client_id)
         self._action_space = self.robot.action_space()
         self._obs_keys = {self.robot.joint_key} | ({self.robot.camera.key} if self.robot.camera else set())
@@ -1437,6 +1447,7 @@ class BridgeNode(Node):
                                f"{self.discard_summary()}")
         status = self.write_status("stopped")
         self.writer.close()
+        os.close(self._namespace_lock)
         self.destroy_node()
         return status
 

@@ -32,7 +32,7 @@ from std_msgs.msg import String
 
 from robo_post.cli import main as cli_main
 from robo_post.fleet import ros2
-from robo_post.store import PolicyRegistry, Store
+from robo_post.store import PolicyRegistry, ShardLockedError, Store
 
 DEADLINE_S = 60.0
 _domains = itertools.count()
@@ -750,6 +750,21 @@ def test_a_float_event_stamp_is_refused_not_rounded(tmp_path, capfd):
     err = capfd.readouterr().err
     assert "stamp must be a JSON integer, got 1003.9" in err and "stamp must be a JSON integer, got 3000.0" in err
     assert "policy_version must be a JSON integer, got 1.5" in err
+
+
+def test_a_second_bridge_on_the_namespace_into_the_same_store_is_refused(tmp_path):
+    """Under another client_id it recorded every episode a second time (an ERROR line only)."""
+    root = str(tmp_path / "store")
+    context = Context()
+    rclpy.init(context=context, domain_id=fresh_domain(), signal_handler_options=SignalHandlerOptions.NO)
+    try:
+        first = ros2.BridgeNode(ros2.BridgeConfig(store=root, robot=ARM2_PATH, client_id="b0"), context)
+        with pytest.raises(ShardLockedError, match=r"another bridge records namespace /robot \(ROS domain \d+\) into "):
+            ros2.BridgeNode(ros2.BridgeConfig(store=root, robot=ARM2_PATH, client_id="b1"), context)
+        first.close()
+        ros2.BridgeNode(ros2.BridgeConfig(store=root, robot=ARM2_PATH, client_id="b1"), context).close()
+    finally:
+        context.try_shutdown()
 
 
 def test_an_end_event_shorter_than_its_data_is_not_committed_cut_short(tmp_path):
