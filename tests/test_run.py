@@ -153,26 +153,24 @@ def test_a_second_collect_into_shards_in_use_is_refused(tmp_path):
     cli = [sys.executable, "-m", "robo_post.cli", "collect", "env=point_mass", "episodes=2", "fleet.n_clients=1",
            f"store={store}", "show=false"]
     assert subprocess.run(cli, capture_output=True, text=True, timeout=120).returncode == 0
-    held = lock_shard(str(store / "shards" / "client-0"), "client-0")  # as the first collect's client, still running
-    try:
-        r = subprocess.run(cli, capture_output=True, text=True, timeout=120)
-    finally:
-        os.close(held)
-    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
-        f"robo-post collect: ShardLockedError: shard 'client-0' is already open for writing by another process "
-        f"(another collect into {store}?): nothing was recorded; give this one its own fleet.client_prefix"), r.stderr
-    assert len(Store.open(str(store)).snapshot(record=False)) == 2
+
+    def refused_while_held(held: int, message: str) -> None:
+        try:
+            r = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+        finally:
+            os.close(held)
+        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == f"robo-post collect: {message}", r.stderr
+        assert len(Store.open(str(store)).snapshot(record=False)) == 2
+
+    refused_while_held(  # as the first collect's client, still running
+        lock_shard(str(store / "shards" / "client-0"), "client-0"),
+        f"ShardLockedError: shard 'client-0' is already open for writing by another process (another collect into "
+        f"{store}?): nothing was recorded; give this one its own fleet.client_prefix")
     # Started within a second of each other, both read the same commits before either client
     # held a shard: the second exited 0 having recorded nothing. A running collect holds its ids.
     held = os.open(store / "fleet" / ".collect-client.lock", os.O_RDONLY)
     fcntl.flock(held, fcntl.LOCK_EX)
-    try:
-        r = subprocess.run(cli, capture_output=True, text=True, timeout=120)
-    finally:
-        os.close(held)
-    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
-        f"robo-post collect: ShardLockedError: another collect with fleet.client_prefix=client is running into "
-        f"{store}: nothing was recorded; wait for it, or give this one its own fleet.client_prefix"), r.stderr
-    assert len(Store.open(str(store)).snapshot(record=False)) == 2
+    refused_while_held(held, f"ShardLockedError: another collect with fleet.client_prefix=client is running into "
+                             f"{store}: nothing was recorded; wait for it, or give this one its own fleet.client_prefix")
     assert subprocess.run(cli, capture_output=True, text=True, timeout=120).returncode == 0  # released on exit
     assert len(Store.open(str(store)).snapshot(record=False)) == 4

@@ -221,13 +221,13 @@ def check_same_method(run_dir: str, cfg: DictConfig) -> None:
     """Refuse a ``run_dir`` whose recorded run is of another method than ``cfg.algo.name``
     (e.g. two ``train`` commands left at the default run_dir): neither resuming its
     checkpoint nor publishing its weights again under the new method means anything, and
-    starting would overwrite its record. A damaged ``config.yaml`` is ``_run_record``'s to warn about.
+    starting would overwrite its record. A damaged ``config.yaml`` tells no method: the later checks handle it.
 
     Raises:
         RunResumeError: naming both methods, the run's store and a way out.
     """
     config_path = os.path.join(run_dir, "config.yaml")
-    recorded = _run_record(config_path, OmegaConf.load) if os.path.exists(config_path) else None
+    recorded = _run_record(config_path, OmegaConf.load, warn=False)
     algo = (recorded or {}).get("algo")
     was = algo.get("name") if isinstance(algo, dict) else None
     if was is not None and was != cfg.algo.name:
@@ -275,10 +275,11 @@ def _load_json(path: str) -> Any:
         return json.load(f)
 
 
-def _run_record(path: str, load: Callable[[str], Any]) -> dict[str, Any] | None:
-    """A run's ``config.yaml`` or ``summary.json`` as a dict; None, with a warning naming it, when
-    it is damaged. Both are records a run rewrites as it goes, so a damaged one only means the
-    run is not known to be finished: it resumes from its checkpoint (whose damage is an error)."""
+def _run_record(path: str, load: Callable[[str], Any], warn: bool = True) -> dict[str, Any] | None:
+    """A run's ``config.yaml`` or ``summary.json`` as a dict; None when it is missing, or damaged
+    (with a warning naming it, if ``warn``): the run is then not known to be finished."""
+    if not os.path.exists(path):
+        return None
     try:
         value = load(path)
         value = OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
@@ -286,8 +287,9 @@ def _run_record(path: str, load: Callable[[str], Any]) -> dict[str, Any] | None:
             raise ValueError(f"a {type(value).__name__}, not a mapping")
         return value
     except (yaml.YAMLError, ValueError) as e:  # UnicodeDecodeError is a ValueError
-        print(f"warning: {path} is damaged ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-              "resuming the run from its checkpoint", file=sys.stderr)
+        if warn:
+            print(f"warning: {path} is damaged ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                  "the run is taken as not finished", file=sys.stderr)
         return None
 
 
@@ -323,10 +325,8 @@ def check_resume(run_dir: str, cfg: DictConfig, counter: str, target: int, setti
     config_path = os.path.join(run_dir, "config.yaml")
     if not started or (isinstance(done, int) and done >= target):
         return
-    recorded = None
-    with contextlib.suppress(FileNotFoundError, yaml.YAMLError, ValueError):  # UnicodeDecodeError is a ValueError
-        recorded = OmegaConf.to_container(OmegaConf.load(config_path))
-    if not isinstance(recorded, dict):
+    recorded = _run_record(config_path, OmegaConf.load, warn=False)
+    if recorded is None:
         if done is None:  # nothing trained to carry over: it starts over under the new settings
             return
         # The weights' settings are unknown: they could go on under others unnoticed.

@@ -441,7 +441,7 @@ class ShardWriter:
             # numpy would parse strings ("1.0" -> 1.0) and fail on others untyped.
             if values.dtype.kind not in "biuf":
                 raise EpisodeValidationError(name, f"dtype {values.dtype}, expected numbers")
-            values = values.astype(np.float64)
+            values = np.asarray(values, dtype=np.float64)
             if values.ndim and values.shape != (T,):
                 raise EpisodeValidationError(name, f"shape {values.shape}, expected ({T},) to match the actions")
             table[:, _COL[name]] = values
