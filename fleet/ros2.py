@@ -66,7 +66,9 @@ episode that receives nothing for ``timeout`` seconds is discarded; one still aw
 its end when a start of the same index comes (the robot restarted) is discarded as
 ``abandoned``; one awaiting its end whose start is after a newer start event and after every
 stamp received (a start stamped far ahead) is discarded as ``malformed`` at that start. A start
-event received twice is recorded once. A discarded episode never touches the store, nor any other episode. A
+or end event received twice is recorded once (a second end unlike the first discards its
+episode); a refused start counts its episode in ``discarded`` (``malformed``), so committed +
+discarded is every episode started. A discarded episode never touches the store, nor any other episode. A
 robot that restarts with its clock behind (sim time reset) is recognised by its new
 publisher's first start event: the bridge forgets the stamps seen so far.
 
@@ -989,7 +991,8 @@ class BridgeNode(Node):
         self._floor = 0  # every stamp up to here belongs to a closed episode (or none)
         self._newest = 0  # newest data stamp accepted: the floor never passes it
         self._closed: list[tuple[int, int]] = []  # stamp ranges of closed episodes above the floor
-        self._closed_index: dict[int, None] = {}  # recent closed episode indices, oldest first
+        # recent closed episodes by index, oldest first: (start stamp, seed, task) to know a start sent again
+        self._closed_index: dict[int, tuple[int, int, str] | None] = {}
         self._final_seen = False
         self._instruction = ""
         self._last_rx = time.monotonic()
@@ -1131,8 +1134,8 @@ class BridgeNode(Node):
             if ep is not None:  # an end naming its episode costs exactly that one, now
                 self._bad_end(ep, ep.last_stamp, detail)
             else:
-                self._refused_start(ev)
                 self._reject("event", None, detail)
+                self._refused_start(ev)
             return
         if ev.get("event") == "start" and self._clock_went_back(stamp, info):
             self._forget_stamps(stamp)
@@ -1148,14 +1151,19 @@ class BridgeNode(Node):
         except MalformedMessage as e:
             self._reject(e.kind, None, str(e))
         except (ValueError, KeyError, TypeError) as e:
-            self._refused_start(ev)
             self._reject("event", stamp, f"bad episode event {msg.data[:200]!r}: {e!r}")
+            self._refused_start(ev)
 
     def _refused_start(self, ev: Any) -> None:
-        """Remember the index of a refused start event (if ``ev`` is one): its end is then no
-        surprise, not a second malformed message (``end_without_start``)."""
-        if isinstance(ev, dict) and ev.get("event") == "start" and isinstance(ev.get("episode"), int):
-            self._closed_index[ev["episode"]] = None
+        """Count the episode of a refused start event (if ``ev`` is one) as discarded, so that
+        committed + discarded is every episode the robot started, and remember its index: its
+        end is then no surprise, not a second malformed message (``end_without_start``)."""
+        if not isinstance(ev, dict) or ev.get("event") != "start":
+            return
+        index = ev.get("episode")
+        if isinstance(index, int) and not isinstance(index, bool):
+            self._closed_index[index] = None  # a retry of it is refused again
+        self._count_discard(index, "malformed")
 
     def _clock_went_back(self, stamp: int, info: dict[str, Any]) -> bool:
         """Whether a new publisher's first start event comes before stamps already seen: a
@@ -1181,6 +1189,9 @@ class BridgeNode(Node):
         index, seed, task = _event_int(ev, "episode"), _event_int(ev, "seed"), str(ev["task"])
         if task not in self.robot.tasks:
             raise ValueError(f"unknown task {task!r}; robot {self.robot.name!r} has {list(self.robot.tasks)}")
+        if self._closed_index.get(index) == (start, seed, task):
+            self.get_logger().info(f"start of episode {index} (stamp {start}) received again after it closed; ignored")
+            return
         # A robot runs one episode at a time and sends each end before the next start, so an
         # earlier episode of this index still awaiting its end was abandoned (the robot
         # restarted and counts from 0 again): without this the restarted robot's episode is lost.
@@ -1235,6 +1246,15 @@ class BridgeNode(Node):
     def _on_end(self, ev: dict[str, Any], stamp: int) -> None:
         index = _event_int(ev, "episode")
         ep = self._awaiting_end({**ev, "episode": index})
+        ended = next((e for e in self._open if e.index == index and e.end is not None), None)
+        if ended is not None:  # its end came before (its data are still in flight)
+            assert ended.end is not None
+            if stamp != ended.end["stamp"] or ev.get("length") != ended.end["length"]:
+                self._bad_end(ended, max(stamp, ended.end["stamp"]), f"a second end (stamp {stamp}, length {ev.get('length')!r}) "
+                                            f"unlike the first (stamp {ended.end['stamp']}, length {ended.end['length']})")
+            else:
+                self.get_logger().info(f"end of episode {index} (stamp {stamp}) received again; ignored")
+            return
         if ep is None:
             if index in self._closed_index:
                 self.get_logger().info(f"end of episode {index}, already closed; ignored")
@@ -1350,10 +1370,13 @@ class BridgeNode(Node):
         self._close(ep)
 
     def _discard(self, ep: _Episode, reason: str) -> None:
-        self.discarded[reason] += 1
         self.writer.discard()
-        self.get_logger().warning(f"discarded episode {ep.index} ({reason}); so far {self.discard_summary()}")
+        self._count_discard(ep.index, reason)
         self._close(ep)
+
+    def _count_discard(self, index: Any, reason: str) -> None:
+        self.discarded[reason] += 1
+        self.get_logger().warning(f"discarded episode {index} ({reason}); so far {self.discard_summary()}")
 
     def discard_summary(self) -> str:
         """The episodes discarded so far by reason, e.g. ``discarded 3 episodes: inconsistent=2, timeout=1``."""
@@ -1366,7 +1389,7 @@ class BridgeNode(Node):
         self._open.remove(ep)
         hi = ep.end["stamp"] if ep.end is not None else ep.last_stamp
         self._closed.append((ep.start, hi))
-        self._closed_index[ep.index] = None
+        self._closed_index[ep.index] = (ep.start, ep.seed, ep.task)
         while len(self._closed_index) > 10_000:
             del self._closed_index[next(iter(self._closed_index))]
         # The floor may only pass closed ranges below the earliest open episode.

@@ -678,7 +678,8 @@ def test_a_start_stamp_far_ahead_without_an_end_costs_only_its_own_episode(tmp_p
         bridge.episode(5, 5_000, 3)
     finally:
         status = bridge.close()
-    assert status["committed"] == 4 and status["discarded"] == {"malformed": 1}
+    # committed + discarded = the 6 episodes started: episode 1 and the refused episode 4 are lost
+    assert status["committed"] == 4 and status["discarded"] == {"malformed": 2}
     assert status["malformed"] == {"event": 2}  # episode 1's start and episode 4's
     snap = Store.open(root).snapshot()
     assert [e.attrs["robot_episode"] for e in snap.episodes(client="unit")] == [0, 2, 3, 5]
@@ -694,9 +695,10 @@ def test_a_start_event_sent_twice_is_recorded_once(tmp_path):
         bridge.episode(0, 1_000, 3)
         bridge.episode(1, 2_000, 3)
         bridge.event(event="start", episode=1, seed=5, task="fold", instruction="fold", stamp=2_000)  # not a copy
+        bridge.event(event="start", episode=0, seed=0, task="fold", instruction="fold", stamp=1_000)  # late copy
     finally:
         status = bridge.close()
-    assert status["committed"] == 2 and status["malformed"] == {"event": 1}
+    assert status["committed"] == 2 and status["malformed"] == {"event": 1} and status["discarded"] == {"malformed": 1}
     snap = Store.open(root).snapshot()
     assert [e.attrs["robot_episode"] for e in snap.episodes(client="unit")] == [0, 1]
 
@@ -745,7 +747,8 @@ def test_a_float_event_stamp_is_refused_not_rounded(tmp_path, capfd):
                      terminated=True, truncated=False, stamp=5_003)
     finally:
         status = bridge.close()
-    assert (status["committed"], status["discarded"], status["malformed"]) == (2, {"malformed": 1}, {"event": 3})
+    # committed + discarded = the 5 episodes started: 0 by its end, 2 and 4 by their starts
+    assert (status["committed"], status["discarded"], status["malformed"]) == (2, {"malformed": 3}, {"event": 3})
     assert [e.attrs["robot_episode"] for e in Store.open(root).snapshot().episodes(client="unit")] == [1, 3]
     err = capfd.readouterr().err
     assert "stamp must be a JSON integer, got 1003.9" in err and "stamp must be a JSON integer, got 3000.0" in err
@@ -780,6 +783,36 @@ def test_an_end_event_shorter_than_its_data_is_not_committed_cut_short(tmp_path)
     assert (status["committed"], status["discarded"]) == (1, {"inconsistent": 1})
     (episode,) = Store.open(root).snapshot().episodes(client="unit")
     assert (episode.attrs["robot_episode"], episode.length) == (1, 3)
+
+
+def test_an_end_event_sent_twice_before_its_data_is_recorded_once(tmp_path, capfd):
+    """An end event re-sent while its data are still in flight was an ``end_without_start``; a
+    second end that disagrees with the first discards its episode as malformed."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+
+    def episode(index: int, start: int, second_length: int) -> None:
+        end = {"event": "end", "episode": index, "seed": index, "task": "fold", "length": 3, "rewards": [0.0] * 3,
+               "success": False, "terminated": True, "truncated": False, "stamp": start + 3}
+        bridge.event(event="start", episode=index, seed=index, task="fold", instruction="fold", stamp=start)
+        bridge.event(**end)
+        bridge.event(**end | {"length": second_length, "rewards": [0.0] * second_length})
+        for t in range(4):
+            bridge.node._on_joint(ARM2.joint_msg(start + t, np.zeros(4)), bridge.info(ros2.JOINT_TOPIC))
+            if t < 3:
+                bridge.node._on_action(ARM2.action_msg(start + t, np.zeros(3)), bridge.info(ros2.ACTION_TOPIC))
+
+    try:
+        episode(0, 1_000, 3)
+        episode(1, 2_000, 2)
+        episode(2, 3_000, 3)
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"], status["malformed"]) == (2, {"malformed": 1}, {"event": 1})
+    assert [e.attrs["robot_episode"] for e in Store.open(root).snapshot().episodes(client="unit")] == [0, 2]
+    err = capfd.readouterr().err
+    assert "end of episode 0 (stamp 1003) received again; ignored" in err
+    assert "bad end of episode 1: a second end (stamp 2003, length 2) unlike the first (stamp 2003, length 3)" in err
 
 
 def test_rewards_must_be_finite_json_numbers(tmp_path, capfd):
