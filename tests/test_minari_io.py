@@ -538,9 +538,18 @@ def test_an_export_killed_part_way_leaves_no_dataset(tmp_path, monkeypatch):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert r.returncode == -9, r.stderr
     assert not (root / "out").exists()
-    assert main(["store", "export-minari", store, "out/ep-v0", "--minari-root", str(root)]) == 0
+    (staging,) = [p for p in tmp_path.iterdir() if p.name.startswith("minari.export-")]  # the killed one's
+    running = tmp_path / "minari.export-running"  # a live export's, held by its process
+    running.mkdir()
+    fd = os.open(running, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert main(["store", "export-minari", store, "out/ep-v0", "--minari-root", str(root)]) == 0
+    finally:
+        os.close(fd)
     assert len(minari.MinariDataset(str(root / "out" / "ep-v0" / "data"))) == 6
     assert sorted(os.listdir(root)) == ["out", "src"]
+    assert not staging.exists() and running.exists()  # the rerun removed only the dead export's folder
 
 
 def test_an_empty_or_damaged_dataset_is_refused_before_a_store_is_created(tmp_path, monkeypatch):

@@ -62,7 +62,7 @@ from robo_post.store.schema import (
     infer_role,
 )
 from robo_post.store.store import EpisodeInfo, Snapshot, Store, remove_empty_store
-from robo_post.store.writer import ShardWriter
+from robo_post.store.writer import ShardWriter, try_lock
 
 # Step columns carried in infos["robo_post"]; the other three are Minari arrays.
 INFO_COLUMNS = {
@@ -266,7 +266,10 @@ def export_minari(
         raise StoreError(f"Minari dataset {dataset_id!r} already exists at {path}")
     # Minari writes in place: the dataset is built beside the datasets folder and renamed into
     # it whole, so a killed export leaves no partial dataset that reads as a complete one.
+    _remove_dead_exports(root)
     staging = f"{root.rstrip(os.sep)}.export-{uuid.uuid4().hex}"
+    os.makedirs(staging)
+    held = try_lock(staging, lambda: StoreError(f"{staging} is in use"))  # alive while this export runs
     with _datasets_path(staging):
         try:
             first, *rest = episodes
@@ -298,7 +301,26 @@ def export_minari(
                 raise StoreError(f"Minari dataset {dataset_id!r} already exists at {path}") from None
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+            os.close(held)
     return path
+
+
+def _remove_dead_exports(root: str) -> None:
+    """Remove the staging folders of killed exports beside ``root``: those whose lock no live
+    export holds (an export running meanwhile keeps its own)."""
+    parent, prefix = os.path.dirname(root.rstrip(os.sep)) or ".", os.path.basename(root.rstrip(os.sep)) + ".export-"
+    for name in os.listdir(parent) if os.path.isdir(parent) else []:
+        path = os.path.join(parent, name)
+        if not name.startswith(prefix) or not os.path.isdir(path):
+            continue
+        try:
+            fd = try_lock(path, lambda: BlockingIOError())
+        except OSError:  # a live export's (or not ours to remove)
+            continue
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 def _schema_from_spaces(dataset_id: str, observation_space: gym.Space, action_space: gym.Space) -> StoreSchema:
