@@ -246,6 +246,24 @@ def test_report_has_tables_plots_and_html(evals):
     assert strip.shape[1] > 3 * strip.shape[0]  # 8 frames side by side, one successful row (no failures)
 
 
+def test_report_lists_the_online_phase_run_goes_on_with(tmp_path):
+    """`robo-post run`'s online phase logs into the offline phase's run_dir: the learning-curves
+    table has a row for it (its versions, fleet episodes and last update), unfinished when killed."""
+    run, out = tmp_path / "lwd", str(tmp_path / "report")
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"update": u, "bc_loss": 1.0 / u}) + "\n"
+                                               for u in (10, 20, 30)))
+    (run / "summary.json").write_text(json.dumps({"version": 2, "episodes": 11, "wall_s": 5.0,
+                                                  "final": {"update": 20, "bc_loss": 0.05}}))
+    md = open(write_report(out, [], [str(run)])).read()
+    assert f"| `{run}` | v2 | 11 | 20 | 5 s | 0.0500 |" in md
+    assert f"| `{run}` (online) | – (not finished) | – | 30 | – | 0.0333 |" in md
+    (run / "online.json").write_text(json.dumps({"versions": [3, 4], "online_episodes": 2, "wall_s": 7.0,
+                                                 "final": {"update": 30, "bc_loss": 1 / 30}}))
+    md = open(write_report(out, [], [str(run)])).read()
+    assert f"| `{run}` (online) | v3, v4 | 2 | 30 | 7 s | 0.0333 |" in md and "not finished" not in md
+
+
 def test_report_reads_a_killed_runs_log_and_names_a_damaged_file(tmp_path, capsys):
     run, out = tmp_path / "run", str(tmp_path / "report")
     run.mkdir()

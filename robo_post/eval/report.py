@@ -307,18 +307,24 @@ def _learning_section(doc: _Doc, out_dir: str, run_dirs: list[str]) -> None:
         if os.path.exists(summary_path):
             summary = read_json_object(summary_path, "a run summary")
         logged = _read_jsonl(metrics) if os.path.exists(metrics) else []
+        # `robo-post run`'s online phase goes on in the offline phase's run_dir, past its summary
+        online_path = os.path.join(run_dir, "online.json")
+        online = read_json_object(online_path, "an online-phase summary") if os.path.exists(online_path) else None
+        versions = [summary["version"]] if summary.get("version") is not None else []
+        versions += online.get("versions", []) if online else []
         if os.path.exists(metrics):
-            runs[name if summary.get("version") is None else f"{name} → v{summary['version']}"] = logged
+            runs[name + (" → " + ", ".join(f"v{v}" for v in versions) if versions else "")] = logged
         # a killed (or running) run has no summary yet: its last logged row is how far it got
         final = summary.get("final", {}) if summary else (logged[-1] if logged else {})
         published = ("– (not finished)" if not summary
                      else "–" if summary.get("version") is None else f"v{summary['version']}")
-        rows.append([
-            f"`{run_dir}`", published,
-            str(summary.get("episodes", "–")), str(final.get("update", "–")),
-            f"{summary['wall_s']:.0f} s" if "wall_s" in summary else "–",
-            f"{final['bc_loss']:.4f}" if "bc_loss" in final else "–",
-        ])
+        rows.append(_run_row(f"`{run_dir}`", published, summary.get("episodes"), final, summary.get("wall_s")))
+        if online is not None:
+            published = ", ".join(f"v{v}" for v in online.get("versions", [])) or "–"
+            rows.append(_run_row(f"`{run_dir}` (online)", published, online.get("online_episodes"),
+                                 online.get("final", {}), online.get("wall_s")))
+        elif summary and logged and logged[-1].get("update", 0) > final.get("update", 0):
+            rows.append(_run_row(f"`{run_dir}` (online)", "– (not finished)", None, logged[-1], None))
     doc.table(["run", "published", "episodes", "updates", "wall time", "final bc_loss"], rows)
     runs = {k: v for k, v in runs.items() if v}
     if not runs:
@@ -330,6 +336,12 @@ def _learning_section(doc: _Doc, out_dir: str, run_dirs: list[str]) -> None:
         for name in sorted(n for n in os.listdir(run_dir) if n.startswith("value_distributions-") and n.endswith(".png")):
             shutil.copyfile(os.path.join(run_dir, name), os.path.join(out_dir, name))
             doc.image(name, f"value distribution along a success and a failure ({name[20:-4]})")
+
+
+def _run_row(name: str, published: str, episodes: Any, final: dict[str, Any], wall_s: Any) -> list[str]:
+    return [name, published, "–" if episodes is None else str(episodes), str(final.get("update", "–")),
+            "–" if wall_s is None else f"{wall_s:.0f} s",
+            f"{final['bc_loss']:.4f}" if "bc_loss" in final else "–"]
 
 
 def _plot_curves(path: str, runs: dict[str, list[dict[str, Any]]]) -> None:
