@@ -206,6 +206,20 @@ def test_on_policy_batch_windows_stop_at_episode_ends():
     assert torch.allclose(alone["delta"], z, atol=1e-4)
 
 
+def test_the_floor_margin_marks_the_states_where_the_proxy_sees_trouble_ahead():
+    """``floor_margin``: the floor applies where the proxy's best candidate beats the acting
+    policy's first choice by more than the margin (proxy units), not where it is only faster."""
+    extras = {"proxy_scores": np.array([[0.0, 2.0, 0.5], [0.0, 0.5, 0.2], [-3.0, 0.0, 0.1]], np.float32),
+              "logits": np.array([[2.0, 0.0, 0.0], [2.0, 0.0, 0.0], [5.0, 0.0, 0.0]], np.float32),
+              "chosen": np.zeros(3, np.int64), "events": np.zeros((3, 3), np.float32)}
+    obs, weights = {"state": np.zeros((3, 2), np.float32)}, np.array([-1.0, -0.3, 0.0])
+    config = CraftConfig(proxy_weight="floor", floor_margin=1.3)
+    batch, stats = on_policy_batch(config, obs, extras, [3], weights)
+    assert batch["floored"].tolist() == [True, False, True] and stats == {"floored": pytest.approx(2 / 3)}
+    plain, stats = on_policy_batch(CraftConfig(proxy_weight="floor"), obs, extras, [3], weights)
+    assert "floored" not in plain and stats == {}
+
+
 def test_evpo_on_policy_batch_gates_on_the_critic_values_at_the_batch_states():
     k, weights = 4, np.array([-1.0, -0.3, 0.4])
     extras = {"proxy_scores": np.random.default_rng(0).normal(size=(5, k)).astype(np.float32),

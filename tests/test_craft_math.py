@@ -179,6 +179,20 @@ def test_uniform_proxy_weight_pushes_each_logit_by_its_advantage():
     assert torch.allclose(g, adv / K, atol=1e-10)
 
 
+def test_a_floor_kept_to_some_states_weighs_the_others_by_the_policy():
+    logits = torch.randn(4, K, generator=gen(7), dtype=torch.float64, requires_grad=True)
+    adv = group_advantages(torch.randn(4, K, generator=gen(8), dtype=torch.float64))
+    floored = torch.tensor([True, False, True, False])
+    proxy, _, _ = policy_losses(logits, logits.detach(), adv, torch.zeros(4, dtype=torch.long), torch.zeros(4),
+                                proxy_weight="floor", floored=floored)
+    pi = logits.detach().softmax(-1)
+    w = torch.where(floored[:, None], torch.maximum(pi, torch.tensor(1 / K, dtype=pi.dtype)), pi)
+    assert torch.allclose(proxy.detach(), -(w * adv).sum(-1).mean(), atol=1e-12)
+    everywhere, _, _ = policy_losses(logits, logits.detach(), adv, torch.zeros(4, dtype=torch.long), torch.zeros(4),
+                                     proxy_weight="floor")
+    assert not torch.allclose(proxy, everywhere)
+
+
 def test_floor_proxy_weight_counts_each_state_valid_candidates_and_survives_an_empty_row():
     logits = torch.randn(3, 4, generator=gen(5), dtype=torch.float64, requires_grad=True)
     valid = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
@@ -494,7 +508,9 @@ def test_craft_config_names_a_bad_option():
                       ({"trainable": "encoder"}, "trainable"), ({"gamma_event": 2.0}, "gamma_event"),
                       ({"gamma_event": -1.0}, "gamma_event"), ({"bc_label_smoothing": 1.5}, "bc_label_smoothing"),
                       ({"bc_updates": -5}, "bc_updates"), ({"explore_margin": -1.0}, "explore_margin"),
-                      ({"iterations": -1}, "iterations")):
+                      ({"iterations": -1}, "iterations"), ({"explore_margin": math.inf}, "explore_margin"),
+                      ({"proxy_weight": "floor", "floor_margin": -0.5}, "floor_margin"),
+                      ({"floor_margin": 1.0}, "floor_margin=1.0 limits proxy_weight=floor")):
         with pytest.raises(CraftConfigError, match=name):
             CraftConfig(**bad)
     with pytest.raises(CraftBatchError, match="delta"):

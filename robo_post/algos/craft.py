@@ -179,7 +179,8 @@ def dual_clip_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_clip: float 
 
 def policy_losses(logits: torch.Tensor, old_logits: torch.Tensor, proxy_adv: torch.Tensor, chosen: torch.Tensor,
                   delta: torch.Tensor, valid: torch.Tensor | None = None, eps_clip: float = 0.2, dual_c: float = 3.0,
-                  proxy_weight: str = "uniform") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  proxy_weight: str = "uniform", floored: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The two policy-gradient losses of (4) and the ratios ``rho = pi / pi_old`` (B, K).
 
     ``L_proxy`` is the negated dual-clipped surrogate of every valid candidate ``k`` with
@@ -197,6 +198,7 @@ def policy_losses(logits: torch.Tensor, old_logits: torch.Tensor, proxy_adv: tor
       ``lambda_res = 1`` the candidates the policy picks often follow the grounded return
       alone (as with ``policy``), and only those it picks less than ``1/K`` of the time, which
       the residual hardly ever samples, are pushed by the proxy, by ``(1/K - pi_k) A~_k``.
+      ``floored`` (B,) bool keeps the floor to those states (``policy`` weights elsewhere).
     """
     if proxy_weight not in PROXY_WEIGHTS:
         raise CraftConfigError(f"craft proxy_weight {proxy_weight!r}; choose one of {PROXY_WEIGHTS}")
@@ -209,6 +211,8 @@ def policy_losses(logits: torch.Tensor, old_logits: torch.Tensor, proxy_adv: tor
         proxy_loss = -(w * old_log_p.exp() * surrogate).sum(-1).mean()
     elif proxy_weight == "floor":
         floor = 1.0 / w.sum(-1, keepdim=True).clamp(min=1.0)  # 1/K over each state's valid candidates
+        if floored is not None:
+            floor = floor * floored.to(floor.dtype)[:, None]
         proxy_loss = -(w * torch.maximum(old_log_p.exp(), floor) * surrogate).sum(-1).mean()
     else:
         proxy_loss = -(surrogate * w).sum() / w.sum()
@@ -523,6 +527,10 @@ class CraftConfig:
             decomposition (2)) or ``floor`` (weighted by ``max(pi_old, 1/K)``: with ``cv``
             and ``lambda_res = 1`` the proxy's net push reaches only the candidates the
             policy rarely samples); see ``policy_losses``.
+        floor_margin: with ``floor``, apply the floor only in states where the proxy's best
+            candidate scores more than this above the acting policy's first choice, in the
+            proxy's units (a predicted crash or TTC breach the policy heads into); ``policy``
+            weights elsewhere. ``None``: every state.
         use_proxy / use_residual: the two policy-gradient terms (ablations: proxy only, residual only).
         gamma_event / window: discount and window W of the event returns.
         adv_eps: epsilon of the group and batch normalisations.
@@ -605,6 +613,7 @@ class CraftConfig:
     n_clients: int = 2
     explore_eps: float = 0.0
     explore_margin: float | None = None
+    floor_margin: float | None = None
     oracle: bool = False
     online_store: str | None = None
     event_weights: list[float] = field(default_factory=lambda: [-1.0, -0.3, 0.0, 0.0, 0.0])
@@ -655,9 +664,6 @@ class CraftConfig:
             raise CraftConfigError(f"craft horizon must be >= 1 or null (the env's), got {self.horizon}")
         if not 0.0 <= self.explore_eps < 1.0:
             raise CraftConfigError(f"craft explore_eps must be in [0, 1), got {self.explore_eps}")
-        if self.explore_margin is not None and not (_is_number(self.explore_margin)
-                                                    and math.isfinite(self.explore_margin)):
-            raise CraftConfigError(f"craft explore_margin must be a finite number or null, got {self.explore_margin!r}")
         if not 0.0 <= self.gamma_event <= 1.0:
             raise CraftConfigError(f"craft gamma_event is a discount in [0, 1], got {self.gamma_event}")
         if not 0.0 <= self.bc_label_smoothing < 1.0:
@@ -665,9 +671,14 @@ class CraftConfig:
         if self.bc_updates < 1:
             raise CraftConfigError(f"craft bc_updates must be >= 1 (the pretraining of a fresh policy), "
                                    f"got {self.bc_updates}")
-        if self.explore_margin is not None and self.explore_margin < 0:
-            raise CraftConfigError(f"craft explore_margin must be >= 0 (proxy units above the policy's first "
-                                   f"choice) or null, got {self.explore_margin}")
+        for name in ("explore_margin", "floor_margin"):
+            margin = getattr(self, name)
+            if margin is not None and not (_is_number(margin) and math.isfinite(margin) and margin >= 0):
+                raise CraftConfigError(f"craft {name} must be a number >= 0 (proxy units above the policy's first "
+                                       f"choice) or null, got {margin!r}")
+        if self.floor_margin is not None and self.proxy_weight != "floor":
+            raise CraftConfigError(f"craft floor_margin={self.floor_margin} limits proxy_weight=floor, but "
+                                   f"proxy_weight is {self.proxy_weight!r}")
         if not self.min_std > 0:
             raise CraftConfigError(f"craft min_std must be > 0, got {self.min_std}")
 
@@ -774,8 +785,10 @@ class Craft:
         logits = candidate_logits(self.policy, batch["obs"], candidates)
         with torch.no_grad():
             teacher_logits = self.teacher.logits(batch["obs"], candidates)
+        floored = batch.get("floored")
         proxy_loss, residual_loss, ratio = policy_losses(logits, old_logits, proxy_adv, chosen, delta, valid,
-                                                         c.eps_clip, c.dual_c, c.proxy_weight)
+                                                         c.eps_clip, c.dual_c, c.proxy_weight,
+                                                         None if floored is None else floored.to(device))
         kl_teacher = self.teacher_kl(logits, teacher_logits, valid)
         gate = torch.ones_like(kl_teacher)
         if c.kl_gate == "nonpositive_adv":

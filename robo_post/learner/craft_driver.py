@@ -246,7 +246,8 @@ def on_policy_batch(config: CraftConfig, obs: dict[str, np.ndarray], extras: dic
     iteration (the values "at collection time"); the residual's baseline is then chosen
     by their explained variance, the batch carries the event returns as ``event_return``
     (the critic's target), and the statistics are ``evpo_ev`` (``None`` when undefined)
-    and ``evpo_gate`` (1 critic, 0 batch mean). With ``baseline=batch`` they are empty.
+    and ``evpo_gate`` (1 critic, 0 batch mean). With ``floor_margin`` the batch carries
+    ``floored`` (B,), the states the floor applies to, and the statistics their share (``floored``).
 
     Raises:
         CraftConfigError: ``baseline=evpo`` without a ``critic``.
@@ -273,13 +274,17 @@ def on_policy_batch(config: CraftConfig, obs: dict[str, np.ndarray], extras: dic
     # REINFORCE on the grounded advantage (the residual-only ablation), not z(G) - A~[k*]
     corrected = proxy_adv if config.use_proxy else torch.zeros_like(proxy_adv)
     delta = residual_for_batch(advantage, corrected, chosen, config.residual_mode, torch.cat(mask))
-    batch = {"obs": batch_obs, "proxy_adv": proxy_adv, "chosen": chosen,
-             "old_logits": torch.as_tensor(extras["logits"], dtype=torch.float32), "delta": delta}
+    old_logits = torch.as_tensor(extras["logits"], dtype=torch.float32)
+    batch = {"obs": batch_obs, "proxy_adv": proxy_adv, "chosen": chosen, "old_logits": old_logits, "delta": delta}
+    if config.floor_margin is not None:  # the states where the policy heads into what the proxy sees coming
+        first = scores.gather(-1, old_logits.argmax(-1, keepdim=True))[:, 0]
+        batch["floored"] = scores.max(-1).values - first > config.floor_margin
     if "candidates" in extras:  # a proposal policy's sampled chunks, which its logits score
         batch["candidates"] = torch.as_tensor(extras["candidates"], dtype=torch.float32)
+    stats = {"floored": float(batch["floored"].float().mean())} if "floored" in batch else {}
     if V is None:
-        return batch, {}
-    return batch | {"event_return": G}, {"evpo_ev": None if math.isnan(ev) else ev, "evpo_gate": int(use_critic)}
+        return batch, stats
+    return batch | {"event_return": G}, stats | {"evpo_ev": None if math.isnan(ev) else ev, "evpo_gate": int(use_critic)}
 
 
 def proxy_oracle_correlation(extras: dict[str, np.ndarray], eps: float = 1e-5) -> float | None:
