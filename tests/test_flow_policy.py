@@ -285,6 +285,25 @@ def test_a_finished_run_rerun_on_another_store_or_model_is_refused(tiny_store, t
         "model.features": (None, None), "model.features.goal": (None, None)}
 
 
+def test_a_republished_run_keeps_the_settings_its_weights_were_trained_with(tiny_store, tmp_path, capsys):
+    """A finished run rerun with a changed setting publishes its weights again under it; that
+    rewrote config.yaml, so a larger budget with the changed setting then resumed the weights
+    as if they had been trained with it (refused when asked in one step)."""
+    run_dir = tmp_path / "run"
+    train(_train_cfg(tiny_store, str(run_dir), 10))
+    recorded = (run_dir / "config.yaml").read_text()
+    lr = {"algo": {"lr": 0.5}}
+    train(OmegaConf.merge(_train_cfg(tiny_store, str(run_dir), 10), lr))  # published again, not trained
+    assert (run_dir / "trained_config.yaml").read_text() == recorded and "lr: 0.5" in (run_dir / "config.yaml").read_text()
+    with pytest.raises(RunResumeError, match=rf"holds a run finished at update 10 \(its updates\), started with other "
+                                             rf"settings \(algo.lr: .* -> 0.5\)"):
+        train(OmegaConf.merge(_train_cfg(tiny_store, str(run_dir), 20), lr))
+    capsys.readouterr()
+    train(_train_cfg(tiny_store, str(run_dir), 20))  # the settings it was trained with extend it
+    assert f"resuming {run_dir} from its checkpoint at update 10 of 20" in capsys.readouterr().err
+    assert "updates: 20" in (run_dir / "config.yaml").read_text() and not (run_dir / "trained_config.yaml").exists()
+
+
 @pytest.mark.parametrize("damage", ["missing", "damaged"])
 def test_an_unfinished_run_without_its_settings_record_is_not_resumed(tiny_store, tmp_path, damage):
     """With config.yaml removed (or damaged), a killed run resumed under another learning rate

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Any, Callable, Iterator
@@ -322,7 +323,9 @@ def check_resume(run_dir: str, cfg: DictConfig, counter: str, target: int, setti
         raise RunResumeError(f"{run_dir} has already trained {counter} {done}, more than {setting}={target}: "
                              f"set {setting}>={done} to continue it, or a new run_dir starts over")
     started = done is not None or any(os.path.exists(os.path.join(run_dir, f)) for f in progress)
-    config_path = os.path.join(run_dir, "config.yaml")
+    config_path = os.path.join(run_dir, TRAINED_RECORD)
+    if not os.path.exists(config_path):
+        config_path = os.path.join(run_dir, "config.yaml")
     if not started or (isinstance(done, int) and done >= target):
         return
     recorded = _run_record(config_path, OmegaConf.load, warn=False)
@@ -338,8 +341,13 @@ def check_resume(run_dir: str, cfg: DictConfig, counter: str, target: int, setti
     changed = {k: v for k, v in changed_settings(recorded, OmegaConf.to_container(cfg, resolve=True)).items()
                if k != setting and k.split(".")[0] not in RESUMABLE_SETTINGS}
     if changed:
+        budget: Any = recorded
+        for key in setting.split("."):
+            budget = budget.get(key) if isinstance(budget, dict) else None
+        state = (f"a run finished at {counter} {done} (its {setting})" if isinstance(budget, int) and done == budget
+                 else f"an unfinished run ({counter} {done or 0} of {target})")
         raise RunResumeError(
-            f"{run_dir} holds an unfinished run ({counter} {done or 0} of {target}) started with other settings "
+            f"{run_dir} holds {state}, started with other settings "
             f"({describe_changes(changed)}): resuming would go on training its weights under the "
             f"new ones. Rerun with the recorded settings to resume it ({setting} may grow), or use a new run_dir")
 
@@ -410,17 +418,34 @@ def run_lock(run_dir: str) -> Iterator[None]:
                 os.rmdir(run_dir)
 
 
-def begin_run(run_dir: str, cfg: DictConfig) -> None:
-    """Create ``run_dir`` and record ``cfg`` in its ``config.yaml`` as a run starts.
+# The settings a run's weights were trained with, once a publication under other settings
+# (a finished run rerun with them) has rewritten its config.yaml.
+TRAINED_RECORD = "trained_config.yaml"
+
+
+def begin_run(run_dir: str, cfg: DictConfig, counter: str, target: int) -> None:
+    """Create ``run_dir`` and record ``cfg`` in its ``config.yaml`` as a run starts or resumes.
 
     A ``summary.json`` an earlier run left there is removed first: with the new config beside
     it, a run that stops before writing its own summary would otherwise pass ``finished_run``
-    on the next call and hand back the earlier run's results.
+    on the next call and hand back the earlier run's results. A run whose checkpoint has
+    already reached ``target`` (its ``counter``) only publishes its weights again under changed
+    settings (``finished_run``): the settings they were trained with are then kept in
+    ``TRAINED_RECORD``, which ``check_resume`` compares a larger budget with, or the changed
+    settings would go on training them as if they had been trained with them.
     """
     os.makedirs(run_dir, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(run_dir, "summary.json"))
-    path = os.path.join(run_dir, "config.yaml")
+    path, trained = os.path.join(run_dir, "config.yaml"), os.path.join(run_dir, TRAINED_RECORD)
+    ckpt = os.path.join(run_dir, "checkpoint")
+    if has_checkpoint(ckpt) and checkpoint_state(ckpt).get(counter, 0) >= target:
+        if not os.path.exists(trained) and _run_record(path, OmegaConf.load, warn=False) is not None:
+            shutil.copyfile(path, f"{trained}.tmp")
+            os.replace(f"{trained}.tmp", trained)
+    else:  # it trains under these settings: config.yaml is again their record
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(trained)
     with open(f"{path}.tmp", "w") as f:  # renamed into place: a kill never leaves half a record
         f.write(OmegaConf.to_yaml(cfg, resolve=True))
     os.replace(f"{path}.tmp", path)
@@ -480,7 +505,7 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     rngs = {"sampler": sampler.rng} | ({"imitation": imitation.rng} if imitation is not None else {})
 
     run_dir = cfg.run_dir
-    begin_run(run_dir, cfg)
+    begin_run(run_dir, cfg, "update", cfg.updates)
     if snap.recorded:
         write_json_atomic(os.path.join(run_dir, SNAPSHOT_FILE), {"snapshot": snap.id})
     evaluate = None
@@ -579,7 +604,7 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
             remove_empty_store(store.root, existed)
         raise
     run_dir = cfg.run_dir
-    begin_run(run_dir, cfg)
+    begin_run(run_dir, cfg, "timesteps", cfg.algo.timesteps)
     ckpt, log_path = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "metrics.jsonl")
     if has_checkpoint(ckpt):
         agent.model.num_timesteps = load_checkpoint(ckpt, agent.modules, agent.optimizers, {}, ("timesteps",))["timesteps"]
