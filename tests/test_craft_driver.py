@@ -1,5 +1,6 @@
 """`robo-post train algo=craft` end to end: heuristic demos -> pretraining -> on-policy iteration through the fleet."""
 
+import fcntl
 import json
 import math
 import os
@@ -86,7 +87,8 @@ def test_a_run_is_resumed_only_under_its_own_settings_and_budget(craft_run, tmp_
     for key, value in (("store", str(tmp_path / "other")), ("algo.lr", 0.5)):
         changed = cfg.copy()
         OmegaConf.update(changed, key, value)
-        with pytest.raises(RunResumeError, match=rf"unfinished run \(iteration 1 of 2\) started with other settings "
+        with pytest.raises(RunResumeError, match=rf"holds a run finished at iteration 1 \(its algo.iterations\), started "
+                                                 rf"with other settings "
                                                  rf"\({key}: .* -> {value!r}\)"):
             check_resume(run_dir, changed, "iteration", 2, "algo.iterations")
     # through the CLI: refused before anything is trained or published
@@ -102,12 +104,14 @@ def test_a_run_that_stopped_early_is_not_taken_for_finished(craft_run, tmp_path)
     store, summary, args = craft_run
     run_dir = tmp_path / "run"
     shutil.copytree(args[3].split("=", 1)[1], run_dir)  # a finished run, summary.json included
-    # the same run re-pointed at a store of another schema fails after it has started
+    # the same run re-pointed at a store of another schema fails before it writes anything (it failed after
+    # writing its config.yaml, which beside the old summary.json then read as a finished run)
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
     failing = [*args[:3], f"run_dir={run_dir}", *args[4:], f"algo.online_store={store}"]
-    for _ in range(2):  # and fails again: the first attempt's config beside the old summary is no finished run
+    for _ in range(2):  # and fails again
         r = run_cli(*failing, ok=False)
         assert r.returncode != 0 and "different schema" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
-    assert not (run_dir / "summary.json").exists()
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
     assert PolicyRegistry(store).versions()[-1] == summary["version"]  # nothing published
 
 
@@ -172,7 +176,9 @@ def test_a_kill_right_after_publishing_the_acting_version_does_not_publish_it_ag
     registry = PolicyRegistry(str(own))
     assert registry.versions() == [1, 2] and json.loads((run_dir / "craft_state.json").read_text()) == {
         "iteration": 0, "pretrained_version": 1}
-    again = summary_of(run_cli(*moved).stdout)
+    r = run_cli(*moved)
+    again = summary_of(r.stdout)
+    assert f"resuming {run_dir} at iteration 0 of 1" in r.stderr
     assert registry.versions() == [1, 2, 3] and again["version"] == 3  # version 2 acted, not a copy of it
     snap = Store.open(f"{own}-online").snapshot(record=False)
     assert [e.policy_version for e in snap.episodes()] == [2, 2]
@@ -326,6 +332,20 @@ def test_bad_craft_settings_are_one_line_errors_before_any_work(craft_run, tmp_p
     bad = run_cli("train", "algo=craft", f"store={store}", f"run_dir={tmp_path / 'r'}", "data.snapshot=snap-nope",
                   "show=false", ok=False)
     assert bad.returncode == 1 and "snap-nope" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    # another CRAFT run recording into the same online store: its clients died on the shard locks and
+    # this one failed with an IndexError after pretraining had published
+    online = tmp_path / "busy-online"
+    (online / "fleet").mkdir(parents=True)
+    fd = os.open(online / "fleet" / ".collect-craft.lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        bad = run_cli("train", "algo=craft", f"store={store}", f"run_dir={tmp_path / 'r'}", f"algo.online_store={online}",
+                      "show=false", ok=False)
+    finally:
+        os.close(fd)
+    assert bad.returncode == 1 and "ShardLockedError: another CRAFT run records into the online store" in bad.stderr
+    assert "give this run its own algo.online_store=PATH" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "r").exists()
     assert len(PolicyRegistry(store).versions()) == 3  # nothing published
 
 

@@ -33,10 +33,12 @@ for the next version are reused.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -59,11 +61,12 @@ from robo_post.models.features import infer_features, state_keys
 from robo_post.models.proposal_policy import ProposalPolicy, ProposalPolicyConfig
 from robo_post.store.registry import PolicyArtifactError, PolicyRegistry
 from robo_post.store.sampler import WindowSampler
-from robo_post.store.schema import ArraySpec, StoreSchema
+from robo_post.store.schema import ArraySpec, ShardLockedError, StoreSchema
 from robo_post.store.store import Snapshot, Store
-from robo_post.store.writer import write_json_atomic
+from robo_post.store.writer import try_lock, write_json_atomic
 
 EXTRAS = ("logits", "chosen", "proxy_scores", "events")
+CLIENT_PREFIX = "craft"  # the fleet clients' ids in the online store: craft-0, craft-1, ...
 STATE_FILE = "craft_state.json"  # in the run dir: the pretrained version, the iteration, the acting version
 POLICY_CLASSES = {"candidate": CandidatePolicy, "proposal": ProposalPolicy}  # artifact kind -> class
 
@@ -337,6 +340,25 @@ def _published_acting(registry: PolicyRegistry, run_dir: str, iteration: int) ->
 
 def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     """`robo-post train algo=craft`: pretraining, on-policy iterations through the fleet, a greedy final version."""
+    with contextlib.ExitStack() as held:  # the online store's client ids, from before pretraining publishes
+        return _craft(cfg, spec, held)
+
+
+def _lock_online_clients(root: str) -> int:
+    """Take the lock of the client ids ``craft-*`` in the online store ``root`` (the one a
+    ``collect`` with that prefix takes); returns its descriptor.
+
+    Raises:
+        ShardLockedError: another CRAFT run (or collect) records into them: its clients would
+            die on the shard locks and this run would train on the other's episodes.
+    """
+    os.makedirs(os.path.join(root, "fleet"), exist_ok=True)
+    return try_lock(os.path.join(root, "fleet", f".collect-{CLIENT_PREFIX}.lock"), lambda: ShardLockedError(
+        f"another CRAFT run records into the online store {root} (clients {CLIENT_PREFIX}-*): nothing was trained "
+        "or published; wait for it, or give this run its own algo.online_store=PATH"))
+
+
+def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dict[str, Any]:
     from robo_post.fleet.client import ClientConfig
     from robo_post.fleet.launcher import LocalLauncher, raise_unfinished
 
@@ -386,9 +408,9 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         horizon = config.horizon or env_spec(env).horizon
     registry = PolicyRegistry(store.root)
     run_dir = cfg.run_dir
-    begin_run(run_dir, cfg)
     ckpt, log_path = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "metrics.jsonl")
     state_path = os.path.join(run_dir, STATE_FILE)
+    resumed = os.path.exists(state_path)
     state = _run_state(state_path)
 
     if config.reference_version is not None:
@@ -409,6 +431,8 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     # before pretraining publishes anything: a damaged online store or one of another schema fails first
     online = online_store(config.online_store or f"{store.root.rstrip('/')}-online", env, env_kwargs, k,
                           config.oracle, candidate_shape, tasks[0] if tasks else None)
+    held.callback(os.close, _lock_online_clients(online.root))
+    begin_run(run_dir, cfg, "iteration", config.iterations)
     if reference is None:
         reference = (pretrain(snap, cfg, config, vocabulary) if kind == "candidate"
                      else pretrain_proposals(snap, cfg, config, horizon, action))
@@ -422,6 +446,8 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         if saved["iteration"] > state["iteration"]:  # killed after an update's checkpoint, before the state file
             state = {k: v for k, v in state.items() if k != "acting_version"} | saved
     truncate_log(log_path, state.get("updates", 0))  # rows of an update the checkpoint does not hold
+    if resumed and state["iteration"] < config.iterations:
+        print(f"resuming {run_dir} at iteration {state['iteration']} of {config.iterations}", file=sys.stderr)
 
     t0 = time.perf_counter()
     while state["iteration"] < config.iterations:
@@ -433,7 +459,7 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
             write_json_atomic(state_path, state)
         version = state["acting_version"]
         share, extra = divmod(config.episodes_per_iteration, config.n_clients)  # exactly the episodes asked for
-        configs = [ClientConfig(store=online.root, client_id=f"craft-{j}", episodes=0, env={"name": env, **env_kwargs},
+        configs = [ClientConfig(store=online.root, client_id=f"{CLIENT_PREFIX}-{j}", episodes=0, env={"name": env, **env_kwargs},
                                 tasks=tasks, policy={"kind": "random"}, follow_registry=False,
                                 seed=cfg.seed + 1000 * (i + 1),
                                 policy_store=store.root, policy_version=version, role="online")

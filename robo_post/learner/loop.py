@@ -134,6 +134,8 @@ def train_loop(
         start = load_checkpoint(ckpt, algo.modules, algo.optimizers, rngs, ("update",))["update"]
         if hasattr(algo, "updates"):  # algorithms that schedule on the step count
             algo.updates = start
+        if start < updates:
+            print(f"resuming {run_dir} from its checkpoint at update {start} of {updates}", file=sys.stderr)
     truncate_log(log_path, start)  # also the rows of a run killed before its first checkpoint
     tracker = Tracker(run_dir, tracking, start)
     logged: list[dict[str, float]] = []
