@@ -4,6 +4,7 @@ import os
 import re
 
 import numpy as np
+import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
@@ -41,5 +42,11 @@ def test_the_documented_method_registers_trains_and_publishes_its_ema(tmp_path):
         raw = {k[len("module.trained."):]: v for k, v in ckpt.items() if k.startswith("module.trained.")}
         key = "velocity_net.0.weight"
         assert torch.equal(published.state_dict()[key], ema[key]) and not torch.equal(ema[key], raw[key])
+        # a value of another type than the plugin's annotation: named before the run starts (it failed
+        # deep in training, `_foreach_lerp_` on a string, after writing the run's config.yaml)
+        bad = OmegaConf.merge(cfg, {"algo": {"ema_rate": "abc"}, "run_dir": str(tmp_path / "bad")})
+        with pytest.raises(ValueError, match=r"algo=ema_bc: algo.ema_rate='abc' is not allowed; expected float"):
+            train(bad)
+        assert not (tmp_path / "bad").exists()
     finally:
         METHODS.pop("ema_bc", None)

@@ -176,6 +176,16 @@ def test_the_registry_names_its_methods_and_takes_new_ones():
     spec = method_spec("divl_qam")
     with pytest.raises(ValueError, match=r"unknown settings \['lr'\]"):
         spec.make_config({"lr": 1.0})
+    # values are checked against the config's annotations (a plugin's keys have no YAML default to check)
+    craft = method_spec("craft")
+    for values, expected in (({"eps_clip": "0.2"}, "float"), ({"iterations": 2.5}, "int"), ({"oracle": 1}, "bool"),
+                             ({"event_weights": [1, "x"]}, "list[float]"), ({"floor_margin": "big"}, "float | None"),
+                             ({"env_kwargs": [1]}, "dict")):
+        with pytest.raises(ValueError, match=re.escape(f"algo=craft: algo.{next(iter(values))}={next(iter(values.values()))!r} "
+                                                       f"is not allowed; expected {expected}")):
+            craft.make_config(values)
+    assert craft.make_config({"dual_c": 3, "event_weights": [-1, 0.5, 0, 0, 0], "floor_margin": None,
+                              "proxy_weight": "floor"}).dual_c == 3  # an int for a float
     mine = register_method(MethodSpec("my_bc", METHODS["bc_flow"].config, METHODS["bc_flow"].build))
     try:
         assert method_spec("my_bc") is mine

@@ -22,6 +22,8 @@ and ``artifact(**provenance)`` (what the policy registry publishes).
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -106,12 +108,48 @@ class MethodSpec:
     model_keys: tuple[str, ...] = ("embed_dim", "hidden_dim", "flow_steps")  # train's model.* keys it takes
 
     def make_config(self, values: dict[str, Any]) -> Any:
-        """The typed config from ``algo.*`` values; unknown keys are an error naming them."""
+        """The typed config from ``algo.*`` values; unknown keys, and values of another type than
+        a field's annotation (``float``, ``int``, ``bool``, ``str``, lists, dicts, ``X | None``),
+        are an error naming them. A plugin's keys have no YAML default for the command line to
+        check them against, so a string rate failed deep in training."""
         names = {f.name for f in dataclasses.fields(self.config)}
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(f"algo={self.name}: unknown settings {unknown}; known: {sorted(names)}")
+        hints = typing.get_type_hints(self.config)
+        for key, value in values.items():
+            if not _has_type(value, hints[key]):
+                raise ValueError(f"algo={self.name}: algo.{key}={value!r} is not allowed; expected "
+                                 f"{_type_name(hints[key])}")
         return self.config(**values)
+
+
+_SCALARS = {float: (int, float), int: (int,), bool: (bool,), str: (str,)}
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    """Whether ``value`` (from YAML) fits ``hint``; annotations other than scalars, lists, tuples,
+    dicts and their unions (``Any``, dataclasses) accept anything."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint in _SCALARS:  # a bool is an int to Python, not to a config
+        return isinstance(value, _SCALARS[hint]) and (hint is bool or not isinstance(value, bool))
+    if origin in (list, tuple) or hint in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:  # fixed length, a type per place
+            return len(value) == len(args) and all(_has_type(v, a) for v, a in zip(value, args))
+        return all(_has_type(v, args[0] if args else Any) for v in value)
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def _type_name(hint: Any) -> str:
+    return str(hint).replace("typing.", "").replace("NoneType", "None").replace("<class '", "").replace("'>", "")
 
 
 METHODS: dict[str, MethodSpec] = {}
