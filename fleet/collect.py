@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from typing import Any
@@ -10,9 +11,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from robo_post.envs.registry import EnvSpec, NoExpertError, UnknownExpertModeError, env_spec
+from robo_post.eval.rollout import recorded_env_kwargs
 from robo_post.fleet.client import ClientConfig, Overseer, store_schema
 from robo_post.fleet.launcher import LocalLauncher, RayLauncher, raise_unfinished
-from robo_post.store import PolicyNotFoundError, PolicyRegistry, ShardLockedError, Store
+from robo_post.store import PolicyNotFoundError, PolicyRegistry, ShardLockedError, Store, StoreError
 from robo_post.store.schema import infer_role
 from robo_post.store.writer import lock_shard, try_lock
 
@@ -131,6 +133,12 @@ def collect(cfg: DictConfig) -> list[dict[str, Any]]:
             # a store that also records per-step extras (a steering deployment's distributions,
             # CRAFT's candidate scores): clients record them from what the policy and the env report
             schema = dataclasses.replace(schema, extras=stored.extras)
+        recorded = recorded_env_kwargs(cfg.store, env_spec(env["name"])) or {}
+        if (stored.layout_differences(dataclasses.replace(schema, extras=stored.extras))
+                and {k: v for k, v in env.items() if k != "name"} != recorded and recorded):
+            given = " ".join(f"+env.kwargs.{k}={json.dumps(v)}" for k, v in recorded.items())
+            raise StoreError(f"{cfg.store} was recorded in env {env['name']!r} with kwargs {recorded}, and this "
+                             f"env ({env}) records other observations or actions; collect with them: {given}")
     store = Store.create(cfg.store, schema, exist_ok=True)
     # Another collect with the same client ids counts from the same commits, so its clients
     # would take this one's episodes for their own: held from before the targets are read.

@@ -87,8 +87,9 @@ def text(optional: bool = False) -> Check:
     return check
 
 
-def items(item: Check, what: str, single: bool = False, optional: bool = True) -> Check:
-    """A list of values passing ``item`` (or one such value when ``single``; null when ``optional``)."""
+def items(item: Check, what: str, single: bool = False, optional: bool = True, unique: bool = False) -> Check:
+    """A list of values passing ``item`` (or one such value when ``single``; null when ``optional``;
+    each once when ``unique``: a sweep's repeated point would be run and reported twice)."""
     def check(key: str, v: Any) -> None:
         if (optional and v is None) or (single and not isinstance(v, list)):
             if v is not None:
@@ -101,6 +102,8 @@ def items(item: Check, what: str, single: bool = False, optional: bool = True) -
                 item(key, x)
             except ConfigError:
                 raise ConfigError(key, v, f"a list of {what}; item {i} is {_show(x)}") from None
+            if unique and x in v[:i]:
+                raise ConfigError(key, v, f"a list of {what}, each once; item {i} repeats item {v.index(x)}")
     return check
 
 
@@ -224,7 +227,7 @@ _STEER_SOURCES = {
     "actor.version": _registry_version, "prior.version": _registry_version,
     "device": device, "seed": _COUNT0, "env.name": text(),
 }
-_ALPHAS = items(number(0, 1, high_open=True), "alphas in [0, 1)", optional=False)
+_ALPHAS = items(number(0, 1, high_open=True), "alphas in [0, 1)", optional=False, unique=True)
 RULES["steer"] = {
     **_STEER_SOURCES, **_FLEET, "store": text(), "episodes": _COUNT, "alpha": number(0, 1),
     "rule": choice("poe", "klreg", "additive", "prior", "frozen"), "klreg_form": choice("tilt", "geometric"),
@@ -235,8 +238,9 @@ RULES["steer"] = {
 RULES["steer-eval"] = {
     # one paired difference bootstraps to a zero-width CI: a HELP/HURT label from a single episode
     **_STEER_SOURCES, "episodes": integer(2), "calibration_episodes": _COUNT, "alpha_grid": _ALPHAS,
-    "kl_budgets": items(number(0), "KL budgets >= 0", optional=False), "alpha_max": number(0, 1, optional=True),
-    "rules": items(choice("poe", "klreg", "additive"), "rules (poe | klreg | additive)", optional=False),
+    "kl_budgets": items(number(0), "KL budgets >= 0", optional=False, unique=True),
+    "alpha_max": number(0, 1, optional=True),
+    "rules": items(choice("poe", "klreg", "additive"), "rules (poe | klreg | additive)", optional=False, unique=True),
     "qualities": items(choice("good", "degraded", "random_honest", "random_overconfident"), "prior qualities",
                        optional=False),
     "stochastic": boolean, "out_dir": text(), "margin": number(0),

@@ -55,6 +55,9 @@ BAD = [  # (command, overrides, what the error line must name)
     ("steer-eval", ["actor.kind=registry", "episodes=1"], ["episodes=1", "integer >= 2"]),
     # alpha 1 passed as "in [0, 1)" and failed at the klreg arms, after the poe arms had run
     ("steer-eval", ["actor.kind=registry", "alpha_grid=[0.5,1.0]"], ["alpha_grid=[0.5, 1.0]", "item 1 is 1.0"]),
+    # a repeated point of the sweep was run and reported twice
+    ("steer-eval", ["actor.kind=registry", "alpha_grid=[0.5,0.3,0.5]"], ["each once; item 2 repeats item 0"]),
+    ("steer-eval", ["actor.kind=registry", "rules=[poe,poe]"], ["each once; item 1 repeats item 0"]),
     pytest.param("train", ["device=cuda"], ["device=cuda but CUDA is not available; use device=cpu or auto"],
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
 ]

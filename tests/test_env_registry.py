@@ -238,6 +238,10 @@ def test_eval_refuses_an_env_that_observes_other_shapes_than_the_policy_was_trai
     assert store.snapshot().episodes()[0].attrs["env_kwargs"] == {"duration": 4, "observed_vehicles": 3}
     r = evaluate(store.root, version, ["highway-fast"], 2, n_clients=1, out_store=out)
     assert r["env"] == collected and r["tasks"]["highway-fast"]["episodes"] == 2
+    # given kwargs go on top of the recorded ones one key at a time (they replaced them all: the recorded
+    # observed_vehicles was dropped, and the env observed other shapes than the policy's data)
+    r = evaluate(store.root, version, ["highway-fast"], 1, n_clients=1, out_store=out, env_kwargs={"duration": 3})
+    assert r["env"] == {"name": "driving", "duration": 3, "observed_vehicles": 3}
 
 
 class _HalfTorquePendulum(gym.Env):
@@ -255,6 +259,19 @@ class _HalfTorquePendulum(gym.Env):
 
 
 gym.register("robo_post_test/HalfTorquePendulum-v0", entry_point=_HalfTorquePendulum)
+
+
+def test_collect_without_the_recorded_env_kwargs_names_them(tmp_path):
+    """It was one 1,650-character line listing every bound of both observation layouts."""
+    cli = os.path.join(os.path.dirname(sys.executable), "robo-post")
+    args = [cli, "collect", "env=driving", "+env.kwargs.duration=2", "policy=expert", "episodes=1",
+            f"store={tmp_path / 's'}", "fleet.n_clients=1", "show=false"]
+    first = subprocess.run([*args, "+env.kwargs.observed_vehicles=3"], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert ("was recorded in env 'driving' with kwargs {'duration': 2, 'observed_vehicles': 3}" in r.stderr
+            and r.stderr.strip().endswith("collect with them: +env.kwargs.duration=2 +env.kwargs.observed_vehicles=3"))
 
 
 def test_eval_refuses_an_env_whose_actions_differ_from_the_training_data(tmp_path):

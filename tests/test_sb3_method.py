@@ -195,6 +195,7 @@ def test_a_budget_below_one_on_policy_rollout_is_refused_before_training(tmp_pat
     r = run_cli("train", f"algo={algo}", *args, f"store={tmp_path / 'store'}", f"run_dir={tmp_path / 'run'}",
                 "show=false", ok=False)
     assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # no deprecation banner of the old gym ahead of it
     assert f"is less than one on-policy rollout (algo.n_envs={rollout} steps)" in r.stderr
     assert "or +algo.hyperparameters.n_steps=N" in r.stderr  # a key to add: without the + hydra refuses it
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")

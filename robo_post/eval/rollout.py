@@ -149,9 +149,9 @@ def evaluate(
         split: instruction phrasings: ``train`` or ``heldout`` (unseen wording), for
             envs with instruction splits; others only have ``train``.
         n_clients: parallel client processes.
-        env_kwargs: env constructor kwargs. ``None``: those every episode of the policy
-            store was collected with (recorded per episode), with what the env's registry
-            entry infers from the policy on top (tabletop: camera images at the policy's
+        env_kwargs: env constructor kwargs, each on top of those every episode of the
+            policy store was collected with (recorded per episode) and of what the env's
+            registry entry infers from the policy (tabletop: camera images at the policy's
             ``image_size`` if it reads images, else state-only).
         out_store: eval store (created if missing); default ``<policy_store>-eval``.
         seed: base seed of eval episodes; keep it apart from training seeds.
@@ -190,7 +190,7 @@ def evaluate(
     baseline = dict(policy or EXPERT)
     _check_baseline(spec, version, baseline)
     policy_config, weights_digest = _policy_identity(policy_store, version, baseline)
-    recorded = recorded_env_kwargs(policy_store, spec) if env_kwargs is None else None
+    recorded = recorded_env_kwargs(policy_store, spec)
     env_cfg = {"name": spec.key, **_env_kwargs(spec, policy_config, env_kwargs, split, recorded)}
 
     identity = {"policy_store": policy_store, "version": version, "weights": weights_digest, "tasks": tasks,
@@ -492,11 +492,12 @@ def _action_text(spec: Any) -> str:
 
 def _env_kwargs(spec: EnvSpec, policy_config: dict[str, Any], env_kwargs: dict[str, Any] | None,
                 split: str, recorded: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Env kwargs of an eval: given, else the ``recorded`` collection kwargs with what the env's
-    entry infers from the policy on top; checked against what the policy needs; the split
-    passed on where the env has instruction splits."""
+    """Env kwargs of an eval: the ``recorded`` collection kwargs, what the env's entry infers
+    from the policy on top, and the given ones on top of both (one key at a time: a given
+    ``observed_vehicles`` keeps the recorded ``intentions``); checked against what the policy
+    needs; the split passed on where the env has instruction splits."""
     needed = spec.policy_env_kwargs(policy_config) if spec.policy_env_kwargs else {}
-    kwargs = dict({**(recorded or {}), **needed} if env_kwargs is None else env_kwargs)
+    kwargs = {**(recorded or {}), **needed, **(env_kwargs or {})}
     missing = {k: v for k, v in needed.items() if v and kwargs.get(k) != v}
     if missing:  # fail here, not as crash-looping clients
         raise ValueError(f"the policy needs env kwargs {missing}; env_kwargs {env_kwargs} lack them")
