@@ -90,18 +90,19 @@ def _store_validate(args: argparse.Namespace) -> int:
 
 
 def _store_repair(args: argparse.Namespace) -> int:
-    from robo_post.store.integrity import repair_store
+    from robo_post.store.integrity import Unrepairable, repair_store
 
     actions = repair_store(args.path, apply=args.apply)
     for line in actions:
         print(line)
+    unrepairable = [line for line in actions if isinstance(line, Unrepairable)]
     if not actions:
         # Arrays whose metadata is damaged are out of repair's reach: validate names them.
         print("every commit record agrees with its episode index, every committed episode verifies and every "
               f"snapshot record reads: nothing to repair (`robo-post store validate {args.path}` checks the rest)")
-    elif not args.apply:
+    elif not args.apply and len(unrepairable) < len(actions):
         print("nothing changed: run again with --apply to do this")
-    return 0
+    return 1 if unrepairable else 0  # the store is not whole yet: the lines above say what the user can do
 
 
 def _store_export_minari(args: argparse.Namespace) -> int:

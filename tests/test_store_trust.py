@@ -3,6 +3,7 @@ refused), a lost or damaged commit record is detected and repairable, reads veri
 checksums, reading needs no write access, and no damage to any file is read silently."""
 
 import errno
+import json
 import os
 import shutil
 import subprocess
@@ -24,7 +25,8 @@ from robo_post.store import (
 from robo_post.store.commit import CommitDamageWarning
 from robo_post.store.registry import PolicyRegistry, RegistryNotWritableError
 from robo_post.store import integrity
-from robo_post.store.integrity import repair_store, validate_store
+from robo_post.store.integrity import LOST_SUFFIX, Unrepairable, repair_store, validate_store
+from robo_post.store.schema import StoreLayoutError
 from robo_post.store.writer import lock_shard
 from test_store import tree_hash
 from test_store_append import SCHEMA, clear_chunk, episode, small_chunks, write  # noqa: F401 (fixture)
@@ -307,8 +309,11 @@ def test_damaged_array_metadata_is_a_store_error_naming_the_path(tmp_path, small
             read()
     checked, problems = validate_store(store.root)
     assert checked == 0 and names in problems[0], problems
-    if damage == "data":  # nothing left to read: repair leaves the record as it is
-        assert repair_store(store.root, apply=True) == [] and store.read_commit("a")["episodes"] == 3
+    if damage == "data":  # the rows went with the folder: repair leaves every episode out, and says why
+        (line,) = repair_store(store.root, apply=True)  # it said "nothing to repair" while validate kept failing
+        assert f"{data} is missing: the rows of obs/proprio, obs/image, action, step are gone" in line, line
+        assert "as 0 episodes" in line and "3 episode records from episode 0 on are left out" in line, line
+        assert validate_store(store.root) == (0, []) and repair_store(store.root) == []
         return
     # The rows are intact behind the damaged metadata, which holds only what the schema gives:
     # repair writes it again (it said "nothing to repair", and validate and train kept failing).
@@ -355,6 +360,131 @@ def test_validate_reports_a_shard_lost_whole_that_a_snapshot_saw(tmp_path, small
     checked, problems = validate_store(store.root)
     assert checked == 0 and len(problems) == 1, problems
     assert f"snapshot {snapshot_id} saw 3" in problems[0] and problems[0].startswith("shard a: "), problems
+    # repair said "nothing to repair", and validate kept failing: it names the loss and sets the record aside
+    record = os.path.join(store.root, "snapshots", f"{snapshot_id}.json")
+    assert repair_store(store.root) == [f"{problems[0]}: they are gone from the store (a backup of the shard can "
+                                        "bring them back); would set aside the snapshot record that saw them as "
+                                        f"<id>.json{LOST_SUFFIX}, so that the store validates again"]
+    assert os.path.exists(record)  # a dry run changes nothing
+    (line,) = repair_store(store.root, apply=True)
+    assert line.startswith(f"{problems[0]}: they are gone") and "; set aside the snapshot record" in line, line
+    assert not os.path.exists(record) and os.path.exists(record + LOST_SUFFIX)
+    assert validate_store(store.root) == (0, []) and repair_store(store.root) == []
+
+
+@pytest.mark.parametrize("folder", ["snapshots", "policies", "shards/a", "shards"])
+def test_a_file_where_the_store_keeps_a_folder_is_named_in_one_line(tmp_path, small_chunks, capsys, folder):
+    """validate passed or died with a raw FileExistsError, repair said "nothing to repair", info and
+    train died with a raw errno, and a file in place of a shard hid the shard from readers."""
+    from robo_post.cli import main
+
+    store = _three_episodes(str(tmp_path / "s"))
+    snapshot_id = store.snapshot().id
+    path = os.path.join(store.root, folder)
+    shutil.rmtree(path)
+    with open(path, "w") as f:
+        f.write("mine")
+    message = f"{path} is a file where the store keeps "
+    with pytest.raises(StoreLayoutError, match=message):
+        store.snapshot() if folder != "policies" else PolicyRegistry(store.root)
+    if folder.startswith("shards"):
+        with pytest.raises(StoreLayoutError, match=message):
+            store.writer("a")  # was NotADirectoryError naming commit.bin
+    assert main(["store", "info", store.root]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"robo-post store: StoreLayoutError: {message}") and err.count("\n") == 1, err
+    checked, problems = validate_store(store.root)
+    assert problems[0].startswith(message) and "move it " in problems[0], problems
+    assert checked == (0 if folder.startswith("shards") else 3)
+    before = tree_hash(store.root)
+    lines = repair_store(store.root)
+    assert tree_hash(store.root) == before  # a dry run changes nothing
+    if folder == "snapshots":  # its records hold no episode: repair makes a new folder, keeping the file beside
+        assert lines == [f"{path} is not the folder where the store keeps its snapshot records; would set it aside as "
+                         "snapshots.damaged and make a new, empty folder (snapshots recorded before cannot be "
+                         "reopened by id; no episode is lost)"]
+        assert main(["store", "repair", store.root, "--apply"]) == 0
+        assert open(path + ".damaged").read() == "mine" and validate_store(store.root) == (3, [])
+        assert [e.attrs["i"] for e in store.snapshot()] == [0, 1, 2]
+        return
+    # What the folder held is not in the store: repair cannot make it up, and says so, never "nothing to repair".
+    assert isinstance(lines[0], Unrepairable) and lines[0] == f"cannot repair: {problems[0]}", lines
+    capsys.readouterr()
+    assert main(["store", "repair", store.root, "--apply"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"cannot repair: {message}") and "nothing to repair" not in out, out
+    if folder.startswith("shards"):  # the snapshot record that saw shard a is set aside: the loss is named
+        assert f"shard a: its directory is gone, yet snapshot {snapshot_id} saw 3 committed episodes" in out, out
+    assert open(path).read() == "mine" and validate_store(store.root)[1] == [problems[0]]
+
+
+@pytest.mark.parametrize("damage", ["file", "missing"])
+def test_an_array_folder_lost_whole_has_its_episodes_left_out_by_repair(tmp_path, small_chunks, capsys, damage):
+    """validate blamed a missing zarr.json that repair would write again, and repair said every committed
+    episode verifies: nothing to repair, for good."""
+    from robo_post.cli import main
+
+    store = _three_episodes(str(tmp_path / "s"))
+    path = os.path.join(store.root, "shards", "a", "data", "action")
+    shutil.rmtree(path)
+    if damage == "file":
+        with open(path, "w") as f:
+            f.write("junk\n")
+    what = "is a file, not a folder" if damage == "file" else "is missing"
+    checked, problems = validate_store(store.root)
+    assert checked == 0 and problems == [f"shard a: {path} {what}: the rows of action are gone, so none of its "
+                                         "episodes reads whole (`robo-post store repair --apply` leaves them out)"]
+    assert main(["store", "repair", store.root, "--apply"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to repair" not in out and "rebuilt commit.bin as 0 episodes" in out, out
+    assert f"the index stops verifying at episode 0 ({path} {what}: the rows of action are gone)" in out, out
+    assert "3 episode records from episode 0 on are left out, for good once the shard's next writer" in out, out
+    if damage == "file":  # kept, beside: the shard's next writer makes the array again
+        assert f"set {path} aside as action.damaged" in out and open(path + ".damaged").read() == "junk\n"
+    assert validate_store(store.root) == (0, []) and repair_store(store.root) == []
+    with store.writer("a") as w:
+        assert write(w, 3, 4) == 0
+    assert validate_store(store.root) == (1, []) and [e.attrs["i"] for e in store.snapshot()] == [3]
+
+
+@pytest.mark.parametrize("edit,names", [
+    (lambda meta: [meta], "a schema must be a JSON object, not a list"),  # was: pop expected at most 1 argument
+    (lambda meta: {k: v for k, v in meta.items() if k != "observations"}, "missing key 'observations'"),
+    (lambda meta: {**meta, "attrs": [1]}, "'attrs' must be an object, not a list"),
+    (lambda meta: {**meta, "action": [1]}, "'action' must be an object, not a list"),
+    (lambda meta: {**meta, "observations": {"proprio": {"dtype": "float32"}}},
+     "missing key 'observations.proprio.shape'"),
+    (lambda meta: {**meta, "observations": {"proprio": {"dtype": "float32", "shape": ["3"]}}},
+     r"'observations.proprio.shape' must be a list of sizes \(integers >= 0\), not \['3'\]"),
+], ids=["list", "no_observations", "attrs_list", "action_list", "no_shape", "shape_of_strings"])
+def test_a_store_json_of_the_wrong_shape_names_the_key(tmp_path, edit, names):
+    """The message held Python's own words: `not a store schema: 'observations'`."""
+    store = Store.create(str(tmp_path / "s"), SCHEMA)
+    path = os.path.join(store.root, "store.json")
+    with open(path) as f:
+        meta = json.load(f)
+    del meta["crc32c"]
+    with open(path, "w") as f:
+        json.dump(edit(meta), f)
+    with pytest.raises(StoreIntegrityError, match=f"{path}: damaged or not a store schema: {names} \\(it holds"):
+        Store.open(store.root)
+
+
+def test_an_edited_episode_record_is_named_not_miscounted(tmp_path, small_chunks):
+    """An edited length read "1637 bytes in 2 complete records, commit says 1637 bytes in 3" of a file
+    holding 3 complete records."""
+    store = _three_episodes(str(tmp_path / "s"))
+    index = os.path.join(store.root, "shards", "a", "episodes.jsonl")
+    data = open(index, "rb").read()
+    with open(index, "wb") as f:
+        f.write(data.replace(b'"length": 5,', b'"length": 50,', 1))  # one byte longer
+    with pytest.raises(StoreIntegrityError, match=r"record of episode a/0 is damaged: .*fails its checksum"):
+        store.snapshot()
+    with open(index, "wb") as f:
+        f.write(data[:-30])
+    with pytest.raises(StoreIntegrityError, match=f"{index}: holds {len(data) - 30} bytes, commit says {len(data)}: "
+                                                  "it was cut short"):
+        store.snapshot()
 
 
 # --- 3. reads verify checksums by default ---------------------------------------------------------

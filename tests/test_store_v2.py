@@ -303,4 +303,9 @@ def test_reopening_with_another_layout_names_each_difference_and_changes_nothing
     assert "extras['mode']: int32 () in [0, 2] != absent" in message
     assert "observations" not in message and "action" not in message
     assert EXTRAS.layout_differences(StoreSchema(EXTRAS.observations, EXTRAS.action, extras=dict(EXTRAS.extras))) == []
+    # long bounds are shortened (a driving observation's 88 made a line of 1,650 characters)
+    bounded = StoreSchema({"s": ArraySpec("float32", (6,), [-1.0] * 6, [float(i) for i in range(6)])}, EXTRAS.action)
+    assert bounded.layout_differences(StoreSchema({"s": ArraySpec("float32", (6,))}, EXTRAS.action)) == [
+        "observations['s']: float32 (6,) in [[-1.0, -1.0, -1.0, ..., -1.0] (6 values), [0.0, 1.0, 2.0, ..., 5.0] "
+        "(6 values)] != float32 (6,)"]
     assert tree_hash(root) == before and len(Store.open(root).snapshot()) == 1

@@ -14,16 +14,17 @@ import zarr
 
 from robo_post.store.chunks import read_rows
 from robo_post.store.commit import inspect_commit, write_commit_file
-from robo_post.store.registry import PolicyRegistry
+from robo_post.store.registry import PolicyRegistry, check_policies_folder
 from robo_post.store.schema import (
     ROLES,
     EpisodeValidationError,
     StoreError,
     StoreIntegrityError,
+    StoreLayoutError,
     UnsupportedFormatError,
     validate_array,
 )
-from robo_post.store.store import EpisodeInfo, Snapshot, Store
+from robo_post.store.store import EpisodeInfo, Snapshot, Store, describe_lost
 from robo_post.store.writer import decode_record, episode_checksum, lock_shard
 
 
@@ -76,8 +77,8 @@ def validate_store(root: str) -> tuple[int, list[str]]:
     record in use), commit record vs. ``episodes.jsonl`` (sizes, record checksums,
     contiguous row ranges), array extents, per-episode checksum, schema constraints on every row (extras too),
     known episode roles, that no shard commits fewer episodes than a recorded snapshot
-    saw (a shard deleted whole), and that every published policy has loadable weights and
-    config. An episode that is unreadable
+    saw (a shard deleted whole), that every folder of the store is one (not a file), and
+    that every published policy has loadable weights and config. An episode that is unreadable
     or fails its checksum is reported as an ``EpisodeDataError`` (naming shard and
     episode index, and whether the shard's trailing episodes all fail).
     """
@@ -85,10 +86,10 @@ def validate_store(root: str) -> tuple[int, list[str]]:
         store = Store.open(root, verify=False)
     except (StoreError, OSError, ValueError, KeyError) as e:
         return 0, [f"cannot open store: {e}"]
-    problems: list[str] = []
+    problems = [str(e) for e in _layout_errors(store)]
     counts: dict[str, dict[str, int]] = {}
     committed: dict[str, tuple[int, int] | None] = {}  # (episodes, seq); None: damaged record (reported below)
-    for shard in store.shards():
+    for shard in store.shards(strict=False):  # a file in the place of one: reported above
         path = os.path.join(store.root, "shards", shard)
         try:
             status = inspect_commit(path)
@@ -173,9 +174,11 @@ def validate_store(root: str) -> tuple[int, list[str]]:
             synced = {ep.fsync for ep in eps[first_trailing:]}
             fsync = synced.pop() if len(synced) == 1 else None
             problems.append(str(EpisodeDataError(shard, first_trailing, len(eps), True, bad[first_trailing], fsync)))
-    problems += _lost_since_snapshots(store.root, committed)
-    registry = PolicyRegistry(store.root)
-    for version in registry.versions():
+    problems += [f"{path}: damaged snapshot record: {shards!r} (`robo-post store repair` sets it aside)"
+                 for _, path, shards in _snapshot_records(store.root) if isinstance(shards, Exception)]
+    problems += [loss.problem for loss in _lost_since_snapshots(store.root, committed)]
+    registry = PolicyRegistry(store.root) if os.path.isdir(os.path.join(store.root, "policies")) else None
+    for version in registry.versions() if registry is not None else []:
         try:
             registry.load(version)
         except StoreError as e:  # PolicyArtifactError names the version and the file
@@ -199,26 +202,56 @@ def _snapshot_records(root: str) -> list[tuple[str, str, dict[str, int] | Except
     return records
 
 
-def _lost_since_snapshots(root: str, committed: dict[str, tuple[int, int] | None]) -> list[str]:
+def _layout_errors(store: Store) -> list[StoreLayoutError]:
+    """Every path where the store keeps a folder that is something else (e.g. a file)."""
+    errors = store.layout_errors()
+    try:
+        check_policies_folder(store.root)
+    except StoreLayoutError as e:
+        errors.append(e)
+    return errors
+
+
+@dataclass
+class LostEpisodes:
+    """Episodes of a shard that a recorded snapshot saw and the shard no longer commits.
+
+    Attributes:
+        problem: what ``validate`` says about them.
+        records: every snapshot record that saw more episodes of the shard than it commits.
+    """
+
+    problem: str
+    records: list[str]
+
+
+LOST_SUFFIX = ".saw-lost-episodes"
+"""``store repair`` sets a snapshot record that saw episodes lost since aside as ``<id>.json`` + this."""
+
+
+def _lost_since_snapshots(root: str, committed: dict[str, tuple[int, int] | None]) -> list[LostEpisodes]:
     """Shards that lost episodes a recorded snapshot saw: a shard deleted whole, or with its
     commit record and index, leaves nothing else to notice. Every commit raises the record's
     ``seq`` and adds episodes, so a shard with fewer episodes than a snapshot saw and a ``seq``
     below that count started over; one that ``store repair`` cut back has a higher ``seq``."""
-    problems, seen = [], {}  # shard -> (most episodes any snapshot saw, that snapshot)
+    seen: dict[str, list[tuple[int, str, str]]] = {}  # shard -> (episodes seen, snapshot id, record) per record
     for name, path, shards in _snapshot_records(root):
-        if isinstance(shards, Exception):
-            problems.append(f"{path}: damaged snapshot record: {shards!r} (`robo-post store repair` sets it aside)")
-            continue
-        for shard, n in shards.items():
-            if n > seen.get(shard, (0, ""))[0]:
-                seen[shard] = (n, name[: -len(".json")])
-    for shard, (n, snapshot_id) in sorted(seen.items()):
+        if not isinstance(shards, Exception):  # a damaged record is reported on its own
+            for shard, n in shards.items():
+                seen.setdefault(shard, []).append((n, name[: -len(".json")], path))
+    losses = []
+    for shard, records in sorted(seen.items()):
+        n, snapshot_id, _ = max(records, key=lambda r: r[0])
         if shard not in committed:
-            problems.append(f"shard {shard}: its directory is gone, yet snapshot {snapshot_id} saw {n} committed episodes in it")
+            now = 0
+            problem = f"shard {shard}: its directory is gone, yet snapshot {snapshot_id} saw {n} committed episodes in it"
         elif committed[shard] is not None and (now := committed[shard][0]) < n and committed[shard][1] < n:
             lost = f"episode {now} was" if now == n - 1 else f"episodes {now}..{n - 1} were"
-            problems.append(f"shard {shard}: commits {now} episodes, yet snapshot {snapshot_id} saw {n}: {lost} lost")
-    return problems
+            problem = f"shard {shard}: commits {now} episodes, yet snapshot {snapshot_id} saw {n}: {lost} lost"
+        else:
+            continue
+        losses.append(LostEpisodes(problem, [path for seen_n, _, path in records if seen_n > now]))
+    return losses
 
 
 @dataclass
@@ -267,12 +300,19 @@ def scan_index(store: Store, shard: str, limit: int | None = None) -> IndexScan:
     try:
         with open(os.path.join(path, "episodes.jsonl"), "rb") as f:
             data = f.read()
-        arrays = _shard_arrays(store, shard)
     except Exception as e:  # a missing or damaged file: nothing verifies
         return IndexScan([], f"unreadable: {e!r}", [], 0, opened=False)
     lines = data.split(b"\n")[:-1]  # the last piece has no newline: not a complete record
     if limit is not None:
         lines = lines[:limit]
+    try:
+        arrays = _shard_arrays(store, shard)
+    except Exception as e:
+        lost = store.lost_arrays(shard)
+        if lost:  # every episode has rows in every array: none verifies
+            return IndexScan([], describe_lost(lost), [], len(lines))
+        # a damaged zarr.json: the rows behind it may be intact
+        return IndexScan([], f"unreadable: {e!r}", [], 0, opened=False)
     good: list[tuple[EpisodeInfo, int]] = []
     later: list[EpisodeInfo] = []
     stopped = None
@@ -310,10 +350,17 @@ SALVAGE_SUFFIX = "-salvaged"
 """``store repair`` copies the intact episodes past a shard's damage into shard ``<shard>-salvaged``."""
 
 
+class Unrepairable(str):
+    """A line of ``repair_store``'s answer about damage it cannot repair: it says why and what
+    the user can do instead."""
+
+
 def repair_store(root: str, apply: bool = False) -> list[str]:
     """Cut every damaged shard back to the episodes at its start that verify, and keep the
     intact episodes past the damage. Returns one line per damaged shard or snapshot record
     saying what was (with ``apply``) or would be done; without ``apply`` nothing is written.
+    Damage it cannot repair gets an ``Unrepairable`` line: a file where the store keeps its
+    shards, a shard or its policies (what was in the folder it replaced is not in the store).
 
     A shard is damaged when its commit record is missing, damaged or disagrees with its
     episode index, or when a committed episode's record or data fails its checksum
@@ -322,12 +369,32 @@ def repair_store(root: str, apply: bool = False) -> list[str]:
     drops them. A shard's commit record can only cover a prefix, so the episodes past the
     damage that verify on their own are first copied, with their metadata and checksums,
     into shard ``<shard>-salvaged`` (``attrs["salvaged_from"]`` names the original); a repair
-    killed on the way and run again copies none twice. A damaged snapshot record is renamed
-    ``<id>.json.damaged``.
+    killed on the way and run again copies none twice. A shard whose rows of an array are gone
+    (its folder missing, or a file in its place, which is set aside as ``<array>.damaged``)
+    has no episode that verifies: it is cut back to none.
+
+    A damaged snapshot record is renamed ``<id>.json.damaged``; one that saw episodes a
+    shard no longer commits (a shard deleted whole) ``<id>.json`` + ``LOST_SUFFIX``, and a
+    file at ``snapshots`` is set aside as ``snapshots.damaged``, a new folder taking its place:
+    snapshot records only reopen earlier snapshots and reveal lost episodes, and no episode is
+    in them.
     """
     store = Store.open(root, verify=False)
-    actions = []
-    for shard in store.shards():
+    actions: list[str] = []
+    snapshots = os.path.join(store.root, "snapshots")
+    for error in _layout_errors(store):
+        if error.path != snapshots:
+            actions.append(Unrepairable(f"cannot repair: {error}"))
+            continue
+        aside = _free_name(f"{snapshots}.damaged")
+        actions.append(f"{snapshots} is not the folder where the store keeps its snapshot records; "
+                       f"{'set' if apply else 'would set'} it aside as {os.path.basename(aside)} and "
+                       f"{'made' if apply else 'make'} a new, empty folder (snapshots recorded before cannot be "
+                       "reopened by id; no episode is lost)")
+        if apply:
+            os.replace(snapshots, aside)
+            os.mkdir(snapshots)
+    for shard in store.shards(strict=False):  # a file in the place of one: reported above
         path = os.path.join(store.root, "shards", shard)
         lost = _lost_array_metadata(store, path)
         if lost:
@@ -391,6 +458,12 @@ def repair_store(root: str, apply: bool = False) -> list[str]:
                     line += (f"; {lost} episode record{'s' if lost > 1 else ''} from episode {len(good)} on "
                              f"{'are' if lost > 1 else 'is'} left out, for good once the shard's next writer "
                              "overwrites them")
+            for blocked in [p for p in store.lost_arrays(shard) if os.path.lexists(p)]:
+                # A file where an array's folder belongs would keep the shard's next writer from making it again.
+                aside = _free_name(f"{blocked}.damaged")
+                line += f"; {'set' if apply else 'would set'} {blocked} aside as {os.path.basename(aside)}"
+                if apply:
+                    os.replace(blocked, aside)
             if apply:
                 _rewrite_commit(path, max(status.seq, 0) + 1, counts)
         actions.append(line)
@@ -402,7 +475,31 @@ def repair_store(root: str, apply: bool = False) -> list[str]:
             actions.append(f"snapshot record {path}: damaged ({shards!r}); {verb} as {name}.damaged")
             if apply:
                 os.replace(path, f"{path}.damaged")
+    committed = {}
+    for shard in store.shards(strict=False):
+        status = inspect_commit(os.path.join(store.root, "shards", shard))
+        committed[shard] = None if status.problem is not None else (status.counts["episodes"], status.seq)
+    for loss in _lost_since_snapshots(store.root, committed):
+        # Nothing left in the store can bring those episodes back; the records only keep validate failing.
+        which = ("the snapshot record that saw them" if len(loss.records) == 1 else
+                 f"the {len(loss.records)} snapshot records that saw them")
+        actions.append(f"{loss.problem}: they are gone from the store (a backup of the shard can bring them back); "
+                       f"{'set' if apply else 'would set'} aside {which} as <id>.json{LOST_SUFFIX}, so that the "
+                       "store validates again")
+        if apply:
+            for record in loss.records:
+                os.replace(record, _free_name(record + LOST_SUFFIX))
     return actions
+
+
+def _free_name(path: str) -> str:
+    """``path``, or ``path-2``, ``path-3``, ... if taken: what is set aside never replaces
+    what was set aside before."""
+    n, free = 1, path
+    while os.path.lexists(free):
+        n += 1
+        free = f"{path}-{n}"
+    return free
 
 
 def _lost_array_metadata(store: Store, path: str) -> list[str]:

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
-from robo_post.store.schema import StoreError
+from robo_post.store.schema import StoreError, check_folder
 from robo_post.store.writer import write_json_atomic
 
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
@@ -55,6 +55,7 @@ class PolicyRegistry:
 
     def __init__(self, store_root: str):
         self.dir = os.path.join(store_root, "policies")
+        check_policies_folder(store_root)
         os.makedirs(self.dir, exist_ok=True)
 
     def check_writable(self) -> None:
@@ -161,6 +162,13 @@ class PolicyRegistry:
             raise PolicyArtifactError(f"policy version {version}: {os.path.join(path, CONFIG_FILE)} is version "
                                       f"{config['version']}'s (a copied or renamed version folder)")
         return weights, config
+
+
+def check_policies_folder(store_root: str) -> None:
+    """Raise ``StoreLayoutError`` when the store's ``policies`` is there but not a folder."""
+    check_folder(os.path.join(store_root, "policies"), "its published policies", "move it aside, and put back the "
+                 "folder of policies it replaced, if any (`robo-post store repair` cannot: a new, empty folder would "
+                 "number policies from 1 again, reusing versions that recorded episodes name)")
 
 
 def _dirname(version: int) -> str:

@@ -6,6 +6,7 @@ writer validates each episode against it before anything touches disk.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,6 +110,26 @@ class UnsupportedFormatError(StoreError):
     """On-disk data in a layout no released robo-post wrote (a pre-release store)."""
 
 
+class StoreLayoutError(StoreIntegrityError):
+    """A file (or anything but a folder) where the store keeps a folder, e.g. at ``snapshots``.
+
+    Attributes:
+        path: that path.
+    """
+
+    def __init__(self, path: str, what: str, way_out: str):
+        self.path = path
+        kind = "a file" if os.path.isfile(path) else "not a folder"
+        super().__init__(f"{path} is {kind} where the store keeps {what}: {way_out}")
+
+
+def check_folder(path: str, what: str, way_out: str) -> None:
+    """Raise ``StoreLayoutError`` when ``path`` exists but is not a folder (a missing one is
+    the caller's to create or do without)."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise StoreLayoutError(path, what, way_out)
+
+
 def infer_role(client_id: str) -> str:
     """The role of an episode recorded without one, from its shard's name: ``demo-``,
     ``play-``, ``deploy-``, ``online-`` -> that role, ``eval...`` -> ``eval``,
@@ -156,8 +177,16 @@ class ArraySpec:
         return {"dtype": self.dtype, "shape": list(self.shape), "low": self.low, "high": self.high, "unit": self.unit}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "ArraySpec":
-        return cls(d["dtype"], tuple(d["shape"]), d.get("low"), d.get("high"), d.get("unit", ""))
+    def from_json(cls, d: dict[str, Any], where: str = "spec") -> "ArraySpec":
+        """Read ``to_json``'s dict; ``ValueError`` naming the key of ``where`` that is missing
+        or of the wrong type."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{where!r} must be an object, not {_json_kind(d)}")
+        shape = _entry(d, "shape", list, where)
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+            raise ValueError(f"'{where}.shape' must be a list of sizes (integers >= 0), not {shape!r}")
+        return cls(_entry(d, "dtype", str, where), tuple(shape), d.get("low"), d.get("high"),
+                   _entry(d, "unit", str, where, ""))
 
     @property
     def step_nbytes(self) -> int:
@@ -230,6 +259,11 @@ class StoreSchema:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "StoreSchema":
+        """Read ``to_json``'s dict. Raises ``StoreError`` for another format,
+        ``SchemaVersionError`` for a newer version, ``ValueError`` naming a key that is missing
+        or of the wrong type."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a schema must be a JSON object, not {_json_kind(d)}")
         if d.get("format") != STORE_FORMAT:
             raise StoreError(f"not a robo-post store (format={d.get('format')!r})")
         version = d.get("schema_version")
@@ -239,11 +273,13 @@ class StoreSchema:
                 f"{SCHEMA_VERSION}; upgrade robo-post to open it"
             )
         return cls(
-            observations={k: ArraySpec.from_json(v) for k, v in d["observations"].items()},
-            action=ArraySpec.from_json(d["action"]),
+            observations={k: ArraySpec.from_json(v, f"observations.{k}")
+                          for k, v in _entry(d, "observations", dict).items()},
+            action=ArraySpec.from_json(_entry(d, "action", dict), "action"),
             schema_version=version,
-            attrs=d.get("attrs", {}),
-            extras={k: ArraySpec.from_json(v) for k, v in d.get("extras", {}).items()},  # absent in version 1
+            attrs=_entry(d, "attrs", dict, default={}),
+            extras={k: ArraySpec.from_json(v, f"extras.{k}")
+                    for k, v in _entry(d, "extras", dict, default={}).items()},  # absent in version 1
         )
 
     @classmethod
@@ -340,6 +376,29 @@ def stack_field(name: str, values: list, spec: ArraySpec) -> np.ndarray:
     return arr
 
 
+_REQUIRED = object()
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in words: ``an object``, ``a list``, ``a string``, ..."""
+    kinds = ((bool, "a boolean"), (dict, "an object"), (list, "a list"), (str, "a string"), (int, "an integer"),
+             (float, "a number"), (type(None), "null"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
+
+
+def _entry(d: dict[str, Any], key: str, kind: type, where: str = "", default: Any = _REQUIRED) -> Any:
+    """``d[key]`` if it is a ``kind``, else ``ValueError`` naming the key (inside ``where``) as missing
+    or of the wrong type; ``default`` (when given) stands in for a missing key."""
+    name = f"{where}.{key}" if where else key
+    if key not in d:
+        if default is _REQUIRED:
+            raise ValueError(f"missing key {name!r}")
+        return default
+    if not isinstance(d[key], kind) or isinstance(d[key], bool) and kind is not bool:
+        raise ValueError(f"{name!r} must be {_json_kind(kind())}, not {_json_kind(d[key])}")
+    return d[key]
+
+
 def _describe(entry: Any) -> str:
     """An array spec's JSON as ``float32 (3,)`` (its bounds when set), anything else as is; ``absent`` for None."""
     if entry is None:
@@ -347,6 +406,14 @@ def _describe(entry: Any) -> str:
     if isinstance(entry, dict) and {"dtype", "shape"} <= set(entry):
         text = f"{entry['dtype']} {tuple(entry['shape'])}"
         if entry.get("low") is not None or entry.get("high") is not None:
-            text += f" in [{entry.get('low')}, {entry.get('high')}]"
+            text += f" in [{_short(entry.get('low'))}, {_short(entry.get('high'))}]"
         return text
     return repr(entry)
+
+
+def _short(bound: Any) -> str:
+    """A bound list of more than 4 values as its first three, an ellipsis and the last (a driving
+    observation's 88 bounds made a message of 1,650 characters)."""
+    if isinstance(bound, list) and len(bound) > 4:
+        return f"[{', '.join(map(str, bound[:3]))}, ..., {bound[-1]}] ({len(bound)} values)"
+    return str(bound)

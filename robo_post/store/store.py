@@ -33,8 +33,10 @@ from robo_post.store.schema import (
     SchemaVersionError,
     StoreError,
     StoreIntegrityError,
+    StoreLayoutError,
     StoreNotFoundError,
     StoreSchema,
+    check_folder,
     check_name,
     infer_role,
 )
@@ -46,6 +48,27 @@ from robo_post.store.writer import ShardWriter, decode_record, episode_checksum,
 _READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)
 # What a store's folder may hold before its store.json exists: other creators racing, fleet logs.
 _STORE_ENTRIES = {"shards", "snapshots", "policies", "fleet"}
+# What the store keeps in each of its folders, and the way out when a file stands there instead.
+_SHARDS = ("its shards", "move it aside, and put back the folder of shards it replaced (`robo-post store repair` "
+           "cannot: every episode of the store is in that folder)")
+_SNAPSHOTS = ("its snapshot records", "move it aside (`robo-post store repair --apply` does, and makes a new folder: "
+              "the records only reopen earlier snapshots by id and reveal lost episodes)")
+
+
+def _layout_errors(paths: list[tuple[str, tuple[str, str]]]) -> list[StoreLayoutError]:
+    """``StoreLayoutError`` of each ``(path, (what, way out))`` that is there but not a folder."""
+    errors = []
+    for path, (what, way_out) in paths:
+        try:
+            check_folder(path, what, way_out)
+        except StoreLayoutError as e:
+            errors.append(e)
+    return errors
+
+
+def _shard_folder(shard: str) -> tuple[str, str]:
+    return (f"shard {shard}", f"move it out of shards/ (`robo-post store repair` cannot: shard {shard}'s episodes "
+                              "were in the folder it replaced)")
 
 
 @dataclass(frozen=True)
@@ -146,7 +169,7 @@ class Store:
         try:
             with open(path, "rb") as f:
                 meta = json.loads(f.read())
-            crc = meta.pop("crc32c", None)  # absent in stores of earlier releases
+            crc = meta.pop("crc32c", None) if isinstance(meta, dict) else None  # absent in stores of earlier releases
             schema = StoreSchema.from_json(meta)  # first: a newer version's file is its to check
             if crc is not None and crc != _schema_crc(meta):
                 raise ValueError("its content fails its checksum")
@@ -168,17 +191,61 @@ class Store:
         the most recent episodes may be lost in an OS crash or power loss (see
         ``ShardWriter``).
         """
+        check_folder(os.path.join(self.root, "shards"), *_SHARDS)
+        check_folder(os.path.join(self.root, "shards", check_name(client_id)), *_shard_folder(client_id))
         return ShardWriter(self, client_id, fsync=fsync)
 
     # --- shards ------------------------------------------------------------------
-    def shards(self) -> list[str]:
-        """Names of all shards, sorted."""
+    def shards(self, strict: bool = True) -> list[str]:
+        """Names of all shards, sorted.
+
+        Args:
+            strict: raise ``StoreLayoutError`` when ``shards`` or an entry in it is a file
+                (hidden ones aside): a file where a shard's folder should be would otherwise
+                hide that shard's loss. False: skip them (``validate`` reports them).
+        """
+        errors = self._shard_layout_errors() if strict else []
+        if errors:
+            raise errors[0]
         d = os.path.join(self.root, "shards")
         return sorted(n for n in os.listdir(d) if os.path.isdir(os.path.join(d, n))) if os.path.isdir(d) else []
 
+    def layout_errors(self) -> list[StoreLayoutError]:
+        """Every path where the store keeps a folder (``shards``, ``snapshots``, each shard)
+        that is a file or anything else but a folder. ``policies`` is the registry's to check
+        (``registry.check_policies_folder``)."""
+        return self._shard_layout_errors() + _layout_errors([(os.path.join(self.root, "snapshots"), _SNAPSHOTS)])
+
+    def _shard_layout_errors(self) -> list[StoreLayoutError]:
+        shards = os.path.join(self.root, "shards")
+        paths = [(shards, _SHARDS)]
+        if os.path.isdir(shards):
+            paths += [(os.path.join(shards, n), _shard_folder(n)) for n in sorted(os.listdir(shards))
+                      if not n.startswith(".")]
+        return _layout_errors(paths)
+
     def read_commit(self, shard: str) -> dict[str, int]:
         """The committed counts of one shard (zeros for a shard never committed)."""
-        return read_commit(os.path.join(self.root, "shards", shard))
+        path = os.path.join(self.root, "shards", shard)
+        check_folder(path, *_shard_folder(shard))
+        return read_commit(path)
+
+    def lost_arrays(self, shard: str) -> dict[str, list[str]]:
+        """Where rows of ``shard`` are gone: the outermost folder (``data``, ``data/obs``, an
+        array's) that is missing or is not a folder (e.g. a file) -> the arrays under it. A
+        lost ``zarr.json`` in a folder that is still there leaves the rows intact."""
+        schema = self.schema
+        names = [f"obs/{k}" for k in schema.observations] + ["action", "step"] + [f"extras/{k}" for k in schema.extras]
+        data = os.path.join(self.root, "shards", shard, "data")
+        lost: dict[str, list[str]] = {}
+        for name in names:
+            parts = name.split("/")
+            for depth in range(len(parts) + 1):  # data, then data/obs, then data/obs/<key>
+                path = os.path.join(data, *parts[:depth])
+                if not os.path.isdir(path):
+                    lost.setdefault(path, []).append(name)
+                    break
+        return lost
 
     def shard_episodes(self, shard: str, counts: dict[str, int] | None = None) -> list[EpisodeInfo]:
         """Committed episode records of one shard (up to ``counts``, default: now).
@@ -196,17 +263,28 @@ class Store:
         except FileNotFoundError:
             raise StoreIntegrityError(f"{path}: missing, yet {c['episodes']} episodes are committed") from None
         lines = data.split(b"\n")
-        if len(data) != c["meta_bytes"] or lines[-1] or len(lines) - 1 != c["episodes"]:
-            raise StoreIntegrityError(
-                f"{path}: {len(data)} bytes in {len(lines) - 1} complete records, commit says "
-                f"{c['meta_bytes']} bytes in {c['episodes']}"
-            )
-        episodes, steps = [], 0
-        for i, line in enumerate(lines[:-1]):
+
+        def decode(i: int, line: bytes) -> EpisodeInfo:
             try:
-                ep = EpisodeInfo.from_record(decode_record(line))
+                return EpisodeInfo.from_record(decode_record(line))
             except (ValueError, KeyError, TypeError) as e:
                 raise StoreIntegrityError(f"{path}: record of episode {shard}/{i} is damaged: {e!r}") from None
+
+        if len(data) != c["meta_bytes"] or lines[-1] or len(lines) - 1 != c["episodes"]:
+            # A record edited or damaged in place usually changes length: name it rather than the sizes.
+            for i, line in enumerate(lines[:-1]):
+                decode(i, line)
+            if len(data) < c["meta_bytes"]:
+                wrong = f"holds {len(data)} bytes, commit says {c['meta_bytes']}: it was cut short"
+            elif lines[-1]:
+                wrong = (f"the {c['meta_bytes']} committed bytes end inside record {len(lines) - 1}, commit says "
+                         f"they hold {c['episodes']} whole records: a record changed length after commit")
+            else:
+                wrong = f"the {c['meta_bytes']} committed bytes hold {len(lines) - 1} records, commit says {c['episodes']}"
+            raise StoreIntegrityError(f"{path}: {wrong}")
+        episodes, steps = [], 0
+        for i, line in enumerate(lines[:-1]):
+            ep = decode(i, line)
             if (ep.client_id, ep.episode, ep.step_start, ep.obs_start) != (shard, i, steps, steps + i) or ep.length < 1:
                 raise StoreIntegrityError(f"{path}: record of episode {shard}/{i} does not follow the one before it")
             episodes.append(ep)
@@ -230,6 +308,8 @@ class Store:
                 snapshot's ``recorded`` is then False): reading never needs write access.
         """
         verify = self.verify if verify is None else verify
+        if snapshot_id is not None or record:
+            check_folder(os.path.join(self.root, "snapshots"), *_SNAPSHOTS)
         if snapshot_id is not None:
             check_name(snapshot_id, "snapshot id")
             path = os.path.join(self.root, "snapshots", f"{snapshot_id}.json")
@@ -357,6 +437,10 @@ class Snapshot:
                 for name in names:
                     arrays[name] = group[name]
             except Exception as e:  # a missing or damaged zarr.json: zarr raises KeyError, JSON or OS errors
+                lost = self.store.lost_arrays(shard)
+                if lost:  # no metadata to write again: the rows are gone with the folder
+                    raise StoreIntegrityError(f"shard {shard}: {describe_lost(lost)}, so none of its episodes reads "
+                                              "whole (`robo-post store repair --apply` leaves them out)") from e
                 where = path if name is None else os.path.join(path, name)
                 meta = os.path.join(where, "zarr.json")
                 reason = "its zarr.json is missing" if not os.path.exists(meta) else repr(e)
@@ -461,6 +545,17 @@ def remove_empty_store(root: str, folder_existed: bool) -> None:
         if os.path.isdir(path):
             shutil.rmtree(path)
     os.remove(os.path.join(root, "store.json"))
+
+
+def describe_lost(lost: dict[str, list[str]]) -> str:
+    """``Store.lost_arrays``'s answer in words: ``.../data/action is a file, not a folder: the
+    rows of action are gone``."""
+    def what(path: str) -> str:
+        if not os.path.lexists(path):
+            return "is missing"
+        return "is a file, not a folder" if os.path.isfile(path) else "is not a folder"
+
+    return "; ".join(f"{path} {what(path)}: the rows of {', '.join(names)} are gone" for path, names in lost.items())
 
 
 def _schema_crc(meta: dict[str, Any]) -> int:
