@@ -54,7 +54,10 @@ class LocalLauncher(_Launcher):
     """One OS process per client (``python -m robo_post.fleet.client <json>``).
 
     A client that exits non-zero (crash, SIGKILL) is restarted up to
-    ``max_restarts`` times; it resumes from its shard's committed episodes.
+    ``max_restarts`` times; it resumes from its shard's committed episodes. One that
+    crashes again with the error of its last crash and no episode committed in between
+    (a policy the env cannot serve, a missing version) is given up at once: a restart
+    would only repeat it.
     """
 
     def __init__(self, configs: list[ClientConfig], max_restarts: int = 3):
@@ -63,6 +66,7 @@ class LocalLauncher(_Launcher):
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts = {c: 0 for c in self.configs}
         self.failed: dict[str, int] = {}
+        self.crashes: dict[str, tuple[Any, Any]] = {}  # client -> (last error, episodes) at its last crash
 
     def _spawn(self, client_id: str) -> None:
         cfg = self.configs[client_id]
@@ -88,7 +92,11 @@ class LocalLauncher(_Launcher):
             if code is None:
                 running = True
             elif code != 0 and client_id not in self.failed:
-                if self.restarts[client_id] < self.max_restarts:
+                status = read_status(self.configs[client_id].store, client_id) or {}
+                crash = (status.get("last_error"), status.get("episodes"))
+                repeated = crash[0] is not None and self.crashes.get(client_id) == crash
+                self.crashes[client_id] = crash
+                if self.restarts[client_id] < self.max_restarts and not repeated:
                     self.restarts[client_id] += 1
                     self._spawn(client_id)
                     running = True

@@ -134,6 +134,20 @@ def test_local_launcher_restarts_a_killed_client_without_losing_episodes(tmp_pat
     assert after[: len(killed["before"])] == killed["before"]  # committed episodes survive the kill untouched
 
 
+def test_a_client_that_crashes_the_same_way_twice_is_not_restarted_again(tmp_path):
+    """A deterministic error (here a policy version never published) was restarted max_restarts times."""
+    store = make_store(str(tmp_path / "store"))
+    configs = [ClientConfig(store=store.root, client_id="c0", episodes=2, env=ENV, tasks=TASKS, policy_version=9)]
+    launcher = LocalLauncher(configs, max_restarts=3)
+    launcher.start()
+    try:
+        supervise(launcher, lambda: None)
+    finally:
+        launcher.stop()
+    assert launcher.restarts == {"c0": 1} and launcher.failed == {"c0": 1}
+    assert "policy version 9 not found" in read_status(store.root, "c0")["last_error"]
+
+
 def test_ray_launcher_runs_two_clients(tmp_path):
     store = make_store(str(tmp_path / "store"))
     configs = [ClientConfig(store=store.root, client_id=f"ray{i}", episodes=3, env=ENV, tasks=TASKS) for i in range(2)]
