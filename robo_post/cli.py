@@ -22,10 +22,14 @@ def _store_info(args: argparse.Namespace) -> int:
     from collections import Counter
 
     from robo_post.store import ROLES, PolicyRegistry, Store
+    from robo_post.store.store import describe_lost
 
     store = Store.open(args.path)
     snap = store.snapshot()
     episodes = snap.episodes()
+    # info reads records, not rows: a shard whose array folder is gone would pass for whole
+    lost = {shard: describe_lost(gone) for shard in snap.counts if (gone := store.lost_arrays(shard))
+            and snap.counts[shard]["episodes"]}
     judged = [e for e in episodes if e.success is not None]
     tasks: dict[str, list] = {}
     for e in episodes:
@@ -48,10 +52,14 @@ def _store_info(args: argparse.Namespace) -> int:
         "success_rules": dict(sorted(rules.items())),
         "policy_versions": PolicyRegistry(store.root).versions(),
         "size_bytes": store.size_bytes(),
+        "lost": lost,
     }
+    for shard, what in lost.items():
+        print(f"warning: shard {shard}: {what} (`robo-post store repair {args.path}` leaves its episodes out)",
+              file=sys.stderr)
     if args.json:
         print(json.dumps(info, indent=1))
-        return 0
+        return 1 if lost else 0
     from rich.console import Console
     from rich.table import Table
 
@@ -70,7 +78,7 @@ def _store_info(args: argparse.Namespace) -> int:
     for t, d in info["tasks"].items():
         table.add_row(t or "(none)", str(d["episodes"]), "n/a" if d["success_rate"] is None else f"{d['success_rate']:.1%}")
     console.print(table)
-    return 0
+    return 1 if lost else 0
 
 
 def _rate(episodes) -> float | None:

@@ -434,6 +434,8 @@ def test_an_array_folder_lost_whole_has_its_episodes_left_out_by_repair(tmp_path
     checked, problems = validate_store(store.root)
     assert checked == 0 and problems == [f"shard a: {path} {what}: the rows of action are gone, so none of its "
                                          "episodes reads whole (`robo-post store repair --apply` leaves them out)"]
+    assert main(["store", "info", store.root, "--json"]) == 1  # info reads records only: it passed for whole
+    assert f"warning: shard a: {path} {what}: the rows of action are gone" in capsys.readouterr().err
     assert main(["store", "repair", store.root, "--apply"]) == 0
     out = capsys.readouterr().out
     assert "nothing to repair" not in out and "rebuilt commit.bin as 0 episodes" in out, out
