@@ -302,9 +302,11 @@ def env_spec(name_or_id: str) -> EnvSpec:
                 importlib.import_module(module)
             gym.spec(env_id)
         except (gym.error.Error, ImportError) as e:
+            # an id registered by the user's own module (Minari records it without the module)
+            own = "" if module else "; an env your own module registers is env=MODULE:ID"
             raise UnknownEnvError(
                 f"unknown env {name_or_id!r}: not one of robo-post's envs ({', '.join(registered_names())}) "
-                f"and not a registered gymnasium id ({e})"
+                f"and not a registered gymnasium id ({e}){own}"
             ) from None
         _GENERIC[name_or_id] = EnvSpec(id=name_or_id)
     return _GENERIC[name_or_id]

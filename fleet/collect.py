@@ -110,12 +110,20 @@ def check_env_supports(cfg: DictConfig, spec: EnvSpec) -> None:
                                      f"modes: {', '.join(spec.expert_modes)}")
 
 
+def check_launcher(cfg: DictConfig) -> None:
+    """Refuse launcher settings ``make_launcher`` cannot use, before anything is written."""
+    if cfg.fleet.launcher not in ("local", "ray"):
+        raise ValueError(f"unknown fleet.launcher {cfg.fleet.launcher!r}; expected local or ray")
+    if cfg.fleet.launcher == "ray" and "address" not in cfg.fleet:
+        raise ValueError("fleet.launcher=ray alone lacks the Ray settings (fleet.address, fleet.num_cpus): "
+                         "select the Ray fleet with fleet=ray")
+
+
 def make_launcher(cfg: DictConfig, configs: list[ClientConfig]):
+    check_launcher(cfg)
     if cfg.fleet.launcher == "ray":
         return RayLauncher(configs, cfg.fleet.max_restarts, cfg.fleet.address, cfg.fleet.num_cpus)
-    if cfg.fleet.launcher == "local":
-        return LocalLauncher(configs, cfg.fleet.max_restarts)
-    raise ValueError(f"unknown fleet.launcher {cfg.fleet.launcher!r}; expected local or ray")
+    return LocalLauncher(configs, cfg.fleet.max_restarts)
 
 
 def collect(cfg: DictConfig) -> list[dict[str, Any]]:
@@ -124,6 +132,7 @@ def collect(cfg: DictConfig) -> list[dict[str, Any]]:
     Raises:
         FleetError: a client did not reach its target.
     """
+    check_launcher(cfg)
     env, tasks = env_config(cfg)
     check_env_supports(cfg, env_spec(env["name"]))
     schema = store_schema(env, tasks[0] if tasks else None)

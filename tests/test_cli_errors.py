@@ -77,6 +77,15 @@ def test_a_bad_value_is_one_line_naming_it_and_writes_nothing(tmp_path, command,
     assert os.listdir(tmp_path) == []  # no store, run dir or report was created
 
 
+def test_the_ray_launcher_without_its_settings_is_one_line_and_writes_nothing(tmp_path):
+    """A ConfigAttributeError traceback, after the store had been created."""
+    r = _cli("collect", "store=s", "fleet.launcher=ray", "episodes=1", cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "fleet.launcher=ray alone lacks the Ray settings (fleet.address, fleet.num_cpus): select the Ray fleet " \
+           "with fleet=ray" in r.stderr
+    assert os.listdir(tmp_path) == []
+
+
 def test_help_anywhere_composes_the_overrides_and_lists_the_group_choices():
     late = _cli("train", "store=x", "--help", "algo=divl_qam")  # --help among the overrides, before one
     assert late.returncode == 0, late.stderr

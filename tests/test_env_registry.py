@@ -75,6 +75,7 @@ def test_unknown_id_names_our_envs_and_gymnasium():
         env_spec("NoSuchEnv-v0")
     message = str(err.value)
     assert "tabletop" in message and "driving" in message and "not a registered gymnasium id" in message
+    assert message.endswith("; an env your own module registers is env=MODULE:ID")  # Minari records ids without it
     assert isinstance(err.value, ValueError)
 
 

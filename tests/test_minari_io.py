@@ -175,6 +175,10 @@ def test_minari_to_store_to_minari_is_exact(tmp_path, monkeypatch):
     ]
     spec = env_spec("Pendulum-v1")
     assert recorded_env_kwargs(str(tmp_path / "store"), spec) == recorded
+    # the same id named with the module that registers it (`env=MODULE:ID`, for an env of the user's own
+    # module, which Minari records without it): its recorded kwargs were dropped without a word
+    moduled = env_spec("gymnasium.envs.classic_control.pendulum:Pendulum-v1")
+    assert recorded_env_kwargs(str(tmp_path / "store"), moduled) == recorded
     assert spec.make(**recorded).spec.max_episode_steps == 12
 
     export_minari(snap, "pendulum/again-v0", minari_root=root)

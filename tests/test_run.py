@@ -28,6 +28,7 @@ def test_run_end_to_end(tmp_path):
     r = subprocess.run([sys.executable, "-m", "robo_post.cli", "run", *overrides], capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming" not in r.stderr  # the online phase starts from the offline phase's checkpoint: no resume
     summary = json.loads((run_dir / "summary.json").read_text())
     # v1 = BC, v2 = offline DIVL+QAM, v3 = after the online round; each on both phrasings splits.
     assert sorted({(row["version"], row["split"]) for row in summary["results"]}) == [

@@ -85,7 +85,7 @@ def test_sb3_agent_trains_publishes_and_is_collected_with_discrete_actions(tmp_p
     obs = np.concatenate([imported.load(e)["obs"]["observation"][:-1] for e in imported.episodes()])
     agree = np.mean([clone.act({"observation": o}, env) == agent.act({"observation": o}, None) for o in obs])
     assert agree > 0.9, agree
-    _cli("eval", f"store={back}", "version=1", "episodes_per_task=2", "show=false")
+    _cli("eval", f"store={back}", "version=1", "episodes_per_task=2", "show=false", "device=auto")  # clients got 'auto'
     rollouts = Store.open(back + "-eval").snapshot()
     assert len(rollouts) == 2
     for e in rollouts.episodes():  # every evaluated action is the clone's greedy one

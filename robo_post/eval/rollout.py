@@ -331,6 +331,8 @@ def eval_from_config(cfg: Any) -> list[dict[str, Any]]:
     from rich.console import Console
     from rich.table import Table
 
+    from robo_post.learner.loop import resolve_device
+
     versions = cfg.version if OmegaConf.is_list(cfg.version) else [cfg.version]
     splits = cfg.split if OmegaConf.is_list(cfg.split) else [cfg.split]
     store = Store.open(cfg.store)
@@ -358,7 +360,7 @@ def eval_from_config(cfg: Any) -> list[dict[str, Any]]:
             results.append(evaluate(
                 cfg.store, version, tasks, cfg.episodes_per_task, split=split, n_clients=cfg.n_clients,
                 env_kwargs=env_kwargs, out_store=cfg.out_store, seed=cfg.seed, show=cfg.show,
-                env=env_name, policy=policy, device=cfg.device,
+                env=env_name, policy=policy, device=str(resolve_device(cfg.device)),
             ))
     console = Console()
     table = Table("policy", "split", *tasks, "mean", title="success rate [95% Wilson CI]")
@@ -433,7 +435,9 @@ def recorded_env_kwargs(policy_store: str, spec: EnvSpec) -> dict[str, Any] | No
     or episodes that record no kwargs (older stores); the env's defaults apply. The
     instruction split stays the eval's own choice."""
     store = Store.open(policy_store)
-    if store.schema.attrs.get("env") != spec.key:
+    recorded_in = store.schema.attrs.get("env")
+    # "module:Env-v0" names the env Minari recorded as "Env-v0" (the module only registers it)
+    if recorded_in is None or recorded_in.rpartition(":")[2] != spec.key.rpartition(":")[2]:
         return None
     recorded = [e.attrs.get("env_kwargs") for e in store.snapshot().episodes()]
     if not recorded or any(kwargs is None for kwargs in recorded):
@@ -464,7 +468,8 @@ def check_observations(trained: Any, evaluated: Any, env_cfg: dict[str, Any], po
     got = {k: (s.dtype, tuple(s.shape)) for k, s in evaluated.observations.items() if k in keys}
     kwargs = {k: v for k, v in env_cfg.items() if k != "name"}
     recorded_in = trained.attrs.get("env")
-    hint = (f"the policy's data was recorded in env {recorded_in!r}" if recorded_in not in (None, env_cfg["name"])
+    hint = (f"the policy's data was recorded in env {recorded_in!r}"
+            if recorded_in is not None and recorded_in.rpartition(":")[2] != env_cfg["name"].rpartition(":")[2]
             else hint or "pass the env kwargs its data was collected with (env_kwargs={...})")
     if want != got:
         raise EnvMismatchError(

@@ -108,6 +108,7 @@ def train_loop(
     amp: str | None = None,
     tracking: Any = None,
     compile: bool = False,
+    phase_start: int = 0,
 ) -> list[dict[str, float]]:
     """Run ``updates`` updates of ``algo`` (resuming from ``run_dir`` if a checkpoint exists).
 
@@ -118,6 +119,8 @@ def train_loop(
     trackers each logged row also goes to (``robo_post.learner.tracking``; None = TensorBoard).
     ``compile=True`` compiles the method's networks with ``torch.compile`` before the first
     update (``compile_networks``; weights, checkpoints and artifacts are unchanged).
+    ``phase_start``: the update a later phase of one run starts at (the online phase after
+    the offline one): the checkpoint there is no run being resumed.
 
     Returns the logged metric windows (each the mean over ``log_every`` updates).
     """
@@ -134,7 +137,7 @@ def train_loop(
         start = load_checkpoint(ckpt, algo.modules, algo.optimizers, rngs, ("update",))["update"]
         if hasattr(algo, "updates"):  # algorithms that schedule on the step count
             algo.updates = start
-        if start < updates:
+        if phase_start < start < updates:
             print(f"resuming {run_dir} from its checkpoint at update {start} of {updates}", file=sys.stderr)
     truncate_log(log_path, start)  # also the rows of a run killed before its first checkpoint
     tracker = Tracker(run_dir, tracking, start)

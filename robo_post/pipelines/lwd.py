@@ -143,7 +143,7 @@ def online(store_root: str, run_dir: str, cfg: DictConfig, offline_snapshot: str
         rngs["imitation"] = imitation.rng
     logged = train_loop(algo, sample, run_dir, total, rngs,
                         log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every, show=cfg.show,
-                        after_update=after_update, tracking=cfg.get("tracking"))
+                        after_update=after_update, tracking=cfg.get("tracking"), phase_start=start)
     warn_value_edges(logged, (float(algo.value.atoms[0]), float(algo.value.atoms[-1]))
                      if isinstance(algo.value, DIVL) else (0.0, 0.0))
     if isinstance(algo.value, DIVL):  # on the fleet's episodes: the policy's own successes and failures
