@@ -156,6 +156,12 @@ def test_flow_policy_refuses_discrete_actions(tmp_path):
     for method in ("bc_flow", "gaussian_bc"):
         with pytest.raises(ActionSpaceError, match=f"algo={method} .* this store's actions are integers"):
             train(_cfg(str(tmp_path / "md"), str(tmp_path / method), method))
+    # the critic methods said to train a reference with algo=bc_flow, which is refused the same way
+    train(_cfg(str(tmp_path / "md"), str(tmp_path / "cat"), "categorical_bc"))  # a published categorical version
+    for method in ("divl_qam", "iql_qam", "fql"):
+        with pytest.raises(ActionSpaceError, match=rf"algo={method} trains a flow policy over continuous \(Box\) "
+                                                   r"actions; this store's actions are integers"):
+            train(_cfg(str(tmp_path / "md"), str(tmp_path / method), method))
 
 
 @pytest.mark.parametrize("shape", [(), (2, 3)])

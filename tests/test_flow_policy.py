@@ -211,12 +211,16 @@ def test_publish_once_marks_the_same_weights_under_another_config(tmp_path):
     assert publish_once(registry, w, {"kind": "x", "lr": 2}) == 2
     assert registry.load(2)[1]["same_weights_as"] == 1
     assert publish_once(registry, w, {"kind": "x", "lr": 2}) == 2  # the marked version is found again too
-    assert publish_once(registry, other, {"kind": "x", "lr": 2}) == 3 and "same_weights_as" not in registry.load(3)[1]
+    # back to the first settings: version 1 is that policy (a third copy was published)
+    assert publish_once(registry, w, {"kind": "x", "lr": 1}) == 1
+    assert publish_once(registry, w, {"kind": "x", "lr": 3}) == 3 and registry.load(3)[1]["same_weights_as"] == 1
+    assert publish_once(registry, w, {"kind": "x", "lr": 2}) == 2
+    assert publish_once(registry, other, {"kind": "x", "lr": 2}) == 4 and "same_weights_as" not in registry.load(4)[1]
     for diverged in (float("nan"), float("inf")):  # a fleet following the registry would run it
         with pytest.raises(NonFiniteWeightsError, match=r"non-finite weights in 1 tensors \(w, \.\.\.\): training "
                                                         "diverged"):
             publish_once(registry, {"w": torch.tensor([1.0, diverged]), "n": torch.tensor([1])}, {"kind": "x"})
-    assert registry.versions() == [1, 2, 3]
+    assert registry.versions() == [1, 2, 3, 4]
 
 
 def test_a_damaged_newest_version_does_not_block_publishing(tmp_path, capsys):
@@ -293,8 +297,12 @@ def test_a_republished_run_keeps_the_settings_its_weights_were_trained_with(tiny
     train(_train_cfg(tiny_store, str(run_dir), 10))
     recorded = (run_dir / "config.yaml").read_text()
     lr = {"algo": {"lr": 0.5}}
+    first = json.loads((run_dir / "summary.json").read_text())
     train(OmegaConf.merge(_train_cfg(tiny_store, str(run_dir), 10), lr))  # published again, not trained
     assert (run_dir / "trained_config.yaml").read_text() == recorded and "lr: 0.5" in (run_dir / "config.yaml").read_text()
+    # its summary keeps the training's final metrics (it held none, and a report then invented an unfinished phase)
+    assert json.loads((run_dir / "summary.json").read_text())["final"] == first["final"] != {}
+    assert train(_train_cfg(tiny_store, str(run_dir), 10))["version"] == first["version"]  # not a third copy
     with pytest.raises(RunResumeError, match=rf"holds a run finished at update 10 \(its updates\), started with other "
                                              rf"settings \(algo.lr: .* -> 0.5\)"):
         train(OmegaConf.merge(_train_cfg(tiny_store, str(run_dir), 20), lr))

@@ -52,16 +52,17 @@ def test_sb3_agent_trains_publishes_and_is_collected_with_discrete_actions(tmp_p
     assert all(np.array_equal(w1[k].numpy(), w2[k].numpy()) for k in w1)
     assert (c1["deterministic"], c2["deterministic"]) == (True, False)
     assert "same_weights_as" not in c1 and c2["same_weights_as"] == 1  # marked as v1's weights, not retrained
-    _cli(*args, "algo.deterministic=true")  # back to v1's settings: a third publication, not a no-op
+    # back to v1's settings: v1 is that policy (a third copy of it was published)
+    assert json.loads(_cli(*args, "algo.deterministic=true"))["version"] == 1 and registry.versions() == [1, 2]
 
-    # The fleet follows the registry: every action is the published agent's greedy action.
+    # The fleet runs the pinned version: every action is the published agent's greedy action.
     _cli("collect", "env=CartPole-v1", f"store={store}", "policy=random", "episodes=3", "fleet.n_clients=1",
-         "fleet.client_prefix=deploy", "fleet.follow_registry=true", "show=false")
+         "fleet.client_prefix=deploy", "fleet.policy_version=1", "show=false")
     snap = Store.open(store).snapshot()
-    agent = build_policy(*registry.load(3))
+    agent = build_policy(*registry.load(1))
     for ep in snap.episodes():
         data = snap.load(ep)
-        assert ep.role == "deploy" and ep.policy_version == 3 and data["action"].dtype == np.int64
+        assert ep.role == "deploy" and ep.policy_version == 1 and data["action"].dtype == np.int64
         greedy = [int(agent.act({"observation": o}, None)) for o in data["obs"]["observation"][:-1]]
         assert data["action"].tolist() == greedy
     assert validate_store(store)[1] == []

@@ -183,15 +183,16 @@ class ActionSpaceError(ValueError):
     """The method cannot act in the store's kind of action (continuous vs integer)."""
 
 
-def _continuous(name: str, data: DataSpec, policy: str = "a flow policy") -> None:
-    if data.discrete_actions:
+def check_continuous(name: str, discrete_actions: bool, policy: str = "a flow policy") -> None:
+    """Refuse integer actions for a method that acts over a Box, naming the methods that can."""
+    if discrete_actions:
         raise ActionSpaceError(f"algo={name} trains {policy} over continuous (Box) actions; this store's actions "
                                "are integers (Discrete): use algo=categorical_bc (offline) or algo=sb3 (online, in "
                                "the env)")
 
 
 def _build_bc_flow(config: BCFlowConfig, data: DataSpec, device: torch.device, reference: FlowPolicy | None) -> BCFlow:
-    _continuous("bc_flow", data)
+    check_continuous("bc_flow", data.discrete_actions)
     model = FlowPolicyConfig(
         features=data.features, action_dim=data.action_dim, horizon=data.horizon, use_text=data.use_text,
         execute_steps=data.execute_steps, action_low=data.action_low, action_high=data.action_high, **config.model,
@@ -203,7 +204,7 @@ def _build_bc_flow(config: BCFlowConfig, data: DataSpec, device: torch.device, r
 
 def _build_gaussian_bc(config: GaussianBCConfig, data: DataSpec, device: torch.device,
                        reference: FlowPolicy | None) -> GaussianBC:
-    _continuous("gaussian_bc", data, "a Gaussian")
+    check_continuous("gaussian_bc", data.discrete_actions, "a Gaussian")
     model = GaussianPolicyConfig(features=data.features, action_dim=data.action_dim, use_text=data.use_text,
                                  action_low=data.action_low, action_high=data.action_high, **config.model)
     method = GaussianBC(config, model, device)
@@ -227,7 +228,7 @@ def _actor_critic_builder(name: str) -> Builder:
     value_learner = PAIRS[name][0]
 
     def build(config: ActorCriticConfig, data: DataSpec, device: torch.device, reference: FlowPolicy | None) -> ActorCritic:
-        _continuous(name, data)
+        check_continuous(name, data.discrete_actions)
         value = dict(config.value)
         if "v_min" in {f.name for f in dataclasses.fields(PAIRS[name][1])}:  # a categorical value's support
             value.setdefault("v_min", data.value_range[0])

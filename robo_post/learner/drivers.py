@@ -26,12 +26,12 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from robo_post.algos.divl import DIVL
-from robo_post.algos.registry import DataSpec, MethodSpec
+from robo_post.algos.registry import DataSpec, MethodSpec, check_continuous
 from robo_post.algos.sb3_agent import check_budget
 from robo_post.config import changed_settings, check_dir_path, describe_changes
 from robo_post.learner.checkpoint import (CheckpointError, checkpoint_state, has_checkpoint, load_checkpoint,
                                          save_checkpoint)
-from robo_post.learner.loop import truncate_log, resolve_device, train_loop
+from robo_post.learner.loop import last_logged, resolve_device, train_loop, truncate_log
 from robo_post.learner.tracking import Tracker, tracking_settings
 from robo_post.learner.value_report import write_value_report
 from robo_post.models.features import infer_features, state_keys
@@ -357,11 +357,13 @@ class NonFiniteWeightsError(ValueError):
 
 
 def publish_once(registry: PolicyRegistry, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> int:
-    """Publish ``(weights, config)``, or return the registry's newest version when it already is
-    exactly that: a run killed after publishing, before its ``summary.json``, resumes at its
-    final checkpoint and would otherwise publish the same policy a second time. The newest
-    version's weights under another config (a finished run published again under changed
-    settings) are published with ``same_weights_as`` naming that version.
+    """Publish ``(weights, config)``, or return the version that already is exactly that: the
+    newest (a run killed after publishing, before its ``summary.json``, resumes at its final
+    checkpoint and would otherwise publish the same policy a second time), or one published
+    earlier with the newest version's weights (a finished run rerun under its first settings
+    after a publication under others). The newest version's weights under another config (a
+    finished run published again under changed settings) are published with
+    ``same_weights_as`` naming the version that first held them.
 
     Raises:
         NonFiniteWeightsError: a weight is NaN or infinite (a fleet following the registry would
@@ -381,10 +383,20 @@ def publish_once(registry: PolicyRegistry, weights: dict[str, torch.Tensor], con
             return registry.publish(weights, config)
         if (published.keys() == weights.keys()
                 and all(torch.equal(published[k], v.detach().cpu()) for k, v in weights.items())):
-            if ({k: v for k, v in published_config.items() if k not in ("version", "same_weights_as")}
-                    == json.loads(json.dumps(config))):
-                return latest
-            config = {**config, "same_weights_as": latest}
+            origin = published_config.get("same_weights_as", latest)
+            wanted = json.loads(json.dumps(config))
+            for version in reversed(registry.versions()):  # the newest first; the family ends at its origin
+                try:
+                    version_config = published_config if version == latest else registry.load(version)[1]
+                except PolicyArtifactError:
+                    continue
+                if version != origin and version_config.get("same_weights_as") != origin:
+                    continue
+                if {k: v for k, v in version_config.items() if k not in ("version", "same_weights_as")} == wanted:
+                    return version
+                if version == origin:
+                    break
+            config = {**config, "same_weights_as": origin}
     return registry.publish(weights, config)
 
 
@@ -491,6 +503,8 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     if cfg.updates <= getattr(config, "critic_warmup", 0):
         print(f"warning: updates={cfg.updates} <= algo.critic_warmup={config.critic_warmup}: only the critic "
               "trains, and the published actor is the reference policy unchanged", file=sys.stderr)
+    if spec.needs_reference:  # it starts from a flow policy, which integer actions cannot have
+        check_continuous(spec.name, np.dtype(store.schema.action.dtype).kind in "iu")
     reference, parent = (load_reference(store, config.reference_version, device) if spec.needs_reference
                          else (None, None))
     horizon = reference.config.horizon if reference is not None else cfg.model.horizon or chunk_defaults(store.schema)[0]
@@ -530,9 +544,11 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         config=OmegaConf.to_container(cfg, resolve=True),
     )
     version = publish_once(PolicyRegistry(store.root), weights, artifact_config) if cfg.publish else None
+    # no update this time (published again, or killed after its last checkpoint): the training's last row
+    final = logged[-1] if logged else last_logged(os.path.join(run_dir, "metrics.jsonl"))
     summary = {"algo": spec.name, "version": version, "parent_version": parent, "snapshot": snap.id,
                "episodes": len(episodes), "steps": len(sampler), "value_range": list(data.value_range),
-               "wall_s": wall, "final": logged[-1] if logged else {}}
+               "wall_s": wall, "final": final}
     write_json_atomic(os.path.join(run_dir, "summary.json"), summary, indent=1)
     return summary
 

@@ -92,6 +92,17 @@ def truncate_log(path: str, last_update: int) -> None:
         f.writelines(keep)
 
 
+def last_logged(path: str) -> dict[str, Any]:
+    """The last row of a metrics log (``{}`` without one): what a run that trains no more
+    updates (a finished run published again, or one killed after its last checkpoint)
+    reports as its final metrics."""
+    rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            rows = [line for line in f if line.endswith("\n") and line.strip()]
+    return json.loads(rows[-1]) if rows else {}
+
+
 def train_loop(
     algo: Any,
     sample: Callable[[], dict],
