@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -15,7 +16,7 @@ from robo_post.eval.rollout import recorded_env_kwargs
 from robo_post.fleet.client import ClientConfig, Overseer, store_schema
 from robo_post.fleet.launcher import LocalLauncher, RayLauncher, raise_unfinished
 from robo_post.store import PolicyNotFoundError, PolicyRegistry, ShardLockedError, Store, StoreError
-from robo_post.store.schema import infer_role
+from robo_post.store.schema import BARE_OBS_ATTR, infer_role
 from robo_post.store.writer import lock_shard, try_lock
 
 
@@ -142,12 +143,23 @@ def collect(cfg: DictConfig) -> list[dict[str, Any]]:
             # a store that also records per-step extras (a steering deployment's distributions,
             # CRAFT's candidate scores): clients record them from what the policy and the env report
             schema = dataclasses.replace(schema, extras=stored.extras)
+        bare = stored.attrs.get(BARE_OBS_ATTR)
+        if bare is not None and list(schema.observations) == [bare]:
+            # an imported dataset's bare observation space (Minari export writes it bare again): the fleet
+            # records the same rows under the same key
+            schema = dataclasses.replace(schema, attrs={**schema.attrs, BARE_OBS_ATTR: bare})
         recorded = recorded_env_kwargs(cfg.store, env_spec(env["name"])) or {}
-        if (stored.layout_differences(dataclasses.replace(schema, extras=stored.extras))
-                and {k: v for k, v in env.items() if k != "name"} != recorded and recorded):
-            given = " ".join(f"+env.kwargs.{k}={json.dumps(v)}" for k, v in recorded.items())
-            raise StoreError(f"{cfg.store} was recorded in env {env['name']!r} with kwargs {recorded}, and this "
-                             f"env ({env}) records other observations or actions; collect with them: {given}")
+        given = {k: v for k, v in env.items() if k != "name"}
+        rows_differ = any(line.startswith(("observations[", "action"))
+                          for line in stored.layout_differences(dataclasses.replace(schema, extras=stored.extras)))
+        if recorded and given != recorded:
+            needed = " ".join(f"+env.kwargs.{k}={json.dumps(v)}" for k, v in recorded.items())
+            if rows_differ:
+                raise StoreError(f"{cfg.store} was recorded in env {env['name']!r} with kwargs {recorded}, and this "
+                                 f"env ({env}) records other observations or actions; collect with them: {needed}")
+            print(f"warning: {cfg.store} was recorded with env kwargs {recorded}, these episodes with {given}: "
+                  f"eval then runs the env's defaults for the kwargs they disagree on ({needed} records them "
+                  "alike)", file=sys.stderr)
     store = Store.create(cfg.store, schema, exist_ok=True)
     # Another collect with the same client ids counts from the same commits, so its clients
     # would take this one's episodes for their own: held from before the targets are read.

@@ -20,6 +20,7 @@ from robo_post.cli import main
 from robo_post.envs.registry import env_spec
 from robo_post.eval.rollout import recorded_env_kwargs
 from robo_post.store import ArraySpec, EpisodeValidationError, PolicyRegistry, Store, StoreError, StoreSchema
+from robo_post.store.integrity import validate_store
 from robo_post.store.minari_io import SuccessRuleError, UnsupportedSpaceError, export_minari, import_minari
 
 SCHEMA = StoreSchema(
@@ -151,6 +152,21 @@ def collect_pendulum(dataset_id, n_episodes=3):
         author="t", author_email="t", code_permalink="t", description="t",
     )
     env.close()
+
+
+def test_the_fleet_adds_episodes_to_an_imported_store(tmp_path, monkeypatch, capfd):
+    """The import's marker of a bare observation space made every collect into the store a schema
+    mismatch, and the message blamed the step limit, which changes no observation."""
+    root, store = tmp_path / "minari", str(tmp_path / "store")
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
+    collect_pendulum("pendulum/random-v0")
+    import_minari("pendulum/random-v0", store, minari_root=root, success_from="none")
+    args = ["collect", "env=Pendulum-v1", "policy=random", "fleet.n_clients=1", f"store={store}", "show=false"]
+    assert main([*args, "episodes=1"]) == 0  # without the recorded step limit: recorded, with a warning
+    assert "was recorded with env kwargs {'max_episode_steps': 12}, these episodes with {}" in capfd.readouterr().err
+    assert main([*args, "episodes=2", "+env.kwargs.max_episode_steps=12"]) == 0
+    collected = [e for e in Store.open(store).snapshot().episodes() if e.role != "imported"]
+    assert [e.length for e in collected] == [200, 12, 12] and validate_store(store)[1] == []
 
 
 def test_minari_to_store_to_minari_is_exact(tmp_path, monkeypatch):
