@@ -167,6 +167,12 @@ def test_the_fleet_adds_episodes_to_an_imported_store(tmp_path, monkeypatch, cap
     assert main([*args, "episodes=2", "+env.kwargs.max_episode_steps=12"]) == 0
     collected = [e for e in Store.open(store).snapshot().episodes() if e.role != "imported"]
     assert [e.length for e in collected] == [200, 12, 12] and validate_store(store)[1] == []
+    # in-training eval of the imported data: its task ids name the dataset, which no Pendulum has
+    run = tmp_path / "run"
+    assert main(["train", f"store={store}", "algo=bc_flow", "updates=4", "eval.every=2", "eval.episodes_per_task=2",
+                 "log_every=2", "data.success=null", f"run_dir={run}", "show=false"]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update"] for r in rows if "eval/return/Pendulum-v1" in r] == [2, 4]
 
 
 def test_minari_to_store_to_minari_is_exact(tmp_path, monkeypatch):

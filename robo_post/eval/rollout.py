@@ -259,7 +259,8 @@ def _finite(value: Any) -> Any:
 
 
 def in_process_success(model: Any, tasks: Iterable[str], episodes_per_task: int, seed: int = EVAL_SEED,
-                       outcomes: list[bool] | None = None, env: str | None = None) -> dict[str, float]:
+                       outcomes: list[bool] | None = None, env: str | None = None,
+                       env_kwargs: dict[str, Any] | None = None) -> dict[str, float]:
     """Success rate per task of a flow policy rolled out in this process (no store).
 
     Cheap periodic evaluation during training; the fleet-based ``evaluate`` is the
@@ -272,13 +273,15 @@ def in_process_success(model: Any, tasks: Iterable[str], episodes_per_task: int,
     Args:
         env: env alias or gymnasium id; ``None``: the one of robo-post's envs whose
             default tasks include every task.
+        env_kwargs: env constructor kwargs (those the data was recorded with), under what the
+            env's entry infers from the policy.
     """
     from robo_post.fleet.client import episode_seed
     from robo_post.models.flow import FlowPolicyRunner
 
     spec = env_spec(env) if env is not None else _env_of_tasks(list(tasks))
     config = {"model": model.config.to_json()}  # as in the policy's artifact
-    env_kwargs = spec.policy_env_kwargs(config) if spec.policy_env_kwargs else {}
+    env_kwargs = {**(env_kwargs or {}), **(spec.policy_env_kwargs(config) if spec.policy_env_kwargs else {})}
     was_training = model.training
     runner = FlowPolicyRunner(model, device=str(model.device))
     out: dict[str, float] = {}

@@ -524,12 +524,19 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         write_json_atomic(os.path.join(run_dir, SNAPSHOT_FILE), {"snapshot": snap.id})
     evaluate = None
     if cfg.eval.every:
-        from robo_post.eval.rollout import in_process_success
+        from robo_post.envs.registry import env_spec
+        from robo_post.eval.rollout import in_process_success, recorded_env_kwargs
 
         tasks = sorted({e.task_id for e in episodes})
         env = store.schema.attrs.get("env")
+        kwargs = None
+        if env is not None:
+            spec = env_spec(env)
+            kwargs = recorded_env_kwargs(store.root, spec)  # the dataset's step limit, as `robo-post eval` runs it
+            if spec.task_kwarg is None:  # an env without tasks: imported episodes name their dataset instead
+                tasks = [spec.id]
         evaluate = lambda update: in_process_success(method.policy, tasks, cfg.eval.episodes_per_task,  # noqa: E731
-                                                     env=env)
+                                                     env=env, env_kwargs=kwargs)
     t0 = time.perf_counter()
     logged = train_loop(method, lambda: add_imitation(sampler.sample(cfg.batch_size), imitation, cfg.batch_size),
                         run_dir, cfg.updates, rngs, log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every,
