@@ -141,7 +141,7 @@ def test_a_value_piled_at_the_support_edges_is_reported(capsys):
     assert "60% of the value distribution" in capsys.readouterr().err
 
 
-def test_flow_policy_refuses_discrete_actions(tmp_path):
+def test_flow_policy_refuses_discrete_actions(tmp_path, capsys):
     schema = StoreSchema({"observation": ArraySpec("float32", (2,))}, ArraySpec("int64", (), 0, 1))
     store = Store.create(str(tmp_path / "d"), schema)
     with store.writer("x") as w:
@@ -156,6 +156,12 @@ def test_flow_policy_refuses_discrete_actions(tmp_path):
     for method in ("bc_flow", "gaussian_bc"):
         with pytest.raises(ActionSpaceError, match=f"algo={method} .* this store's actions are integers"):
             train(_cfg(str(tmp_path / "md"), str(tmp_path / method), method))
+    # settings of a flow policy's chunks, accepted and ignored without a word by a policy that has none
+    train(OmegaConf.merge(_cfg(str(tmp_path / "md"), str(tmp_path / "cat2"), "categorical_bc"),
+                          {"model": {"horizon": 8, "flow_steps": 2}}))
+    err = capsys.readouterr().err
+    assert ("warning: algo=categorical_bc does not read model.horizon=8 (its policy has none); it is ignored" in err
+            and "model.flow_steps=2" in err and "execute_steps" not in err)
     # the critic methods said to train a reference with algo=bc_flow, which is refused the same way
     train(_cfg(str(tmp_path / "md"), str(tmp_path / "cat"), "categorical_bc"))  # a published categorical version
     for method in ("divl_qam", "iql_qam", "fql"):

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from robo_post.algos.divl import DIVL
 from robo_post.algos.registry import DataSpec, MethodSpec, check_continuous
 from robo_post.algos.sb3_agent import check_budget
-from robo_post.config import changed_settings, check_dir_path, describe_changes
+from robo_post.config import changed_settings, check_dir_path, compose, describe_changes
 from robo_post.learner.checkpoint import (CheckpointError, checkpoint_state, has_checkpoint, load_checkpoint,
                                          save_checkpoint)
 from robo_post.learner.loop import last_logged, resolve_device, train_loop, truncate_log
@@ -483,6 +483,20 @@ def _resumed_snapshot(run_dir: str) -> str | None:
                          f"or a new run_dir starts over") from None
 
 
+def _warn_unread_model_settings(cfg: DictConfig, spec: MethodSpec) -> None:
+    """Name the flow-policy settings under ``model`` this method does not read (they were
+    accepted, recorded in config.yaml and ignored): a policy that acts one action at a time
+    has no chunks or flow steps, and a method that starts from a reference keeps its chunks."""
+    unread = [k for k in ("horizon", "execute_steps") if spec.needs_reference or "flow_steps" not in spec.model_keys]
+    unread += [] if "flow_steps" in spec.model_keys else ["flow_steps"]
+    default = compose("train", [f"algo={spec.name}"]).model
+    for key in unread:
+        if cfg.model.get(key) != default.get(key):
+            why = "it keeps its reference policy's" if spec.needs_reference else "its policy has none"
+            print(f"warning: algo={spec.name} does not read model.{key}={cfg.model.get(key)} ({why}); it is ignored",
+                  file=sys.stderr)
+
+
 def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     """`robo-post train` for a method trained on snapshot windows; publishes the result
     (a run that already finished returns its summary instead)."""
@@ -499,6 +513,7 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     values = {k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"}
     if "model" in spec.config.__dataclass_fields__:
         values.setdefault("model", {k: cfg.model[k] for k in spec.model_keys if cfg.model.get(k) is not None})
+    _warn_unread_model_settings(cfg, spec)
     config = spec.make_config(values)
     if cfg.updates <= getattr(config, "critic_warmup", 0):
         print(f"warning: updates={cfg.updates} <= algo.critic_warmup={config.critic_warmup}: only the critic "
