@@ -139,7 +139,7 @@ def test_a_run_dir_reused_with_other_settings_is_refused(tmp_path):
         "its finished stages would be kept as they are. Rerun with the recorded settings to resume it, or use a new "
         "run_dir")
     assert "updates: 10" in (run_dir / "config.yaml").read_text()
-    assert run("bc.updates=10", "show=true").returncode == 0  # display settings may change
+    assert run("bc.updates=10", "show=true", "device=cpu").returncode == 0  # display and device settings may change
     assert PolicyRegistry(str(run_dir / "store")).versions() == [1]
     (run_dir / "config.yaml").write_text("bc: [updates: 10\n")  # damaged by hand: one line naming it
     damaged = run("bc.updates=10", "show=false")

@@ -69,6 +69,10 @@ class NoEvalSplitError(ValueError):
     """``eval.splits`` names no split the env has: the run would evaluate nothing."""
 
 
+# Where and how fast a rerun goes on, at any level (``device``, ``lwd.device``): not what it trains.
+RESUMABLE_SETTINGS = ("device", "torch_threads", "show")
+
+
 def check_same_settings(cfg: DictConfig) -> None:
     """Refuse a ``run_dir`` whose ``config.yaml`` records other settings: finished stages are
     skipped on a rerun, so their data and versions would stay those of the recorded settings
@@ -86,7 +90,8 @@ def check_same_settings(cfg: DictConfig) -> None:
     except (yaml.YAMLError, ValueError) as e:  # edited by hand: which settings it held is unknown
         raise RunSettingsChangedError(f"{path} is damaged ({type(e).__name__}); restore it, or use a new "
                                       "run_dir") from None
-    changed = changed_settings(recorded, OmegaConf.to_container(cfg, resolve=True))
+    changed = {k: v for k, v in changed_settings(recorded, OmegaConf.to_container(cfg, resolve=True)).items()
+               if k.rpartition(".")[2] not in RESUMABLE_SETTINGS}
     if changed:
         raise RunSettingsChangedError(
             f"{cfg.run_dir} holds a run with other settings ({describe_changes(changed)}); its "
