@@ -176,6 +176,20 @@ def test_train_on_the_shards_of_named_clients_only(tiny_store, tmp_path):
     assert train(cfg)["episodes"] == 6  # one shard by its exact id
 
 
+def test_a_store_without_successes_names_the_way_to_train_on_it(tmp_path):
+    from robo_post.learner.drivers import select_episodes
+
+    store = Store.create(str(tmp_path / "s"), StoreSchema({"observation": ArraySpec("float32", (2,))},
+                                                          ArraySpec("float32", (1,), -1.0, 1.0)))
+    with store.writer("x") as w:
+        for _ in range(2):
+            w.write_episode({"observation": np.zeros((3, 2), np.float32)}, np.zeros((2, 1), np.float32), success=False)
+    data = OmegaConf.create({"tasks": None, "success": True, "roles": None, "clients": None})
+    with pytest.raises(NoEpisodesError, match="; none of its 2 labelled episodes succeeded: data.success=null trains "
+                                              "on them all; it holds 2 episodes"):
+        select_episodes(store.snapshot(), data)
+
+
 def test_resume_matches_uninterrupted_run(tiny_store, tmp_path):
     train(_train_cfg(tiny_store, str(tmp_path / "full"), 30))
     train(_train_cfg(tiny_store, str(tmp_path / "split"), 20))  # "killed" after its update-20 checkpoint
@@ -303,8 +317,8 @@ def test_a_republished_run_keeps_the_settings_its_weights_were_trained_with(tiny
     # its summary keeps the training's final metrics (it held none, and a report then invented an unfinished phase)
     assert json.loads((run_dir / "summary.json").read_text())["final"] == first["final"] != {}
     assert train(_train_cfg(tiny_store, str(run_dir), 10))["version"] == first["version"]  # not a third copy
-    with pytest.raises(RunResumeError, match=rf"holds a run finished at update 10 \(its updates\), started with other "
-                                             rf"settings \(algo.lr: .* -> 0.5\)"):
+    with pytest.raises(RunResumeError, match=r"holds a run finished at update 10 \(its updates\), started with other "
+                                             r"settings \(algo.lr: .* -> 0.5\)"):
         train(OmegaConf.merge(_train_cfg(tiny_store, str(run_dir), 20), lr))
     capsys.readouterr()
     train(_train_cfg(tiny_store, str(run_dir), 20))  # the settings it was trained with extend it

@@ -83,8 +83,11 @@ def select_episodes(snap: Snapshot, data: DictConfig) -> list[EpisodeInfo]:
     if not episodes:
         every = list(snap.episodes())
         unjudged = sum(e.success is None for e in every)
+        labelled = {label: sum(e.success is label for e in every) for label in (True, False)}
         hint = (f"; {unjudged} episodes have no success label (their env or import rule defines none): "
-                "data.success=null trains on them" if data.success is not None and unjudged else "")
+                "data.success=null trains on them" if data.success is not None and unjudged
+                else f"; none of its {labelled[False]} labelled episodes succeeded: data.success=null trains on "
+                     "them all" if data.success is True and labelled[False] and not labelled[True] else "")
         held = {name: sorted({str(getattr(e, attr)) for e in every})
                 for name, attr in (("tasks", "task_id"), ("roles", "role"), ("clients", "client_id"))}
         raise NoEpisodesError(f"no episodes in snapshot {snap.id} match the data filter "
