@@ -505,6 +505,11 @@ def test_importing_again_adds_only_the_episodes_the_store_lacks(tmp_path, monkey
     assert "imported 0 episodes" in capsys.readouterr().out
     sources = [e.attrs["imported_from"]["episode"] for e in Store.open(store).snapshot()]
     assert sources == [0, 1, 2, 3]
+    # under another success rule: the held episodes keep their labels, and the import says so
+    assert main(["store", "import-minari", "part/ep-v0", store, "--minari-root", str(root),
+                 "--success-from", "termination"]) == 0
+    assert ("warning: 4 episodes of 'part/ep-v0' already in " in capsys.readouterr().err
+            and {e.attrs["success_rule"] for e in Store.open(store).snapshot()} == {"none"})
 
     # The same id, other data: refused, not merged or skipped.
     shutil.rmtree(root / "part")

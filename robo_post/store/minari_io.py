@@ -444,6 +444,7 @@ def import_minari(
             if isinstance(source, dict) and source.get("dataset") == dataset_id:  # attrs are free-form: check the shape
                 held[source.get("episode")] = e
         writers: dict[str, ShardWriter] = {}
+        relabel: list[Any] = []  # the rules of held episodes that another rule would label otherwise
         episodes = dataset.iterate_episodes()
         for index, meta in zip(dataset.episode_indices, metas, strict=True):
             index = int(index)
@@ -452,6 +453,8 @@ def import_minari(
                     episode = next(episodes)
                 if index in held:
                     _check_same(held[index], episode)
+                    if decide is not None and held[index].attrs.get("success_rule") != success_from:
+                        relabel.append(held[index].attrs.get("success_rule"))
                     continue
                 record = json.loads(meta[META_KEY]) if META_KEY in meta else {}
                 shard = client_id if client_id is not None else record.get("client_id", "minari")
@@ -507,6 +510,11 @@ def import_minari(
                           + ("; importing again adds only the rest" if n else ""), *e.args[1:])
                 raise
             n += 1
+    if relabel:
+        rules = ", ".join(sorted({str(r) for r in relabel}))
+        print(f"warning: {len(relabel)} episodes of {dataset_id!r} already in {store_root} keep the success labels of "
+              f"the rule they were imported with ({rules}), not --success-from {success_from}: the rule labels only "
+              "the episodes an import adds (import into a new store to label them all with it)", file=sys.stderr)
     return MinariImport(imported=n, skipped=len(metas) - n - len(invalid), invalid=tuple(invalid))
 
 
