@@ -186,7 +186,9 @@ def _cfg_flags(args: list[str]) -> tuple[list[str], bool, bool]:
     (hydra's own flags for printing the composed config instead of running)."""
     overrides, show, resolve, i = [], False, False, 0
     while i < len(args):
-        if args[i] in ("--cfg", "-c") and i + 1 < len(args) and args[i + 1] in ("job", "all"):
+        if args[i] in ("--cfg", "-c"):
+            if i + 1 == len(args) or args[i + 1] not in ("job", "all"):
+                raise ValueError(f"{args[i]} takes job or all (`--cfg job` prints the composed config)")
             show, i = True, i + 2
             continue
         if args[i] in ("--cfg=job", "--cfg=all"):
@@ -215,7 +217,11 @@ def _hydra_job(config_name: str, run: Callable[[DictConfig], object]) -> Callabl
 
         from robo_post.cli_config import ConfigError, config_yaml, job_help, validate
 
-        overrides, show_config, resolve = _cfg_flags(overrides)
+        try:
+            overrides, show_config, resolve = _cfg_flags(overrides)
+        except ValueError as e:
+            print(f"robo-post {config_name}: {e}", file=sys.stderr)
+            return 2
         try:
             if "-h" in overrides or "--help" in overrides:
                 print(job_help(config_name, COMMANDS[config_name][0],

@@ -115,6 +115,9 @@ def test_cfg_job_and_config_print_the_composed_config_without_running(tmp_path):
     assert r.returncode == 2 and "cannot parse '+env.kwargs.note=é,x'" in r.stderr  # not a plain value: not quoted
     r = _cli("collect", "--cfg", "job", "store=runs/données", cwd=tmp_path)
     assert r.returncode == 0 and yaml.safe_load(r.stdout)["store"] == "runs/données", r.stderr
+    r = _cli("train", "--cfg", cwd=tmp_path)  # was "cannot parse '--cfg'"
+    assert r.returncode == 2 and r.stderr.strip() == ("robo-post train: --cfg takes job or all (`--cfg job` prints the "
+                                                      "composed config)")
     assert os.listdir(tmp_path) == []
 
 
