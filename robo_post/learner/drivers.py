@@ -492,7 +492,7 @@ def _warn_unread_model_settings(cfg: DictConfig, spec: MethodSpec) -> None:
     has no chunks or flow steps, and a method that starts from a reference keeps its chunks."""
     unread = [k for k in ("horizon", "execute_steps") if spec.needs_reference or "flow_steps" not in spec.model_keys]
     unread += [] if "flow_steps" in spec.model_keys else ["flow_steps"]
-    default = compose("train", [f"algo={spec.name}"]).model
+    default = compose("train", []).model  # the model group is train's own (a plugin has no algo/ config file)
     for key in unread:
         if cfg.model.get(key) != default.get(key):
             why = "it keeps its reference policy's" if spec.needs_reference else "its policy has none"
@@ -549,10 +549,10 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         env = store.schema.attrs.get("env")
         kwargs = None
         if env is not None:
-            spec = env_spec(env)
-            kwargs = recorded_env_kwargs(store.root, spec)  # the dataset's step limit, as `robo-post eval` runs it
-            if spec.task_kwarg is None:  # an env without tasks: imported episodes name their dataset instead
-                tasks = [spec.id]
+            entry = env_spec(env)
+            kwargs = recorded_env_kwargs(store.root, entry)  # the dataset's step limit, as `robo-post eval` runs it
+            if entry.task_kwarg is None:  # an env without tasks: imported episodes name their dataset instead
+                tasks = [entry.id]
         evaluate = lambda update: in_process_success(method.policy, tasks, cfg.eval.episodes_per_task,  # noqa: E731
                                                      env=env, env_kwargs=kwargs)
     t0 = time.perf_counter()
