@@ -71,6 +71,9 @@ def test_mean_intervals_stay_inside_known_bounds():
     episodes = [_episode(i, length=n, ret=r) for i, (n, r) in enumerate([(1, -3.0), (1, 0.0), (1, 1.0), (30, 9.0)])]
     stats = _summarise(episodes, ["reach"])["tasks"]["reach"]
     assert stats["length_ci95"] == pytest.approx([0.0, 31.323], abs=1e-3)  # a length is never negative
+    # nor longer than the step limit the episodes ran under (eval passes it where the env kwargs name it)
+    assert _summarise(episodes, ["reach"], bounds={"length": (0, 30)})["tasks"]["reach"]["length_ci95"] == pytest.approx(
+        [0.0, 30.0])
     assert stats["return_ci95"][0] < -5  # a return has no known bound: left as computed
     # Where the env's registry entry knows a range (tabletop's 0/1 return gave [-0.07, 1.07]):
     episodes = [dataclasses.replace(_episode(i, ret=float(i == 0)), attrs={"metrics": {"usefulness": u, "other": u}})

@@ -223,7 +223,10 @@ def evaluate(
 
     snap = store.snapshot()
     episodes = [e for c in configs for e in snap.episodes(client=c.client_id)[: c.episodes]]
-    result = _summarise(episodes, tasks, spec.metric_ids, spec.bounds)
+    # an episode lasts at most the step limit it ran under (a dataset's recorded one included)
+    limit = env_cfg.get("max_episode_steps")
+    bounds = {**spec.bounds, "length": (0, limit)} if isinstance(limit, int) and limit > 0 else spec.bounds
+    result = _summarise(episodes, tasks, spec.metric_ids, bounds)
     result.update(
         policy={"version": version or 0, "label": label, "store": policy_store,
                 "config": _provenance(policy_config)},
@@ -566,7 +569,7 @@ def _task_stats(episodes: list[EpisodeInfo], ids: Iterable[str] = (), bounds: Bo
         "success_rate": k / len(judged) if judged else None,
         "ci95": list(wilson_interval(k, len(judged))) if judged else None,
         "mean_length": float(np.mean([e.length for e in episodes])) if n else None,
-        "length_ci95": mean_interval((e.length for e in episodes), low=0),
+        "length_ci95": mean_interval((e.length for e in episodes), 0.95, *bounds.get("length", (0, None))),
         "mean_return": float(np.mean([e.ret for e in episodes])) if n else None,
         "return_ci95": mean_interval((e.ret for e in episodes), 0.95, *bounds.get("return", (None, None))),
         "metrics": {name: _metric_stats(values, bounds.get(name, (None, None))) for name, values in metrics.items()},
