@@ -22,9 +22,24 @@ from robo_post.store.writer import lock_shard, try_lock
 
 def env_config(cfg: DictConfig) -> tuple[dict[str, Any], list[str]]:
     """``(env, tasks)`` of a config's ``env`` group: the ``ClientConfig.env`` dict and the
-    tasks (``[]`` when ``env.tasks`` is null: the env's default tasks)."""
-    env = {"name": cfg.env.name, **(OmegaConf.to_container(cfg.env.kwargs, resolve=True) or {})}
-    return env, list(cfg.env.tasks or [])
+    tasks (``[]`` when ``env.tasks`` is null: the env's default tasks). Without an env name
+    (``env=store``), the env ``cfg.store`` was recorded in, with the kwargs its episodes were
+    recorded with under the given ones.
+
+    Raises:
+        ValueError: no env name and no store that names its env.
+    """
+    given = OmegaConf.to_container(cfg.env.kwargs, resolve=True) or {}
+    if cfg.env.name is not None:
+        return {"name": cfg.env.name, **given}, list(cfg.env.tasks or [])
+    recorded_in = None
+    if os.path.exists(os.path.join(cfg.store, "store.json")):
+        recorded_in = Store.open(cfg.store).schema.attrs.get("env")
+    if recorded_in is None:
+        raise ValueError(f"env=store collects in the env the store was recorded in, but {cfg.store} "
+                         f"{'names none' if os.path.exists(cfg.store) else 'does not exist'}: give env=NAME")
+    recorded = recorded_env_kwargs(cfg.store, env_spec(recorded_in)) or {}
+    return {"name": recorded_in, **recorded, **given}, list(cfg.env.tasks or [])
 
 
 def fleet_role(fleet: DictConfig) -> str:

@@ -190,7 +190,8 @@ _TRAIN = {
 }
 # Per job: key -> check of its resolved value (keys a job does not have are skipped).
 RULES: dict[str, dict[str, Check]] = {
-    "collect": {"store": text(), "episodes": _COUNT, "env.name": text(), "env.tasks": items(text(), "task ids"),
+    # env.name null (env=store): the env the store was recorded in
+    "collect": {"store": text(), "episodes": _COUNT, "env.name": text(optional=True), "env.tasks": items(text(), "task ids"),
                 "policy.noise": number(0), "policy.mode": choice("expert", "near_miss"), **_FLEET},
     "train": _TRAIN,
     "eval": {

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from robo_post.fleet.client import read_status
-from robo_post.store import PolicyRegistry
+from robo_post.store import PolicyRegistry, Store
 from test_store import tree_hash
 
 
@@ -84,6 +84,21 @@ def test_the_ray_launcher_without_its_settings_is_one_line_and_writes_nothing(tm
     assert "fleet.launcher=ray alone lacks the Ray settings (fleet.address, fleet.num_cpus): select the Ray fleet " \
            "with fleet=ray" in r.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_collect_env_store_runs_the_env_the_store_was_recorded_in(tmp_path):
+    """`collect --help` listed env=store, which only eval took ("env.name=null is not allowed")."""
+    first = _cli("collect", "store=s", "env=point_mass", "+env.kwargs.goal=[0.5,0.5]", "episodes=1",
+                 "fleet.n_clients=1", "show=false", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    more = _cli("collect", "store=s", "env=store", "episodes=1", "fleet.n_clients=1", "show=false", cwd=tmp_path)
+    assert more.returncode == 0, more.stderr
+    episodes = Store.open(str(tmp_path / "s")).snapshot().episodes()
+    assert [e.attrs["env_kwargs"] for e in episodes] == [{"goal": [0.5, 0.5]}] * 2
+    r = _cli("collect", "store=t", "env=store", "episodes=1", cwd=tmp_path)
+    assert r.returncode == 1 and r.stderr.strip().endswith("env=store collects in the env the store was recorded "
+                                                           "in, but t does not exist: give env=NAME")
+    assert sorted(os.listdir(tmp_path)) == ["s"]
 
 
 def test_help_anywhere_composes_the_overrides_and_lists_the_group_choices():
