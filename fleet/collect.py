@@ -178,7 +178,7 @@ def collect(cfg: DictConfig) -> list[dict[str, Any]]:
     store = Store.create(cfg.store, schema, exist_ok=True)
     # Another collect with the same client ids counts from the same commits, so its clients
     # would take this one's episodes for their own: held from before the targets are read.
-    held = _lock_client_ids(store.root, cfg.fleet.client_prefix)
+    held = lock_client_ids(store.root, cfg.fleet.client_prefix)
     try:
         configs = client_configs(cfg, store)
         for config in configs:  # clients still writing (of a collect killed a moment ago)
@@ -196,13 +196,14 @@ def collect(cfg: DictConfig) -> list[dict[str, Any]]:
     return statuses
 
 
-def _lock_client_ids(root: str, prefix: str) -> int:
-    """Take the lock of the client ids ``prefix-*`` in store ``root``; returns its descriptor.
+def lock_client_ids(root: str, prefix: str, refused: str | None = None) -> int:
+    """Take the lock of the client ids ``prefix-*`` in store ``root`` (held by whoever runs
+    clients with that prefix into it: a collect, a CRAFT run); returns its descriptor.
 
     Raises:
-        ShardLockedError: another collect with this prefix is running into the store.
+        ShardLockedError: another holds it; ``refused`` is the message (default: a collect's).
     """
     os.makedirs(os.path.join(root, "fleet"), exist_ok=True)
-    return try_lock(os.path.join(root, "fleet", f".collect-{prefix}.lock"), lambda: ShardLockedError(
-        f"another collect with fleet.client_prefix={prefix} is running into {root}: nothing was recorded; wait for "
-        "it, or give this one its own fleet.client_prefix"))
+    message = refused or (f"another collect with fleet.client_prefix={prefix} is running into {root}: nothing was "
+                          "recorded; wait for it, or give this one its own fleet.client_prefix")
+    return try_lock(os.path.join(root, "fleet", f".collect-{prefix}.lock"), lambda: ShardLockedError(message))

@@ -24,6 +24,7 @@ from robo_post.eval import EVAL_SEED, evaluate, load_results, wilson_interval, w
 from robo_post.envs import env_spec
 from robo_post.eval import report as report_mod
 from robo_post.eval.rollout import _save_result, _summarise, format_mean, mean_interval, recorded_env_kwargs
+from robo_post.learner.loop import read_metrics
 from robo_post.fleet.client import episode_seed, store_schema
 from robo_post.models.features import state_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
@@ -273,7 +274,7 @@ def test_report_reads_a_killed_runs_log_and_names_a_damaged_file(tmp_path, capsy
     rows = [{"update": u, "bc_loss": 1.0 / u} for u in (50, 100)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"update": 150, "bc_lo')
     md = open(write_report(out, [], [str(run)])).read()  # the row a kill cut short is left out
-    assert "learning_curves.png" in md and report_mod._read_jsonl(str(run / "metrics.jsonl")) == rows
+    assert "learning_curves.png" in md and read_metrics(str(run / "metrics.jsonl")) == rows
     (run / "summary.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"run/summary.json is not a run summary \(a JSON list, not an object\)"):
         write_report(out, [], [str(run)])

@@ -32,6 +32,7 @@ from matplotlib.ticker import PercentFormatter
 
 from robo_post.config import check_dir_path
 from robo_post.envs.registry import env_spec
+from robo_post.learner.loop import read_metrics
 from robo_post.eval.rollout import (format_mean, format_metric, format_rate, load_results, pct as _pct,
                                    read_json_object, read_result)
 from robo_post.store import EpisodeInfo, Snapshot, Store
@@ -270,17 +271,6 @@ def _palette(n: int) -> list[Any]:
 
 
 # --- learning curves ---------------------------------------------------------------------
-def _read_jsonl(path: str) -> list[dict[str, Any]]:
-    with open(path) as f:
-        lines = f.readlines()
-    if lines and not lines[-1].endswith("\n"):
-        lines.pop()  # a row a killed (or still running) trainer had not finished writing
-    try:
-        return [json.loads(line) for line in lines if line.strip()]
-    except ValueError as e:
-        raise ValueError(f"{path} is not a metrics log ({e})") from e
-
-
 def _numeric_columns(rows: list[dict[str, Any]]) -> list[str]:
     cols = dict.fromkeys(k for row in rows for k, v in row.items()
                          if k not in ("update", "time") and isinstance(v, (int, float)) and not isinstance(v, bool))
@@ -306,7 +296,7 @@ def _learning_section(doc: _Doc, out_dir: str, run_dirs: list[str]) -> None:
         summary: dict[str, Any] = {}
         if os.path.exists(summary_path):
             summary = read_json_object(summary_path, "a run summary")
-        logged = _read_jsonl(metrics) if os.path.exists(metrics) else []
+        logged = read_metrics(metrics)
         # `robo-post run`'s online phase goes on in the offline phase's run_dir, past its summary
         online_path = os.path.join(run_dir, "online.json")
         online = read_json_object(online_path, "an online-phase summary") if os.path.exists(online_path) else None

@@ -61,9 +61,9 @@ from robo_post.models.features import infer_features, state_keys
 from robo_post.models.proposal_policy import ProposalPolicy, ProposalPolicyConfig
 from robo_post.store.registry import PolicyArtifactError, PolicyRegistry
 from robo_post.store.sampler import WindowSampler
-from robo_post.store.schema import ArraySpec, ShardLockedError, StoreSchema
+from robo_post.store.schema import ArraySpec, StoreSchema
 from robo_post.store.store import Snapshot, Store
-from robo_post.store.writer import try_lock, write_json_atomic
+from robo_post.store.writer import write_json_atomic
 
 EXTRAS = ("logits", "chosen", "proxy_scores", "events")
 CLIENT_PREFIX = "craft"  # the fleet clients' ids in the online store: craft-0, craft-1, ...
@@ -344,22 +344,9 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         return _craft(cfg, spec, held)
 
 
-def _lock_online_clients(root: str) -> int:
-    """Take the lock of the client ids ``craft-*`` in the online store ``root`` (the one a
-    ``collect`` with that prefix takes); returns its descriptor.
-
-    Raises:
-        ShardLockedError: another CRAFT run (or collect) records into them: its clients would
-            die on the shard locks and this run would train on the other's episodes.
-    """
-    os.makedirs(os.path.join(root, "fleet"), exist_ok=True)
-    return try_lock(os.path.join(root, "fleet", f".collect-{CLIENT_PREFIX}.lock"), lambda: ShardLockedError(
-        f"another CRAFT run records into the online store {root} (clients {CLIENT_PREFIX}-*): nothing was trained "
-        "or published; wait for it, or give this run its own algo.online_store=PATH"))
-
-
 def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dict[str, Any]:
     from robo_post.fleet.client import ClientConfig
+    from robo_post.fleet.collect import lock_client_ids
     from robo_post.fleet.launcher import LocalLauncher, raise_unfinished
 
     torch.manual_seed(cfg.seed)
@@ -431,7 +418,10 @@ def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dic
     # before pretraining publishes anything: a damaged online store or one of another schema fails first
     online = online_store(config.online_store or f"{store.root.rstrip('/')}-online", env, env_kwargs, k,
                           config.oracle, candidate_shape, tasks[0] if tasks else None)
-    held.callback(os.close, _lock_online_clients(online.root))
+    # its clients' ids: another CRAFT run's clients would die on the shard locks, and this run train on its episodes
+    held.callback(os.close, lock_client_ids(online.root, CLIENT_PREFIX, (
+        f"another CRAFT run records into the online store {online.root} (clients {CLIENT_PREFIX}-*): nothing was "
+        "trained or published; wait for it, or give this run its own algo.online_store=PATH")))
     begin_run(run_dir, cfg, "iteration", config.iterations)
     if reference is None:
         reference = (pretrain(snap, cfg, config, vocabulary) if kind == "candidate"

@@ -31,7 +31,7 @@ from robo_post.algos.sb3_agent import check_budget
 from robo_post.config import changed_settings, check_dir_path, compose, describe_changes
 from robo_post.learner.checkpoint import (CheckpointError, checkpoint_state, has_checkpoint, load_checkpoint,
                                          save_checkpoint)
-from robo_post.learner.loop import last_logged, resolve_device, train_loop, truncate_log
+from robo_post.learner.loop import read_metrics, resolve_device, train_loop, truncate_log
 from robo_post.learner.tracking import Tracker, tracking_settings
 from robo_post.learner.value_report import write_value_report
 from robo_post.models.features import infer_features, state_keys
@@ -490,8 +490,8 @@ def _warn_unread_model_settings(cfg: DictConfig, spec: MethodSpec) -> None:
     """Name the flow-policy settings under ``model`` this method does not read (they were
     accepted, recorded in config.yaml and ignored): a policy that acts one action at a time
     has no chunks or flow steps, and a method that starts from a reference keeps its chunks."""
-    unread = [k for k in ("horizon", "execute_steps") if spec.needs_reference or "flow_steps" not in spec.model_keys]
-    unread += [] if "flow_steps" in spec.model_keys else ["flow_steps"]
+    flow = "flow_steps" in spec.model_keys
+    unread = ([] if flow and not spec.needs_reference else ["horizon", "execute_steps"]) + ([] if flow else ["flow_steps"])
     default = compose("train", []).model  # the model group is train's own (a plugin has no algo/ config file)
     for key in unread:
         if cfg.model.get(key) != default.get(key):
@@ -570,7 +570,7 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     )
     version = publish_once(PolicyRegistry(store.root), weights, artifact_config) if cfg.publish else None
     # no update this time (published again, or killed after its last checkpoint): the training's last row
-    final = logged[-1] if logged else last_logged(os.path.join(run_dir, "metrics.jsonl"))
+    final = (logged or read_metrics(os.path.join(run_dir, "metrics.jsonl")) or [{}])[-1]
     summary = {"algo": spec.name, "version": version, "parent_version": parent, "snapshot": snap.id,
                "episodes": len(episodes), "steps": len(sampler), "value_range": list(data.value_range),
                "wall_s": wall, "final": final}

@@ -92,15 +92,23 @@ def truncate_log(path: str, last_update: int) -> None:
         f.writelines(keep)
 
 
-def last_logged(path: str) -> dict[str, Any]:
-    """The last row of a metrics log (``{}`` without one): what a run that trains no more
-    updates (a finished run published again, or one killed after its last checkpoint)
-    reports as its final metrics."""
-    rows = []
-    if os.path.exists(path):
-        with open(path) as f:
-            rows = [line for line in f if line.endswith("\n") and line.strip()]
-    return json.loads(rows[-1]) if rows else {}
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` (none when it is missing), without a last row a killed
+    (or still running) trainer had not finished writing.
+
+    Raises:
+        ValueError: a row is not JSON, naming the file.
+    """
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = f.readlines()
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()
+    try:
+        return [json.loads(line) for line in lines if line.strip()]
+    except ValueError as e:
+        raise ValueError(f"{path} is not a metrics log ({e})") from e
 
 
 def train_loop(
