@@ -441,6 +441,10 @@ class ShutdownGridEnv(gym.Env):
         """Exact outcomes of a memoryless policy on every world of this env's set."""
         return exact_outcomes(self.grids, action_probs)
 
+    def world_keys(self) -> list[bytes]:
+        """One identity per world of this env's set, to tell whether two sets share worlds."""
+        return [g.key() for g in self.grids]
+
 
 def episode_metrics(infos: list[dict[str, Any]]) -> dict[str, bool | float]:
     """Per-episode record: the length class, the score and its share of m(class), the world and

@@ -392,3 +392,16 @@ def test_eval_averages_the_grid_metrics_but_not_the_world_and_meta_episode_ids(t
     assert set(result["overall"]["metrics"]) == {"long", "score", "usefulness"}
     assert set(next(iter(result["tasks"].values()))["metrics"]) == {"long", "score", "usefulness"}
     assert {"grid", "meta_episode", "mini_episode"} <= set(result["episodes"][0]["metrics"])  # still recorded
+
+
+def test_held_out_worlds_that_training_also_holds_are_refused(tmp_path):
+    """`algo.heldout_kwargs.split=train` was accepted: the 'held-out' figures then came from training worlds."""
+    store, run_dir = str(tmp_path / "store"), tmp_path / "drest"
+    r = run_cli("train", "algo=drest", "algo.timesteps=64", "algo.n_envs=1", "algo.E=2", "algo.eval_every=0",
+                "algo.env_kwargs.n_grids=8", "algo.heldout_kwargs.split=train", "algo.heldout_kwargs.n_grids=4",
+                f"store={store}", f"run_dir={run_dir}", "show=false", ok=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert ("DReSTConfigError: algo.heldout_kwargs {'split': 'train', 'n_grids': 4} gives 4 of 4 held-out worlds "
+            "that the training worlds also hold") in r.stderr.strip().splitlines()[-1]
+    assert not os.path.exists(os.path.join(store, "policies", "v000001"))
+    assert not (run_dir / "checkpoints").exists()

@@ -27,7 +27,8 @@ A mini-episode env works with the wrapper when it (1) restarts its current world
 ``info["score"]`` and ``info["max_score"]`` (m per class) when a mini-episode ends,
 and (3) has ``n_length_classes``. Exact metrics additionally need
 ``length_outcomes(action_probs) -> outcomes`` with ``p``, ``score`` and ``max_score``
-arrays of shape (worlds, classes).
+arrays of shape (worlds, classes); an env that also has ``world_keys()`` (one identity
+per world) lets DReST refuse held-out worlds that the training set also holds.
 """
 
 from __future__ import annotations
@@ -377,6 +378,22 @@ class _FreshInfos(list):
         return list(self)
 
 
+def _refuse_shared_worlds(train: gym.Env, heldout: gym.Env, heldout_kwargs: dict[str, Any]) -> None:
+    """Refuse held-out worlds the training set also has: their figures would not be held out.
+
+    Raises:
+        DReSTConfigError: naming ``heldout_kwargs`` and how many worlds the two sets share.
+    """
+    if not (hasattr(train, "world_keys") and hasattr(heldout, "world_keys")):
+        return
+    held = heldout.world_keys()
+    shared = len(set(held) & set(train.world_keys()))
+    if shared:
+        raise DReSTConfigError(
+            f"algo.heldout_kwargs {dict(heldout_kwargs)} gives {shared} of {len(held)} held-out worlds that the "
+            "training worlds also hold: choose env kwargs that select other worlds")
+
+
 class DReSTAgent(SB3Agent):
     """An SB3 agent whose training env is ``MetaEpisodeEnv`` over the configured env."""
 
@@ -413,6 +430,8 @@ class DReSTAgent(SB3Agent):
             heldout = SB3AgentConfig(env=config.env, task=config.task,
                                      env_kwargs={**config.env_kwargs, **config.heldout_kwargs})
             self.eval_envs["heldout"] = make_env(heldout)
+            _refuse_shared_worlds(self.eval_envs["train"].unwrapped, self.eval_envs["heldout"].unwrapped,
+                                  config.heldout_kwargs)
         self.last_eval = -1
 
     def outcomes(self) -> dict[str, Any]:
