@@ -15,6 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from robo_post.fleet.client import LAUNCHER_PID_ENV, ClientConfig, read_status, run_client
+from robo_post.store import Store, StoreError
 
 
 class FleetError(RuntimeError):
@@ -42,12 +43,25 @@ class _Launcher:
 
     def run(self, show: bool = True, poll_s: float = 0.5) -> list[dict[str, Any]]:
         """Start, supervise until every client is done (or gave up), return statuses."""
+        self.before = {client_id: _committed(cfg) for client_id, cfg in self.configs.items()}
         self.start()
         try:
             _supervise(self.poll, self.statuses, show, poll_s)
         finally:
             self.stop()
         return self.statuses()
+
+    def statuses(self) -> list[dict[str, Any]]:
+        """Each client's status file (its shard's totals), with ``restarts``, ``target`` and
+        ``before``: the episodes, successes and judged episodes its shard held before this run."""
+        out = []
+        for client_id, cfg in self.configs.items():
+            status = read_status(cfg.store, client_id) or {"client_id": client_id, "state": "starting", "episodes": 0}
+            status["restarts"] = self.restarts.get(client_id, 0)
+            status["target"] = cfg.episodes
+            status["before"] = getattr(self, "before", {}).get(client_id, _NOTHING)
+            out.append(status)
+        return out
 
 
 class LocalLauncher(_Launcher):
@@ -104,9 +118,6 @@ class LocalLauncher(_Launcher):
                     self.failed[client_id] = code
         return running
 
-    def statuses(self) -> list[dict[str, Any]]:
-        return _statuses(self.configs, self.restarts)
-
     def stop(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
@@ -158,9 +169,6 @@ class RayLauncher(_Launcher):
                     self.errors[client_id] = str(e)
         return len(self.errors) < len(self.futures)
 
-    def statuses(self) -> list[dict[str, Any]]:
-        return _statuses(self.configs, self.restarts)
-
     def stop(self) -> None:
         for actor in self.actors.values():
             self.ray.kill(actor)
@@ -177,14 +185,18 @@ class _ClientActor:
         return run_client(ClientConfig(**json.loads(cfg_json)))
 
 
-def _statuses(configs: dict[str, ClientConfig], restarts: dict[str, int]) -> list[dict[str, Any]]:
-    out = []
-    for client_id, cfg in configs.items():
-        status = read_status(cfg.store, client_id) or {"client_id": client_id, "state": "starting", "episodes": 0}
-        status["restarts"] = restarts.get(client_id, 0)
-        status["target"] = cfg.episodes
-        out.append(status)
-    return out
+_NOTHING = {"episodes": 0, "successes": 0, "judged": 0}
+
+
+def _committed(cfg: ClientConfig) -> dict[str, int]:
+    """What a client's shard holds now (episodes, successes, judged); nothing for a shard the
+    store cannot read (the client itself then reports why)."""
+    try:
+        done = Store.open(cfg.store).shard_episodes(cfg.client_id)
+    except StoreError:
+        return dict(_NOTHING)
+    return {"episodes": len(done), "successes": sum(bool(e.success) for e in done),
+            "judged": sum(e.success is not None for e in done)}
 
 
 def _supervise(poll, statuses, show: bool, poll_s: float) -> None:
@@ -202,17 +214,20 @@ def _supervise(poll, statuses, show: bool, poll_s: float) -> None:
 
 
 def status_table(statuses: list[dict[str, Any]]):
-    """A rich table of per-client progress (episodes, success, steps/s, version, errors)."""
+    """A rich table of per-client progress in this run (episodes, success, steps/s, version, errors):
+    a shard's earlier episodes (``before``) count in neither its episodes nor its success rate."""
     from rich.table import Table
 
     table = Table("client", "state", "episodes", "success", "steps/s", "policy", "restarts", "last error")
     for s in statuses:
-        n = s.get("episodes", 0)
-        judged = s.get("judged", 0)  # episodes whose env defines success
-        rate = f"{s['successes'] / judged:.0%}" if judged else "-"
+        before = s.get("before", _NOTHING)
+        n = s.get("episodes", 0) - before["episodes"]
+        judged = s.get("judged", 0) - before["judged"]  # episodes whose env defines success
+        rate = f"{(s.get('successes', 0) - before['successes']) / judged:.0%}" if judged > 0 else "-"
         err = _last_line(s.get("last_error"))
+        target = s.get("target")
         table.add_row(
-            s["client_id"], s.get("state", "?"), f"{n}/{s.get('target', '?')}", rate,
+            s["client_id"], s.get("state", "?"), f"{max(n, 0)}/{'?' if target is None else target - before['episodes']}", rate,
             f"{s.get('steps_per_s', 0):.0f}", f"v{s.get('policy_version', 0)}", str(s.get("restarts", 0)),
             err[:60],
         )

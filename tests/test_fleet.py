@@ -420,3 +420,23 @@ def test_layout_repeats_rerun_each_layout_with_new_policy_seeds(tmp_path):
     with pytest.raises(ValueError, match="layout_repeats"):
         client_configs(OmegaConf.create({"env": {"name": "tabletop", "kwargs": {}}, "episodes": 2, "fleet": {
             "n_clients": 1, "layout_repeats": 0}}), store)
+
+
+def test_the_status_table_counts_only_this_runs_episodes(tmp_path):
+    """A second collect into a shard holding 3 episodes showed '5/5' for 2 new ones, and their
+    success rate mixed in the earlier episodes."""
+    from rich.console import Console
+
+    from robo_post.fleet.launcher import status_table
+
+    store = make_store(str(tmp_path / "store"))
+    LocalLauncher([ClientConfig(store=store.root, client_id="c0", episodes=3, env=ENV, tasks=TASKS)]).run(show=False)
+    launcher = LocalLauncher([ClientConfig(store=store.root, client_id="c0", episodes=5, env=ENV, tasks=TASKS)])
+    statuses = launcher.run(show=False)
+    assert statuses[0]["episodes"] == 5 and statuses[0]["before"]["episodes"] == 3  # the shard's totals stay
+    done = store.shard_episodes("c0")
+    new_rate = sum(bool(e.success) for e in done[3:]) / 2
+    console = Console(width=200, record=True)
+    console.print(status_table(statuses))
+    row = next(line for line in console.export_text().splitlines() if "c0" in line)
+    assert "2/2" in row and "5/5" not in row and f"{new_rate:.0%}" in row
