@@ -1359,7 +1359,10 @@ class BridgeNode(Node):
                 success=bool(end["success"]), policy_version=ep.policy_version, start_time=stamps[0] / 1e9,
                 end_time=stamps[-1] / 1e9,
                 attrs={"source": "ros2", "robot": self.robot.name, "namespace": self.get_namespace(),
-                       "robot_episode": ep.index},
+                       "robot_episode": ep.index,
+                       # step timestamps are float seconds (about 0.25 us apart at wall-clock
+                       # magnitudes); the first and last stamps stay exact for matching a bag
+                       "start_stamp_ns": stamps[0], "end_stamp_ns": stamps[-1]},
             )
         except EpisodeValidationError as e:
             self.get_logger().warning(f"episode {ep.index} rejected by the store: {e}")

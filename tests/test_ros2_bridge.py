@@ -99,6 +99,9 @@ def assert_store_matches_dump(root: str, client: str, dump_path: Path, expected:
         np.testing.assert_array_equal(ep["action"], dump[f"ep{i}_action"])
         np.testing.assert_array_equal(ep["reward"], dump[f"ep{i}_reward"].astype(np.float32))
         np.testing.assert_array_equal(ep["timestamp"], dump[f"ep{i}_stamp"][:-1] / 1e9)
+        info = ep["info"]
+        assert (info.attrs["start_stamp_ns"], info.attrs["end_stamp_ns"]) == (
+            int(dump[f"ep{i}_stamp"][0]), int(dump[f"ep{i}_stamp"][-1]))  # exact, wall-clock stamps included
         assert ep["terminated"][-1] == sim["terminated"] and ep["truncated"][-1] == sim["truncated"]
         assert not ep["terminated"][:-1].any() and not ep["truncated"][:-1].any()
         info = ep["info"]
@@ -511,6 +514,7 @@ def test_restarted_robot_reusing_an_open_index_is_recorded(tmp_path):
     episodes = {e.attrs["robot_episode"]: snap.load(e) for e in snap.episodes(client="unit")}
     assert sorted(episodes) == [0, 1]
     np.testing.assert_array_equal(episodes[1]["timestamp"], (3_000 + np.arange(3)) / 1e9)
+    assert (episodes[1]["info"].attrs["start_stamp_ns"], episodes[1]["info"].attrs["end_stamp_ns"]) == (3_000, 3_003)
 
 
 def test_robot_restarted_with_its_clock_behind_is_recorded(tmp_path):
