@@ -686,3 +686,22 @@ def test_no_damage_to_any_file_is_read_silently(tmp_path, small_chunks):
     w.close()
     assert silent == [], silent
     assert outcomes["refused"] > 50 and outcomes["reported"] >= 1, outcomes
+
+
+def test_a_store_that_lost_its_schema_is_not_made_anew_over_its_shards(tmp_path):
+    """With store.json deleted, a collect of another env wrote its own schema over 26 recorded
+    episodes, and `store repair` then planned to drop them all as damaged."""
+    root = str(tmp_path / "store")
+    store = Store.create(root, SCHEMA)
+    with store.writer("c0") as w:
+        write(w, 0, 3), write(w, 1, 4)
+    os.remove(os.path.join(root, "store.json"))
+    other = type(SCHEMA).from_json({**SCHEMA.to_json(), "attrs": {"env": "another"}})
+    for attempt in (lambda: Store.create(root, other, exist_ok=True), lambda: Store.open(root)):
+        # (a collect of another env takes the first; every other command the second)
+        with pytest.raises(StoreIntegrityError, match=r"store.json is missing, but the store still holds 1 shards "
+                                                      r"of recorded episodes: put back a store.json"):
+            attempt()
+    assert not os.path.exists(os.path.join(root, "store.json"))
+    shutil.copy(os.path.join(Store.create(str(tmp_path / "twin"), SCHEMA).root, "store.json"), root)
+    assert len(Store.open(root).snapshot()) == 2  # nothing was lost

@@ -108,6 +108,22 @@ class EpisodeInfo:
         )
 
 
+def _refuse_lost_schema(root: str) -> None:
+    """Raise ``StoreIntegrityError`` when ``root`` has lost its ``store.json`` but still holds
+    recorded shards: a store made anew there would take them under another schema, and every
+    check would then read them as damaged.
+    """
+    shards = os.path.join(root, "shards")
+    if os.path.exists(os.path.join(root, "store.json")) or not os.path.isdir(shards):
+        return
+    held = [n for n in os.listdir(shards) if os.path.exists(os.path.join(shards, n, "commit.bin"))]
+    if held:
+        raise StoreIntegrityError(
+            f"{root}/store.json is missing, but the store still holds {len(held)} shards of recorded episodes: "
+            "put back a store.json (that of a store collected from the same env and env kwargs can replace it; "
+            "the episodes are untouched) rather than making a new store over them")
+
+
 class Store:
     """A trajectory store rooted at a directory.
 
@@ -129,6 +145,7 @@ class Store:
         """Create a store with ``schema``. With ``exist_ok``, open it if it already exists
         (its schema must then equal ``schema``)."""
         path = os.path.join(root, "store.json")
+        _refuse_lost_schema(root)
         if os.path.exists(path):
             if not exist_ok:
                 raise StoreError(f"a store already exists at {root}")
@@ -163,6 +180,7 @@ class Store:
                 default); False skips that for trusted local data.
         """
         path = os.path.join(root, "store.json")
+        _refuse_lost_schema(root)
         if not os.path.exists(path):
             what = f"{root} is a file, not a robo-post store" if os.path.isfile(root) else f"no robo-post store at {root}"
             raise StoreNotFoundError(f"{what} (missing store.json)")
