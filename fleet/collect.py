@@ -16,6 +16,7 @@ from robo_post.eval.rollout import recorded_env_kwargs
 from robo_post.fleet.client import ClientConfig, Overseer, store_schema
 from robo_post.fleet.launcher import LocalLauncher, RayLauncher, raise_unfinished
 from robo_post.store import PolicyNotFoundError, PolicyRegistry, ShardLockedError, Store, StoreError
+from robo_post.store.integrity import warn_lost_shards
 from robo_post.store.schema import BARE_OBS_ATTR, infer_role
 from robo_post.store.writer import lock_shard, try_lock
 
@@ -176,6 +177,7 @@ def collect(cfg: DictConfig) -> list[dict[str, Any]]:
                   f"eval then runs the env's defaults for the kwargs they disagree on ({needed} records them "
                   "alike)", file=sys.stderr)
     store = Store.create(cfg.store, schema, exist_ok=True)
+    warn_lost_shards(store.root, "recording on")
     # Another collect with the same client ids counts from the same commits, so its clients
     # would take this one's episodes for their own: held from before the targets are read.
     held = lock_client_ids(store.root, cfg.fleet.client_prefix)

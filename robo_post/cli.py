@@ -22,6 +22,7 @@ def _store_info(args: argparse.Namespace) -> int:
     from collections import Counter
 
     from robo_post.store import ROLES, PolicyRegistry, Store
+    from robo_post.store.integrity import lost_since_snapshots
     from robo_post.store.store import describe_lost
 
     store = Store.open(args.path)
@@ -53,13 +54,17 @@ def _store_info(args: argparse.Namespace) -> int:
         "policy_versions": PolicyRegistry(store.root).versions(),
         "size_bytes": store.size_bytes(),
         "lost": lost,
+        "lost_shards": lost_since_snapshots(store),
     }
     for shard, what in lost.items():
         print(f"warning: shard {shard}: {what} (`robo-post store repair {args.path}` leaves its episodes out)",
               file=sys.stderr)
+    for problem in info["lost_shards"]:
+        print(f"warning: {problem}: the figures below leave them out", file=sys.stderr)
+    damaged = bool(lost or info["lost_shards"])
     if args.json:
         print(json.dumps(info, indent=1))
-        return 1 if lost else 0
+        return 1 if damaged else 0
     from rich.console import Console
     from rich.table import Table
 
@@ -78,7 +83,7 @@ def _store_info(args: argparse.Namespace) -> int:
     for t, d in info["tasks"].items():
         table.add_row(t or "(none)", str(d["episodes"]), "n/a" if d["success_rate"] is None else f"{d['success_rate']:.1%}")
     console.print(table)
-    return 1 if lost else 0
+    return 1 if damaged else 0
 
 
 def _rate(episodes) -> float | None:

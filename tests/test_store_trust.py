@@ -705,3 +705,24 @@ def test_a_store_that_lost_its_schema_is_not_made_anew_over_its_shards(tmp_path)
     assert not os.path.exists(os.path.join(root, "store.json"))
     shutil.copy(os.path.join(Store.create(str(tmp_path / "twin"), SCHEMA).root, "store.json"), root)
     assert len(Store.open(root).snapshot()) == 2  # nothing was lost
+
+
+def test_a_shard_folder_deleted_whole_is_warned_about_by_info_train_and_collect(tmp_path, capsys):
+    """`store info` exited 0 and `train` published a version trained on half the data, without a word."""
+    from robo_post.store.integrity import lost_since_snapshots, warn_lost_shards
+
+    store = Store.create(str(tmp_path / "store"), SCHEMA)
+    for shard, n in (("c0", 2), ("c1", 3)):
+        with store.writer(shard) as w:
+            for i in range(n):
+                write(w, i, 3)
+    snap = store.snapshot()  # recorded: it saw 3 episodes in c1
+    assert lost_since_snapshots(store) == []
+    shutil.rmtree(os.path.join(store.root, "shards", "c1"))
+    problem = f"shard c1: its directory is gone, yet snapshot {snap.id} saw 3 committed episodes in it"
+    assert lost_since_snapshots(store) == [problem]
+    warn_lost_shards(store.root, "training on the rest")
+    assert capsys.readouterr().err == f"warning: {problem}: training on the rest (`robo-post store validate {store.root}`)\n"
+    r = _cli("store", "info", store.root)
+    assert r.returncode == 1 and f"warning: {problem}: the figures below leave them out" in r.stderr
+    assert "episodes 2 " in r.stdout

@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from robo_post.algos.registry import method_spec
 from robo_post.learner import craft_driver  # noqa: F401  (registers the `craft` driver)
 from robo_post.learner.drivers import DRIVERS, ENV_CHECKS, run_lock
+from robo_post.store.integrity import warn_lost_shards
 from robo_post.store.registry import PolicyRegistry
 
 
@@ -21,6 +22,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                          f"drivers: {sorted(DRIVERS)}")
     if os.path.exists(os.path.join(cfg.store, "store.json")):  # a missing store is the driver's error to name
         PolicyRegistry(cfg.store).check_writable()
+        warn_lost_shards(cfg.store, "training on the rest")
     with run_lock(cfg.run_dir):
         return DRIVERS[spec.driver](cfg, spec)
 

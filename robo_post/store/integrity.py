@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -252,6 +253,24 @@ def _lost_since_snapshots(root: str, committed: dict[str, tuple[int, int] | None
             continue
         losses.append(LostEpisodes(problem, [path for seen_n, _, path in records if seen_n > now]))
     return losses
+
+
+def lost_since_snapshots(store: Store) -> list[str]:
+    """``validate``'s check that no shard lost episodes a recorded snapshot saw (a shard folder
+    deleted whole), alone: it reads commit and snapshot records only, no episode data, so the
+    commands that read or add to a store can say so before they use what is left."""
+    committed: dict[str, tuple[int, int] | None] = {}
+    for shard in store.shards(strict=False):
+        status = inspect_commit(os.path.join(store.root, "shards", shard))
+        committed[shard] = None if status.problem is not None else (status.counts["episodes"], status.seq)
+    return [loss.problem for loss in _lost_since_snapshots(store.root, committed)]
+
+
+def warn_lost_shards(root: str, going_on: str) -> None:
+    """Print a warning to stderr per shard of the store at ``root`` that lost episodes a recorded
+    snapshot saw (``lost_since_snapshots``); ``going_on`` says what the command does anyway."""
+    for problem in lost_since_snapshots(Store.open(root)):
+        print(f"warning: {problem}: {going_on} (`robo-post store validate {root}`)", file=sys.stderr)
 
 
 @dataclass
