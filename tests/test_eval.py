@@ -14,6 +14,7 @@ import json
 import math
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import pytest
 from PIL import Image
@@ -219,6 +220,42 @@ def test_replay_reproduces_recorded_episode(evals):
         replayer.close()
     assert "DIVERGED" not in note and idx[0] == 0 and idx[-1] == episode.length
     assert len(frames) == len(idx) and frames[0].shape == (256, 256, 3) and frames[0].std() > 0
+
+
+class _NoRender(gym.Env):
+    """A user's env whose constructor takes no render_mode (and which renders nothing)."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(3)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(2, np.float32), 0.0, False, False, {}
+
+
+gym.register("robo_post_test/NoRender-v0", entry_point=_NoRender)
+
+
+def test_a_report_on_an_env_that_cannot_render_leaves_out_only_its_frames(evals, capsys, monkeypatch):
+    """`robo-post report` stopped at an env without `render_mode` (EnvMakeError), leaving two plots and no report."""
+    replayer = report_mod._Replayer()
+    episode = dataclasses.replace(Store.open(evals["out"]).snapshot().episodes()[0], task_id="robo_post_test/NoRender-v0")
+    with pytest.raises(report_mod.NoFramesError, match="env 'robo_post_test/NoRender-v0' cannot be made with kwargs {'render_mode': 'rgb_array'}"):
+        replayer.replay(episode, {"name": "robo_post_test/NoRender-v0"}, np.zeros(2, np.int64), np.arange(3))
+    replayer.close()
+
+    def no_frames(*args):
+        raise report_mod.NoFramesError("env 'mine' renders no frames (render() returned None)")
+
+    monkeypatch.setattr(report_mod, "_frames", no_frames)
+    md = open(write_report(str(evals["root"] / "no_frames"), [evals["flow"], evals["expert"]],
+                           eval_store=evals["out"])).read()
+    assert "| expert · train | 3 | 100% [44%–100%] | 100% [44%–100%] | **100%** [61%–100%] |" in md
+    assert "No frames for push (expert · train): env 'mine' renders no frames (render() returned None)." in md
+    assert capsys.readouterr().err.count("warning: no rollout frames: env 'mine' renders no frames") == 1
 
 
 def test_report_has_tables_plots_and_html(evals):

@@ -22,7 +22,9 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -31,7 +33,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
 from robo_post.config import check_dir_path
-from robo_post.envs.registry import env_spec
+from robo_post.envs.registry import EnvMakeError, env_spec
 from robo_post.learner.loop import read_metrics
 from robo_post.eval.rollout import (format_mean, format_metric, format_rate, load_results, pct as _pct,
                                    read_json_object, read_result)
@@ -373,7 +375,7 @@ def _rollout_section(
         "per task (for envs without success: the highest and the lowest return); `t` is the control step."
     )
     snapshots: dict[str, Snapshot] = {}
-    replayer = _Replayer()
+    replayer, unrenderable = _Replayer(), set()
     try:
         for r, label in zip(results, labels):
             root = eval_store or r["eval_store"]
@@ -386,7 +388,14 @@ def _rollout_section(
                 if not picked:
                     continue
                 name = f"rollouts_{_slug(label)}_{_slug(task)}.png"
-                rows = [(e, *_frames(snap, e, r["env"], replayer)) for e in picked]
+                try:
+                    rows = [(e, *_frames(snap, e, r["env"], replayer)) for e in picked]
+                except NoFramesError as e:  # the rest of the report stands without this strip
+                    if str(e) not in unrenderable:
+                        print(f"warning: no rollout frames: {e}", file=sys.stderr)
+                        unrenderable.add(str(e))
+                    doc.paragraph(f"No frames for {task} ({label}): {e}.")
+                    continue
                 _plot_strip(os.path.join(out_dir, name), f"{task} — {label}", rows)
                 doc.heading(3, f"{task} — {label}")
                 doc.image(name, f"{task} rollouts of {label}")
@@ -438,12 +447,16 @@ def _camera_key(obs: dict[str, np.ndarray]) -> str | None:
     return next((k for k, v in obs.items() if v.dtype == np.uint8 and v.ndim == 4 and v.shape[-1] == 3), None)
 
 
+class NoFramesError(Exception):
+    """An episode without a recorded camera whose env cannot render frames to replay it."""
+
+
 class _Replayer:
     """Re-renders episodes without a recorded camera: make the env through the registry
     with its frame-rendering kwargs, reset with the recorded seed, step the recorded actions."""
 
     def __init__(self) -> None:
-        self.envs: dict[str, Any] = {}
+        self.envs: dict[str, Any] = {}  # or the EnvMakeError of an env that cannot be made so
 
     def replay(self, episode: EpisodeInfo, env_cfg: dict[str, Any], actions: np.ndarray, idx: np.ndarray
                ) -> tuple[list[np.ndarray], dict[str, Any]]:
@@ -451,20 +464,31 @@ class _Replayer:
         kwargs = {**{k: v for k, v in env_cfg.items() if k != "name"}, **spec.render_kwargs}
         key = json.dumps([spec.key, episode.task_id, kwargs], sort_keys=True)
         if key not in self.envs:
-            self.envs[key] = spec.make(episode.task_id, **kwargs)
+            try:
+                with warnings.catch_warnings():  # gymnasium's note on a render_mode the env does not list
+                    warnings.simplefilter("ignore")
+                    self.envs[key] = spec.make(episode.task_id, **kwargs)
+            except EnvMakeError as e:
+                self.envs[key] = e
         env = self.envs[key]
+        if isinstance(env, EnvMakeError):
+            raise NoFramesError(str(env))
         obs, _ = env.reset(seed=episode.seed)
         wanted, frames = set(idx.tolist()), []
         for t in range(len(actions) + 1):
             if t in wanted:
-                frames.append(env.render())
+                frame = env.render()
+                if frame is None:
+                    raise NoFramesError(f"env {env_cfg['name']!r} renders no frames (render() returned None)")
+                frames.append(frame)
             if t < len(actions):
                 obs, *_ = env.step(actions[t])
         return frames, obs
 
     def close(self) -> None:
         for env in self.envs.values():
-            env.close()
+            if not isinstance(env, EnvMakeError):
+                env.close()
 
 
 def _plot_strip(path: str, title: str, rows: list[tuple[EpisodeInfo, np.ndarray, list[np.ndarray], str]]) -> None:
