@@ -319,3 +319,20 @@ def test_fleet_records_a_cartpole_sb3_agent_with_integer_actions(tmp_path):
         assert data["action"].tolist() == expected  # the agent's own greedy actions, unchanged
     with pytest.raises(ValueError, match="stable-baselines3"):
         build_policy({}, {**policy, "algo": "NotAnAlgo"})
+
+
+def test_an_env_observing_other_keys_is_named_with_what_it_observes(tmp_path):
+    """The error said the env 'observes {}': it listed only the keys the policy reads."""
+    from robo_post.eval.rollout import EnvMismatchError
+    from robo_post.models.features import state_features
+    from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
+    from robo_post.store import PolicyRegistry
+
+    store = Store.create(str(tmp_path / "store"), store_schema({"name": "Pendulum-v1"}, None))
+    model = FlowPolicy(FlowPolicyConfig(features=state_features(3, "observation"), action_dim=1, horizon=1,
+                                        use_text=False, embed_dim=8, hidden_dim=16, flow_steps=2,
+                                        action_low=[-2.0], action_high=[2.0]))
+    version = PolicyRegistry(store.root).publish(*model.artifact(algorithm="untrained"))
+    with pytest.raises(EnvMismatchError, match=r"env 'tabletop' with kwargs \{.*\} observes \{'proprio': \('float32', "
+                       r"\(\d+,\)\), 'task_id': \('int64', \(\)\)\}, but the policy was trained on \{'observation': \('float32', \(3,\)\)\}"):
+        evaluate(store.root, version, ["reach"], 1, n_clients=1, env="tabletop", out_store=str(tmp_path / "eval"))

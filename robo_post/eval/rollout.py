@@ -478,8 +478,10 @@ def check_observations(trained: Any, evaluated: Any, env_cfg: dict[str, Any], po
             if recorded_in is not None and recorded_in.rpartition(":")[2] != env_cfg["name"].rpartition(":")[2]
             else hint or "pass the env kwargs its data was collected with (env_kwargs={...})")
     if want != got:
+        observed = {k: (s.dtype, tuple(s.shape)) for k, s in evaluated.observations.items()}  # all it observes
         raise EnvMismatchError(
-            f"env {env_cfg['name']!r} with kwargs {kwargs} observes {got}, but the policy was trained on {want}: {hint}")
+            f"env {env_cfg['name']!r} with kwargs {kwargs} observes {observed}, but the policy was trained on {want}: "
+            f"{hint}")
     if not _same_action(trained.action, evaluated.action):
         raise EnvMismatchError(
             f"env {env_cfg['name']!r} with kwargs {kwargs} takes actions {_action_text(evaluated.action)}, but the "
