@@ -359,6 +359,12 @@ def test_policy_registry(store):
     w, cfg = reg.load(1)
     assert torch.equal(w["w"], weights["w"]) and cfg == {"arch": "mlp", "version": 1}
     assert torch.equal(reg.load()[0]["w"], weights["w"] * 2)
+    # the weights are as readable as the config (safetensors' own writer made them 0600)
+    version_dir = os.path.join(reg.dir, "v000002")
+    modes = {name: os.stat(os.path.join(version_dir, name)).st_mode & 0o777 for name in os.listdir(version_dir)}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert set(modes.values()) == {0o666 & ~umask}, modes
 
 
 def flip_last_byte(path):

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import crc32c
 import torch
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save_file
+from safetensors.torch import save as save_safetensors
 
 from robo_post.store.schema import StoreError, check_folder
 from robo_post.store.writer import write_json_atomic
@@ -105,7 +105,10 @@ class PolicyRegistry:
         os.makedirs(tmp)
         try:
             tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-            save_file(tensors, os.path.join(tmp, WEIGHTS_FILE))
+            # written by us, not safetensors' save_file, which makes the file 0600: fleet processes
+            # of another user must read the weights as they read the config (the umask decides)
+            with open(os.path.join(tmp, WEIGHTS_FILE), "wb") as f:
+                f.write(save_safetensors(tensors))
             with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
                 json.dump({**config, "version": version, _CHECKSUMMED: True}, f, indent=1, allow_nan=False)
             checksums = {}
