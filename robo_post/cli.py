@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from typing import Callable
 
 from omegaconf import DictConfig
@@ -338,6 +339,18 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Our own warnings (a damaged commit slot, ...) as one ``warning:`` line like the others;
+    a library's keep Python's format, which says where they come from."""
+    if category.__module__.startswith("robo_post."):
+        print(f"warning: {message}", file=file or sys.stderr)
+    else:
+        _python_show_warning(message, category, filename, lineno, file, line)
+
+
+_python_show_warning = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["--version"], ["-V"]):
@@ -352,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"robo-post: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    previous, warnings.showwarning = warnings.showwarning, _show_warning
     try:
         return COMMANDS[name][1](rest)
     # Expected failures: a clear message, no traceback. OSError: a read-only or full disk,
@@ -362,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # store commits are atomic: an interrupted episode is simply not committed
         print(f"\nrobo-post {name}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = previous
 
 
 if __name__ == "__main__":

@@ -179,6 +179,9 @@ def test_a_damaged_newest_commit_slot_is_reported_and_repaired(tmp_path, small_c
         f.write(b"\xff")
     with pytest.warns(CommitDamageWarning, match="shard a: commit.bin slot 1 is damaged"):
         assert len(store.snapshot()) == 2  # readers fall back to the previous record, and say so
+    r = _cli("store", "info", store.root)  # in robo-post's own words: one line, not Python's warning format
+    assert r.returncode == 0 and r.stderr.startswith("warning: shard a: commit.bin slot 1 is damaged"), r.stderr
+    assert "CommitDamageWarning" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     checked, problems = validate_store(store.root)
     assert len(problems) == 1 and "commit.bin slot 1 is damaged" in problems[0]
     assert "holds 1 complete records past it" in problems[0]
