@@ -258,6 +258,15 @@ def test_a_report_on_an_env_that_cannot_render_leaves_out_only_its_frames(evals,
     assert capsys.readouterr().err.count("warning: no rollout frames: env 'mine' renders no frames") == 1
 
 
+def test_every_run_of_the_learning_curves_is_in_the_legend():
+    """The legend sat in the first panel, which held only the BC run: the DIVL+QAM curves had no label."""
+    runs = {"bc": [{"update": u, "bc_loss": 1.0 / u} for u in (1, 2)],
+            "divl_qam": [{"update": u, "value_loss": 2.0 / u, "q": float(u)} for u in (1, 2)]}
+    fig = report_mod._curves_figure(runs)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["bc", "divl_qam"]
+    assert [ax.get_title() for ax in fig.axes if ax.get_visible()] == ["bc_loss", "value_loss", "q"]
+
+
 def test_report_has_tables_plots_and_html(evals):
     run = evals["root"] / "run"
     run.mkdir()

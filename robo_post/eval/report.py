@@ -30,6 +30,7 @@ from typing import Any, Iterable
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.ticker import PercentFormatter
 
 from robo_post.config import check_dir_path
@@ -337,6 +338,11 @@ def _run_row(name: str, published: str, episodes: Any, final: dict[str, Any], wa
 
 
 def _plot_curves(path: str, runs: dict[str, list[dict[str, Any]]]) -> None:
+    _curves_figure(runs).savefig(path, dpi=100)
+
+
+def _curves_figure(runs: dict[str, list[dict[str, Any]]]) -> Figure:
+    """One panel per metric of any run, every run's curve in its colour."""
     columns = list(dict.fromkeys(c for rows in runs.values() for c in _numeric_columns(rows)))
     ncols = min(3, len(columns))
     nrows = math.ceil(len(columns) / ncols)
@@ -359,10 +365,11 @@ def _plot_curves(path: str, runs: dict[str, list[dict[str, Any]]]) -> None:
         ax.grid(alpha=0.3, which="both")
     for ax in axes[len(columns):]:
         ax.set_visible(False)
-    if len(runs) > 1:
-        axes[0].legend(fontsize=9)
+    if len(runs) > 1:  # one legend for every panel: a run may be missing from the first
+        handles = [Line2D([], [], color=color, lw=1.6) for color in colors]
+        fig.legend(handles, list(runs), loc="outside lower center", ncols=min(len(runs), 4), fontsize=9)
     fig.suptitle("Training metrics (window means) — " + ", ".join(runs), fontsize=13)
-    fig.savefig(path, dpi=100)
+    return fig
 
 
 # --- rollout strips -----------------------------------------------------------------
