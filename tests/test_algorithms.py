@@ -83,7 +83,7 @@ def test_a_budget_within_the_critic_warmup_is_warned_about(bc_store, tmp_path, c
     assert "critic_warmup" not in capsys.readouterr().err
 
 
-def test_the_reference_is_the_first_flow_version_and_another_kind_is_named(bc_store, tmp_path):
+def test_the_reference_is_the_first_flow_version_and_another_kind_is_named(bc_store, tmp_path, capsys):
     store = Store.create(str(tmp_path / "store"), Store.open(bc_store).schema)
     registry = PolicyRegistry(store.root)
     registry.publish({"w": torch.zeros(2)}, {"kind": "gaussian", "model": {}})  # a gaussian_bc version first
@@ -94,6 +94,13 @@ def test_the_reference_is_the_first_flow_version_and_another_kind_is_named(bc_st
     registry.publish(flow_weights, flow_config)
     policy, version = load_reference(store, None, torch.device("cpu"))  # the first flow version
     assert version == 2 and all(torch.equal(policy.state_dict()[k], v) for k, v in flow_weights.items())
+    assert capsys.readouterr().err == ""
+    registry.publish({"w": torch.zeros(2)}, {"kind": "gaussian", "model": {}})
+    registry.publish(flow_weights, flow_config)  # a newer BC: still the first, and the newer one named
+    assert load_reference(store, None, torch.device("cpu"))[1] == 2
+    assert capsys.readouterr().err == (f"starting from flow version 2, the first {flow_config['algorithm']} version; "
+                                       "later ones: [4] (reference_version=4 starts from the newest)\n")
+    assert load_reference(store, 4, torch.device("cpu"))[1] == 4 and capsys.readouterr().err == ""
     shutil.copytree(bc_store, tmp_path / "data")  # a pinned version of another kind, from the CLI's train
     pinned = PolicyRegistry(str(tmp_path / "data")).publish({"w": torch.zeros(2)}, {"kind": "gaussian", "model": {}})
     cfg = OmegaConf.merge(_cfg(str(tmp_path / "data"), str(tmp_path / "run"), "divl_qam", 2),

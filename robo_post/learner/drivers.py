@@ -186,6 +186,13 @@ def load_reference(store: Store, version: int | None, device: torch.device) -> t
         except PolicyArtifactError as e:
             raise PolicyArtifactError(f"{e}; set algo.reference_version to an intact flow version") from None
         if config.get("kind") in FLOW_KINDS:
+            # a newer version trained the same way (BC again) is what a user may have meant
+            alike = ("kind", "algorithm")
+            later = [u for u in registry.versions() if u > v and [(registry.peek_config(u) or {}).get(k) for k in alike]
+                     == [config.get(k) for k in alike]]
+            if not version and later:
+                print(f"starting from flow version {v}, the first {config.get('algorithm', 'flow')} version; later "
+                      f"ones: {later} (reference_version={later[-1]} starts from the newest)", file=sys.stderr)
             return flow_of(weights, config).to(device), v
         kinds[v] = config.get("kind")
     if not kinds:

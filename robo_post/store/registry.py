@@ -126,6 +126,15 @@ class PolicyRegistry:
                 shutil.rmtree(tmp)
         return version
 
+    def peek_config(self, version: int) -> dict[str, Any] | None:
+        """``version``'s config as its file reads, unchecked and without its weights (to list
+        versions; ``load`` is what checks a version), or None where it does not read as one."""
+        try:
+            config = json.loads(_read(os.path.join(self.dir, _dirname(version)), CONFIG_FILE, version))
+        except (PolicyArtifactError, ValueError):
+            return None
+        return config if isinstance(config, dict) else None
+
     def load(self, version: int | None = None, device: str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Load ``(weights, config)`` of ``version`` (default: latest)."""
         if version is None:
