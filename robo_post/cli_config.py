@@ -375,7 +375,17 @@ def _free_form(key: str) -> bool:
 def _check_keys(overrides: list[str], known: dict[str, Any], groups: Iterable[str]) -> None:
     for override in overrides:
         prefix, key, value = _parse(override)
-        if "@" in key or key in groups or _free_form(key.removeprefix("bc.")):
+        if "@" in key or key in groups:
+            continue
+        if _free_form(key.removeprefix("bc.")):
+            # any key goes in these, but one that is not there yet is added with `+` (hydra's
+            # own refusal names no setting)
+            if not prefix and not _get(known, key)[0]:
+                parent, _, name = key.rpartition(".")
+                present, node = _get(known, parent)
+                keys = ", ".join(sorted(node)) if present and isinstance(node, dict) and node else "none"
+                raise ConfigError(key, value, keys, f"{parent} has no setting {name!r} (its settings: {keys}); "
+                                  f"+{key}={value} adds one")
             continue
         if "~" in prefix:
             raise ConfigError(key, value, "", f"{override}: deleting a key is not supported; set {key}=VALUE instead")

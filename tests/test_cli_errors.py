@@ -29,6 +29,9 @@ BAD = [  # (command, overrides, what the error line must name)
     ("collect", ["episodes=abc"], ["episodes='abc'", "integer >= 1"]),
     ("collect", ["fleet.n_clients=0"], ["fleet.n_clients=0", "integer >= 1"]),
     ("collect", ["+framez=false"], ["framez", "known keys at the top level", "episodes"]),
+    # hydra's "Could not override 'policy.noise'", naming no setting of the chosen policy
+    ("collect", ["policy=random", "policy.noise=0"], ["policy has no setting 'noise' (its settings: kind); "
+                                                      "+policy.noise=0 adds one"]),
     ("collect", ["fleet.overseer.deadline=2"], ["fleet.overseer.deadline=2", "(0, 1]"]),
     ("collect", ["env=gym"], ["env.name='???'", "non-empty string"]),
     ("collect", ["episodes=[1,"], ["episodes=[1,"]),  # hydra's own parse error, on one line
