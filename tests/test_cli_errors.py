@@ -189,8 +189,18 @@ def test_rerunning_a_finished_train_publishes_nothing(interrupted, tmp_path):
     assert json.loads(again.stdout) == json.loads(first.stdout) and json.loads(first.stdout)["version"] == 1
     assert "already done (update 4 of 4, published version 1)" in again.stderr
     assert PolicyRegistry(store).versions() == [1]
+    weights = PolicyRegistry(store).load(1)[0]
+    with open(os.path.join(store, "policies", "v000001", "model.safetensors"), "r+b") as f:  # damaged since
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 0xFF]))
+    repaired = _cli(*args)  # the way back: the finished run publishes its final weights again
+    assert repaired.returncode == 0 and json.loads(repaired.stdout)["version"] == 2, repaired.stderr
+    assert "finished, but policy version 1: " in repaired.stderr and "published again" in repaired.stderr
+    assert all(torch.equal(PolicyRegistry(store).load(2)[0][k], v) for k, v in weights.items())
     more = _cli(*args[:3], "updates=6", *args[4:])  # a larger target continues the run and publishes
-    assert more.returncode == 0 and json.loads(more.stdout)["version"] == 2, more.stderr
+    assert more.returncode == 0 and json.loads(more.stdout)["version"] == 3, more.stderr
 
 
 def test_a_run_dir_of_another_method_is_refused_and_left_as_it_was(interrupted, tmp_path):

@@ -36,8 +36,8 @@ from robo_post.learner.tracking import Tracker, tracking_settings
 from robo_post.learner.value_report import write_value_report
 from robo_post.models.features import infer_features, state_keys
 from robo_post.models.flow import FlowPolicy
-from robo_post.store import (EpisodeInfo, ImitationSampler, PolicyArtifactError, PolicyRegistry, Snapshot, Store,
-                             StoreSchema, WindowSampler)
+from robo_post.store import (EpisodeInfo, ImitationSampler, PolicyArtifactError, PolicyNotFoundError, PolicyRegistry,
+                             Snapshot, Store, StoreSchema, WindowSampler)
 from robo_post.store.store import remove_empty_store
 from robo_post.store.writer import try_lock, write_json_atomic
 
@@ -276,6 +276,13 @@ def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig) -> di
               "its weights are published again under the new ones without training (the version records "
               "`same_weights_as`): settings that shape training take effect in a new run_dir", file=sys.stderr)
         return None
+    version = summary.get("version")
+    if isinstance(version, int) and not isinstance(version, bool):
+        try:
+            PolicyRegistry(cfg.store).load(version)
+        except (PolicyArtifactError, PolicyNotFoundError) as e:  # what the fleet would load is gone
+            print(f"warning: {run_dir} finished, but {e}: its final weights are published again", file=sys.stderr)
+            return None
     print(f"{run_dir} is already done ({counter} {done} of {target}, published version {summary.get('version')}); "
           f"nothing trained or published. A larger target continues it; a new run_dir starts over.", file=sys.stderr)
     return summary
