@@ -275,9 +275,8 @@ def test_collect_without_the_recorded_env_kwargs_names_them(tmp_path):
             and r.stderr.strip().endswith("collect with them: +env.kwargs.duration=2 +env.kwargs.observed_vehicles=3"))
 
 
-def test_eval_refuses_an_env_whose_actions_differ_from_the_training_data(tmp_path):
-    """``env=`` another env observing alike: the policy's [-2, 2] torques were silently clipped to [-1, 1]."""
-    from robo_post.eval.rollout import EnvMismatchError
+def _pendulum_flow(tmp_path) -> tuple[Store, int]:
+    """A Pendulum-v1 store and an untrained flow policy of its observation published in it."""
     from robo_post.models.features import state_features
     from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
     from robo_post.store import PolicyRegistry
@@ -286,7 +285,14 @@ def test_eval_refuses_an_env_whose_actions_differ_from_the_training_data(tmp_pat
     model = FlowPolicy(FlowPolicyConfig(features=state_features(3, "observation"), action_dim=1, horizon=1,
                                         use_text=False, embed_dim=8, hidden_dim=16, flow_steps=2,
                                         action_low=[-2.0], action_high=[2.0]))
-    version = PolicyRegistry(store.root).publish(*model.artifact(algorithm="untrained"))
+    return store, PolicyRegistry(store.root).publish(*model.artifact(algorithm="untrained"))
+
+
+def test_eval_refuses_an_env_whose_actions_differ_from_the_training_data(tmp_path):
+    """``env=`` another env observing alike: the policy's [-2, 2] torques were silently clipped to [-1, 1]."""
+    from robo_post.eval.rollout import EnvMismatchError
+
+    store, version = _pendulum_flow(tmp_path)
     out = str(tmp_path / "eval")
     with pytest.raises(EnvMismatchError, match=r"takes actions float32 \(1,\) in \[\[-1.0\], \[1.0\]\], but the "
                        r"policy was trained on actions float32 \(1,\) in \[\[-2.0\], \[2.0\]\]: the policy's data "
@@ -324,15 +330,8 @@ def test_fleet_records_a_cartpole_sb3_agent_with_integer_actions(tmp_path):
 def test_an_env_observing_other_keys_is_named_with_what_it_observes(tmp_path):
     """The error said the env 'observes {}': it listed only the keys the policy reads."""
     from robo_post.eval.rollout import EnvMismatchError
-    from robo_post.models.features import state_features
-    from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
-    from robo_post.store import PolicyRegistry
 
-    store = Store.create(str(tmp_path / "store"), store_schema({"name": "Pendulum-v1"}, None))
-    model = FlowPolicy(FlowPolicyConfig(features=state_features(3, "observation"), action_dim=1, horizon=1,
-                                        use_text=False, embed_dim=8, hidden_dim=16, flow_steps=2,
-                                        action_low=[-2.0], action_high=[2.0]))
-    version = PolicyRegistry(store.root).publish(*model.artifact(algorithm="untrained"))
+    store, version = _pendulum_flow(tmp_path)
     with pytest.raises(EnvMismatchError, match=r"env 'tabletop' with kwargs \{.*\} observes \{'proprio': \('float32', "
                        r"\(\d+,\)\), 'task_id': \('int64', \(\)\)\}, but the policy was trained on \{'observation': \('float32', \(3,\)\)\}"):
         evaluate(store.root, version, ["reach"], 1, n_clients=1, env="tabletop", out_store=str(tmp_path / "eval"))
