@@ -13,6 +13,12 @@ candidates at every state) and compares, greedily on the benchmark's evaluation 
   ``sum_k pi_k A~_k`` plus ``--entropy`` times the policy's entropy, with the advantages
   ``A~`` of ``--objective group`` (per-state z-scores) or ``batch`` (per-state centring on
   one batch scale; see ``proxy_norm``);
+- **mirror** (``--objective mirror``, from the pretrained weights): the proxy's advice only
+  where the policy's own choice is predicted to go wrong. In states where the proxy scores the
+  policy's first choice below ``--danger`` and its best candidate more than ``--margin`` above
+  it, the target is ``softmax(log pi + (r~ - mean r~) / --tau)``; elsewhere the policy itself;
+  cross-entropy to convergence. Does the right answer in the few critical states carry over to
+  the evaluation's?
 - **DAgger round r**: the distilled policy's own greedy episodes, scored by the proxy at
   every state, added to the data and the policy retrained (``--dagger`` rounds of
   ``--dagger-episodes`` episodes on seeds disjoint from the evaluation's).
@@ -28,6 +34,7 @@ an optimisation budget of its loss but what the scorer can learn from its observ
     python benchmarks/craft_ceiling.py --work runs/bench_craft       # after craft_highway.py
     python benchmarks/craft_ceiling.py --planner-episodes 60 --env-kwargs '{"observed_vehicles": 8}'
     python benchmarks/craft_ceiling.py --work runs/bench_craft --objective batch --dagger 0
+    python benchmarks/craft_ceiling.py --work runs/bench_craft --objective mirror --skip-planner
 """
 
 from __future__ import annotations
@@ -89,12 +96,31 @@ class Chooser:
 
 
 def distill(policy: CandidatePolicy, obs: torch.Tensor, scores: torch.Tensor, objective: str, entropy: float,
-            updates: int) -> float:
+            updates: int, mirror: tuple[float, float, float] = (0.05, 0.3, 0.0)) -> float:
     """Train ``policy`` in place on the states ``obs`` (N, D) and their proxy scores (N, K);
-    returns the share of states where its argmax is the proxy's best candidate."""
+    returns the share of states where its argmax is the proxy's best candidate. ``mirror``:
+    ``(tau, margin, danger)`` of ``objective='mirror'``."""
     generator = torch.Generator().manual_seed(0)
     if objective == "ce":
         return bc_pretrain(policy, {"state": obs}, scores.argmax(-1), updates, generator=generator)["accuracy"]
+    if objective == "mirror":
+        tau, margin, danger = mirror
+        with torch.no_grad():
+            own = policy.logits({"state": obs}).log_softmax(-1)
+        first = scores.gather(-1, own.argmax(-1, keepdim=True))[:, 0]
+        critical = (first < danger) & (scores.max(-1).values - first > margin)
+        target = torch.where(critical[:, None], (own + (scores - scores.mean(-1, keepdim=True)) / tau).softmax(-1),
+                             own.exp())
+        print(f"mirror: {int(critical.sum())} of {len(obs)} states where the policy's choice is predicted to go "
+              "wrong", flush=True)
+
+        def cross_entropy(index: torch.Tensor) -> torch.Tensor:
+            log_pi = policy.logits(take_rows({"state": obs}, index)).log_softmax(-1)
+            return -(target[index] * log_pi).sum(-1).mean()
+
+        fit_minibatches(policy, len(obs), cross_entropy, updates, 1e-3, 256, 1.0, generator)
+        with torch.no_grad():
+            return float((policy.logits({"state": obs}).argmax(-1) == scores.argmax(-1)).float().mean())
     advantages = PROXY_NORMS[objective](scores)
 
     def loss(index: torch.Tensor) -> torch.Tensor:
@@ -119,9 +145,14 @@ def main() -> None:
     parser.add_argument("--work", default="runs/bench_craft", help="craft_highway.py's work dir")
     parser.add_argument("--eval-episodes", type=int, default=30)
     parser.add_argument("--updates", type=int, default=4000, help="distillation steps per (re)training")
-    parser.add_argument("--objective", choices=("ce", *PROXY_NORMS), default="ce",
+    parser.add_argument("--objective", choices=("ce", "mirror", *PROXY_NORMS), default="ce",
                         help="ce: cross-entropy on the best candidate; group / batch: CRAFT's proxy term with "
-                             "those advantages, to convergence")
+                             "those advantages, to convergence; mirror: the proxy's advice where the policy's own "
+                             "choice is predicted to go wrong (--tau, --margin, --danger)")
+    parser.add_argument("--tau", type=float, default=0.05, help="mirror: temperature of the proxy's scores")
+    parser.add_argument("--margin", type=float, default=0.3,
+                        help="mirror: the best candidate's score above the policy's choice, at least")
+    parser.add_argument("--danger", type=float, default=0.0, help="mirror: the policy's choice scores below this")
     parser.add_argument("--entropy", type=float, default=0.05, help="entropy bonus of --objective group / batch")
     parser.add_argument("--init", choices=("pretrained", "fresh"), default="pretrained",
                         help="with --work: start from the pretrained policy's weights, or from fresh ones with "
@@ -134,6 +165,8 @@ def main() -> None:
     parser.add_argument("--env-kwargs", default="{}", help="JSON env kwargs with --planner-episodes")
     parser.add_argument("--out", default=None, help="JSON results (default: <work>/ceiling.json)")
     args = parser.parse_args()
+    if args.objective == "mirror" and (args.init == "fresh" or args.planner_episodes):
+        parser.error("--objective mirror moves the pretrained policy: it needs --work and --init pretrained")
     torch.set_num_threads(1)
     torch.manual_seed(0)  # fresh scorers start from the same weights
     candidates = env_spec("highway_meta").candidates()
@@ -177,7 +210,8 @@ def main() -> None:
         rows["planner"]["wall_s"] = time.perf_counter() - t0
     for r in range(args.dagger + 1):
         policy = fresh()
-        accuracy = distill(policy, obs, scores, args.objective, args.entropy, args.updates)
+        accuracy = distill(policy, obs, scores, args.objective, args.entropy, args.updates,
+                           (args.tau, args.margin, args.danger))
         name = "distilled" if r == 0 else f"dagger {r}"
         rows[name] = {**rollouts(Chooser(greedy(policy)), eval_seeds, env_kwargs), "states": len(best),
                       "train_accuracy": accuracy}

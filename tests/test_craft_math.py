@@ -11,7 +11,7 @@ import torch
 from robo_post.algos.craft import (Craft, CraftBatchError, CraftConfig, CraftConfigError, EMATeacher, WindowValue,
                                    bc_pretrain, categorical_kl, dual_clip_surrogate, event_mask, event_returns,
                                    batch_scaled_advantages, evpo_advantages, explained_variance, grounded_advantage,
-                                   group_advantages,
+                                   group_advantages, guard_targets,
                                    policy_losses, residual, residual_for_batch, scale_advantages)
 from robo_post.learner.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from robo_post.models.candidate_policy import (CandidateConfigError, CandidatePolicy, CandidatePolicyConfig,
@@ -876,3 +876,47 @@ def test_non_numeric_or_non_finite_settings_are_config_errors(setting, shown):
     with pytest.raises(CraftConfigError, match=shown):
         CraftConfig(**setting)
     assert CraftConfig(lambda_res=1, event_weights=[-1, 0, 0, 0, 0]).lambda_res == 1  # integers are numbers
+
+
+# --- the guard term ------------------------------------------------------------------------------
+def test_guard_targets_pick_the_states_where_the_policys_choice_is_predicted_to_go_wrong():
+    scores = torch.tensor([[0.5, -1.0, 0.2, 0.0, 0.0],    # the policy's choice (1) crashes, 0 is 1.5 better: critical
+                           [0.5, -0.1, 0.3, 0.0, 0.0],    # its choice scores -0.1 < 0, but the best only 0.6 above: critical
+                           [0.9, 0.2, 0.0, 0.0, 0.0],     # its choice is safe (0.2 >= 0): not critical
+                           [-0.9, -1.0, -0.95, -1.0, -1.0]])  # its choice crashes, nothing is 0.3 better: not critical
+    old_logits = torch.tensor([[0.0, 3.0, 0.0, 0.0, 0.0]]).repeat(4, 1)
+    critical, target = guard_targets(scores, old_logits, tau=0.02, margin=0.3, danger=0.0)
+    assert critical.tolist() == [True, True, False, False]
+    expected = (old_logits.log_softmax(-1) + (scores - scores.mean(-1, keepdim=True)) / 0.02).softmax(-1)
+    assert torch.allclose(target, expected) and torch.allclose(target.sum(-1), torch.ones(4))
+    assert target[0].argmax() == 0 and target[0, 0] > 0.999  # nearly all on the proxy's best
+    # a large temperature leaves the acting policy as it was
+    assert torch.allclose(guard_targets(scores, old_logits, 1e6, 0.3, 0.0)[1], old_logits.softmax(-1), atol=1e-4)
+
+
+def test_the_guard_term_raises_the_critical_states_best_candidate_and_is_off_by_default():
+    policy = small_policy(7)
+    obs = {"state": torch.randn(6, 4, generator=gen(1))}
+    with torch.no_grad():
+        before = policy.logits(obs).softmax(-1)[:, 2]
+    guard = {"obs": obs, "target": torch.nn.functional.one_hot(torch.full((6,), 2), K).float()}
+    batch = random_batch(n=32)
+    batch["delta"], batch["proxy_adv"] = torch.zeros(32), torch.zeros(32, K)  # only the guard (and the KL) acts
+    on, off = Craft(CraftConfig(guard_weight=1.0, beta_sd=0.0, lr=1e-2), policy), Craft(CraftConfig(lr=1e-2), policy)
+    first = on.update(batch, guard)["guard_loss"]
+    for _ in range(19):
+        last = on.update(batch, guard)["guard_loss"]
+    assert first > 0.5 and last < first / 2
+    with torch.no_grad():
+        assert (on.policy.logits(obs).softmax(-1)[:, 2] > before + 0.1).all()
+    # fit hands the guard to every update; at weight 0 (the default) it changes nothing
+    without = Craft(CraftConfig(lr=1e-2), policy)
+    assert off.fit({**random_batch(n=32), "guard": guard}, gen(0))["guard_loss"] == 0
+    without.fit(random_batch(n=32), gen(0))
+    assert all(torch.equal(a, b) for a, b in zip(off.policy.parameters(), without.policy.parameters()))
+    with pytest.raises(CraftConfigError, match="guard_weight > 0 distils the proxy's scores: it needs use_proxy"):
+        CraftConfig(guard_weight=1.0, use_proxy=False)
+    with pytest.raises(CraftConfigError, match="guard_tau must be a number > 0"):
+        CraftConfig(guard_tau=0.0)
+    with pytest.raises(CraftConfigError, match="guard_margin must be a finite number >= 0"):
+        CraftConfig(guard_margin=-1)

@@ -221,6 +221,21 @@ def policy_losses(logits: torch.Tensor, old_logits: torch.Tensor, proxy_adv: tor
     return proxy_loss, residual_loss, ratio
 
 
+def guard_targets(scores: torch.Tensor, old_logits: torch.Tensor, tau: float, margin: float, danger: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The guard term's critical states (B,) bool and their targets (B, K).
+
+    Critical: the proxy scores the acting policy's first choice (``argmax old_logits``) below
+    ``danger`` and its best candidate more than ``margin`` above it. Target: the acting policy
+    moved toward the proxy, ``softmax(log pi_old + (r~ - mean r~) / tau)``: at a small ``tau``
+    nearly all mass on the best candidates, and the policy's own order among near ties.
+    """
+    first = scores.gather(-1, old_logits.argmax(-1, keepdim=True))[:, 0]
+    critical = (first < danger) & (scores.max(-1).values - first > margin)
+    centred = scores - scores.mean(-1, keepdim=True)
+    return critical, (old_logits.log_softmax(-1) + centred / tau).softmax(-1)
+
+
 # --- KL between two distributions over the candidates --------------------------------------
 def categorical_kl(p_logits: torch.Tensor, q_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Exact ``KL(p || q) = sum_k p_k (log p_k - log q_k)`` per state (B,), over the valid candidates."""
@@ -531,6 +546,15 @@ class CraftConfig:
             candidate scores more than this above the acting policy's first choice, in the
             proxy's units (a predicted crash or TTC breach the policy heads into); ``policy``
             weights elsewhere. ``None``: every state.
+        guard_weight: weight of the guard term (0: off; it needs ``use_proxy``): cross-entropy on
+            every critical state recorded so far, all iterations' (``guard_targets``), toward
+            ``softmax(log pi_old + (r~ - mean r~) / guard_tau)``. A state is critical when the proxy
+            scores the acting policy's first choice below ``guard_danger`` and its best candidate
+            more than ``guard_margin`` above it. The way out of such states (a lane change out of
+            a blocked lane) is a few percent of the on-policy states, too rare for the clipped
+            terms to raise a candidate the policy gives 5% to (docs/craft.md).
+        guard_tau / guard_margin / guard_danger: that target's temperature and the critical
+            states' thresholds, in the proxy's units.
         use_proxy / use_residual: the two policy-gradient terms (ablations: proxy only, residual only).
         gamma_event / window: discount and window W of the event returns.
         adv_eps: epsilon of the group and batch normalisations.
@@ -614,6 +638,10 @@ class CraftConfig:
     explore_eps: float = 0.0
     explore_margin: float | None = None
     floor_margin: float | None = None
+    guard_weight: float = 0.0
+    guard_tau: float = 0.02
+    guard_margin: float = 0.3
+    guard_danger: float = 0.0
     oracle: bool = False
     online_store: str | None = None
     event_weights: list[float] = field(default_factory=lambda: [-1.0, -0.3, 0.0, 0.0, 0.0])
@@ -681,6 +709,17 @@ class CraftConfig:
                                    f"proxy_weight is {self.proxy_weight!r}")
         if not self.min_std > 0:
             raise CraftConfigError(f"craft min_std must be > 0, got {self.min_std}")
+        if not (_is_number(self.guard_weight) and math.isfinite(self.guard_weight) and self.guard_weight >= 0):
+            raise CraftConfigError(f"craft guard_weight must be a number >= 0 (0: off), got {self.guard_weight!r}")
+        if self.guard_weight > 0 and not self.use_proxy:
+            raise CraftConfigError("craft guard_weight > 0 distils the proxy's scores: it needs use_proxy=true")
+        if not (_is_number(self.guard_tau) and math.isfinite(self.guard_tau) and self.guard_tau > 0):
+            raise CraftConfigError(f"craft guard_tau must be a number > 0, got {self.guard_tau!r}")
+        for name in ("guard_margin", "guard_danger"):
+            value = getattr(self, name)
+            if not (_is_number(value) and math.isfinite(value)) or (name == "guard_margin" and value < 0):
+                raise CraftConfigError(f"craft {name} must be a finite number{' >= 0' * (name == 'guard_margin')} "
+                                       f"(proxy units), got {value!r}")
 
 
 BATCH_KEYS = ("obs", "proxy_adv", "chosen", "old_logits", "delta")  # + "candidates" for a proposal policy
@@ -755,7 +794,7 @@ class Craft:
             return categorical_kl(student_logits, teacher_logits, mask)
         return categorical_kl(teacher_logits, student_logits, mask)
 
-    def update(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def update(self, batch: dict[str, Any], guard: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
         """One step of ``L = L_proxy + lambda_res L_res + beta_sd L_SD``, then one EMA step of the teacher.
 
         ``batch``: ``obs`` (model inputs), ``proxy_adv`` (B, K) group advantages, ``chosen``
@@ -804,6 +843,11 @@ class Craft:
             loss = loss + proxy_loss
         if c.use_residual:
             loss = loss + c.lambda_res * residual_loss
+        guard_loss = torch.zeros((), device=device)
+        if guard is not None and c.guard_weight > 0:
+            guard_logits = candidate_logits(self.policy, guard["obs"], guard.get("candidates"))
+            guard_loss = -(guard["target"].to(device) * guard_logits.log_softmax(-1)).sum(-1).mean()
+            loss = loss + c.guard_weight * guard_loss
 
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -817,7 +861,7 @@ class Craft:
             clip_fraction = (((ratio - 1.0).abs() > c.eps_clip).float() * w).sum() / w.sum()
         metrics = {"loss": loss.detach(), "proxy_loss": proxy_loss.detach(), "residual_loss": residual_loss.detach(),
                    "sd_loss": sd_loss.detach(), "kl_teacher": kl_teacher.detach().mean(), "kl_old": kl_old,
-                   "clip_fraction": clip_fraction, "grad_norm": grad_norm.detach()}
+                   "clip_fraction": clip_fraction, "grad_norm": grad_norm.detach(), "guard_loss": guard_loss.detach()}
         if self.critic is not None:
             metrics["value_loss"] = self.update_critic(batch["obs"], batch["event_return"])
         return metrics
@@ -840,12 +884,15 @@ class Craft:
     def fit(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         """``config.epochs`` shuffled passes of ``update`` over one on-policy batch in minibatches;
         with ``config.target_kl`` they stop after the first step whose KL to the acting policy exceeds it.
+        ``batch["guard"]`` (``obs``, ``target``; optional): the guard term's states, whole in every update.
 
         Returns each metric's mean over the updates made (0-d tensors) and ``updates``, their number.
         """
+        batch = dict(batch)
+        guard = batch.pop("guard", None)
         n, history = int(batch["chosen"].shape[0]), []
         for index in minibatch_indices(n, self.config.minibatch, self.config.epochs, generator):
-            history.append(self.update(take_rows(batch, index)))
+            history.append(self.update(take_rows(batch, index), guard))
             if self.config.target_kl is not None and float(history[-1]["kl_old"]) > self.config.target_kl:
                 break  # the student has left the trust region around the policy that collected the batch
         means = {k: torch.stack([h[k] for h in history]).mean() for k in history[0]}

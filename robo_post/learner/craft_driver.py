@@ -48,7 +48,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from robo_post.algos.craft import (PROXY_NORMS, CraftConfig, CraftConfigError, ScoringPolicy, bc_pretrain,
                                    chunk_bc_pretrain, event_mask, event_returns, grounded_advantage, group_advantages,
-                                   residual_for_batch)
+                                   guard_targets, residual_for_batch, take_rows)
 from robo_post.algos.registry import MethodSpec
 from robo_post.envs.registry import env_spec
 from robo_post.eval.rollout import check_observations, recorded_env_kwargs
@@ -290,6 +290,31 @@ def on_policy_batch(config: CraftConfig, obs: dict[str, np.ndarray], extras: dic
     return batch | {"event_return": G}, stats | {"evpo_ev": None if math.isnan(ev) else ev, "evpo_gate": int(use_critic)}
 
 
+def guard_batch(config: CraftConfig, snap: Snapshot, registry: PolicyRegistry, run_dir: str) -> dict[str, Any] | None:
+    """The guard term's states (``obs``, ``target``, a proposal policy's ``candidates``): every
+    critical state (``guard_targets``) of the episodes this run's acting versions recorded so
+    far, all iterations' (they are few: a few percent of the states). None when there are none
+    or the term is off."""
+    if config.guard_weight <= 0:
+        return None
+    configs = {v: registry.peek_config(v) or {} for v in {e.policy_version for e in snap.episodes()}}
+    mine = {v for v, c in configs.items() if (c.get("phase"), c.get("run_dir")) == ("online", os.path.abspath(run_dir))}
+    episodes = [e for e in snap.episodes() if e.policy_version in mine]
+    if not episodes:
+        return None
+    obs, _, extras, _ = load_episodes(snap, episodes)
+    critical, target = guard_targets(torch.as_tensor(extras["proxy_scores"], dtype=torch.float32),
+                                     torch.as_tensor(extras["logits"], dtype=torch.float32),
+                                     config.guard_tau, config.guard_margin, config.guard_danger)
+    index = critical.nonzero()[:, 0]
+    if len(index) == 0:
+        return None
+    guard = {"obs": take_rows({k: torch.as_tensor(v) for k, v in obs.items()}, index), "target": target[index]}
+    if "candidates" in extras:
+        guard["candidates"] = torch.as_tensor(extras["candidates"], dtype=torch.float32)[index]
+    return guard
+
+
 def proxy_oracle_correlation(extras: dict[str, np.ndarray], eps: float = 1e-5) -> float | None:
     """Mean per-state correlation of the proxy's and the oracle's group advantages.
 
@@ -464,6 +489,9 @@ def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dic
         obs, _, extras, lengths = load_episodes(snap, episodes)
         batch, baseline_stats = on_policy_batch(config, obs, extras, lengths, event_weights,
                                                 method.values if config.baseline == "evpo" else None)
+        if (guard := guard_batch(config, snap, registry, run_dir)) is not None:
+            batch["guard"] = guard
+            baseline_stats["guard_states"] = len(guard["target"])
         metrics = {k: float(v) for k, v in method.fit(batch, torch.Generator().manual_seed(cfg.seed + i)).items()}
         state["updates"] = state.get("updates", 0) + int(metrics.pop("updates"))
         row = {"update": state["updates"], "iteration": i + 1, "version": version, "time": time.time(), "episodes": len(episodes),
