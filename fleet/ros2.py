@@ -1094,6 +1094,8 @@ class BridgeNode(Node):
             # stamp far ahead (a node on another clock) would otherwise refuse the topic for good.
             self._last[topic] = ns
             detail = f"stamp {ns} is not after {last}" if ns <= last else f"stamp {ns} came before, with other data"
+            if ns <= last:
+                self._drop_pooled(last, key)
             self._reject("out_of_order", ns, f"{topic} {detail}")
             return
         self._last[topic] = ns
@@ -1107,6 +1109,21 @@ class BridgeNode(Node):
             ep.last_rx, ep.last_stamp = self._last_rx, max(ep.last_stamp, ns)
             self._serve(ep, ns)
             self._try_finish(ep)
+
+    def _drop_pooled(self, ns: int, key: str) -> None:
+        """Drop the ``key`` data stamped ``ns`` that a message of the same topic stamped before it
+        has just followed. Either may be out of place; kept, a stamp far ahead (a node on another
+        clock) would be attributed to every later episode, and one of them closed without its end
+        would close every stamp the robot sends afterwards. The episode holding it loses it."""
+        step = self._pool.get(ns)
+        if step is None or key not in step:
+            return
+        del step[key]
+        if not step:
+            del self._pool[ns]
+        for ep in self._open:
+            if ep.last_stamp == ns:
+                ep.last_stamp = max((n for n in self._pool if ep.owns(n)), default=ep.start)
 
     def _on_joint(self, msg: JointState, info: dict[str, Any]) -> None:
         self._on_data(JOINT_TOPIC, msg, info, self.robot.parse_joints, self.robot.joint_key)
@@ -1244,6 +1261,9 @@ class BridgeNode(Node):
         self._discard(ep, "malformed")
 
     def _on_end(self, ev: dict[str, Any], stamp: int) -> None:
+        if ev.get("final") is True:  # the robot's last episode, whether it commits, is discarded or was refused
+            self._final_seen = True
+            self.done = self.cfg.exit_on_final and not self._open
         index = _event_int(ev, "episode")
         ep = self._awaiting_end({**ev, "episode": index})
         ended = next((e for e in self._open if e.index == index and e.end is not None), None)
@@ -1278,7 +1298,6 @@ class BridgeNode(Node):
             return
         ep.end = ev
         ep.last_rx = time.monotonic()
-        self._final_seen |= bool(ev.get("final"))
         self._try_finish(ep)
 
     # --- serving --------------------------------------------------------------------

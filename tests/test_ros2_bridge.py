@@ -517,6 +517,55 @@ def test_restarted_robot_reusing_an_open_index_is_recorded(tmp_path):
     assert (episodes[1]["info"].attrs["start_stamp_ns"], episodes[1]["info"].attrs["end_stamp_ns"]) == (3_000, 3_003)
 
 
+def test_a_stamp_far_ahead_then_an_episode_without_its_end_costs_only_those_two(tmp_path):
+    """The far stamp stayed in the pool and was given to every later episode; the first one
+    closed without its end (the robot restarted) then closed every stamp up to it, and each
+    later start was refused: 2 of 6 episodes recorded instead of 4."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    far = 2_100_000_000 * 10**9
+    try:
+        bridge.episode(0, 1_000, 3)
+        bridge.event(event="start", episode=1, seed=1, task="fold", instruction="fold", stamp=2_000)
+        for t in range(4):
+            bridge.node._on_joint(ARM2.joint_msg(2_000 + t, np.full(4, 0.1)), bridge.info(ros2.JOINT_TOPIC))
+            if t == 0:  # one message from a node on another clock
+                bridge.node._on_joint(ARM2.joint_msg(far, np.full(4, 0.1)), bridge.info(ros2.JOINT_TOPIC))
+            if t < 3:
+                bridge.node._on_action(ARM2.action_msg(2_000 + t, np.array([0.5, 0.1, 0.5])),
+                                       bridge.info(ros2.ACTION_TOPIC))
+        bridge.event(event="end", episode=1, seed=1, task="fold", length=3, rewards=[0.0] * 3, success=False,
+                     terminated=True, truncated=False, aborted=False, stamp=2_003, final=False)
+        bridge.episode(2, 3_000, 3)
+        bridge.episode(3, 4_000, 3, end=False)  # the robot restarts mid-episode
+        bridge.restart_robot()
+        bridge.episode(3, 5_000, 3)
+        bridge.episode(4, 6_000, 3)
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"]) == (4, {"abandoned": 1, "malformed": 1}), status
+    assert status["malformed"] == {"out_of_order": 1}
+    snap = Store.open(root).snapshot()
+    assert sorted((e.attrs["robot_episode"], e.attrs["start_stamp_ns"]) for e in snap.episodes(client="unit")) == [
+        (0, 1_000), (2, 3_000), (3, 5_000), (4, 6_000)]
+
+
+def test_exit_on_final_exits_when_the_final_episodes_start_was_refused(tmp_path):
+    """The bridge ran on after the final episode's start was refused ('already closed; ignored')."""
+    bridge = LocalBridge(str(tmp_path / "store"))
+    bridge.node.cfg.exit_on_final = True
+    try:
+        bridge.episode(0, 1_000, 3)
+        bridge.event(event="start", episode=1, seed=1, task="bogus", instruction="fold", stamp=2_000)  # refused
+        assert not bridge.node.done
+        bridge.event(event="end", episode=1, seed=1, task="bogus", length=0, rewards=[], success=False,
+                     terminated=True, truncated=False, aborted=False, stamp=2_001, final=True)
+        assert bridge.node.done
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"]) == (1, {"malformed": 1})
+
+
 def test_robot_restarted_with_its_clock_behind_is_recorded(tmp_path):
     """A robot restarted with sim time from 0 (or a clock behind the old one): without
     forgetting the old stamps, every later message is refused as out of order until the
