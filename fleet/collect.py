@@ -164,8 +164,10 @@ def collect(cfg: DictConfig) -> list[dict[str, Any]]:
             # an imported dataset's bare observation space (Minari export writes it bare again): the fleet
             # records the same rows under the same key
             schema = dataclasses.replace(schema, attrs={**schema.attrs, BARE_OBS_ATTR: bare})
-        recorded = recorded_env_kwargs(cfg.store, env_spec(env["name"])) or {}
-        given = {k: v for k, v in env.items() if k != "name"}
+        spec = env_spec(env["name"])
+        recorded = recorded_env_kwargs(cfg.store, spec) or {}
+        # the instruction split is each collect's own (recorded_env_kwargs leaves it out too)
+        given = {k: v for k, v in env.items() if k not in ("name", spec.split_kwarg)}
         rows_differ = any(line.startswith(("observations[", "action"))
                           for line in stored.layout_differences(dataclasses.replace(schema, extras=stored.extras)))
         if recorded and given != recorded:

@@ -370,6 +370,11 @@ def test_collect_cli_end_to_end(tmp_path):
     info = json.loads(proc.stdout)
     assert info["episodes"] == 4 and info["shards"] == 2
     assert validate_store(root)[1] == []
+    # more of the same: no warning that the store was recorded with other kwargs (the instruction
+    # split, which the env config names and the recorded kwargs leave out, made one every time)
+    proc = subprocess.run([cli, "collect", f"store={root}", *overrides], capture_output=True, text=True,
+                          timeout=DEADLINE_S)
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
 
 
 def test_collect_refuses_an_expert_or_overseer_the_env_lacks_before_any_client(tmp_path):
