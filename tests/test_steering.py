@@ -80,6 +80,12 @@ def test_steer_cli_selects_alpha_publishes_and_records_auditable_extras(actor_st
     assert torch.allclose(steered.mean, ex["steered_mean"], atol=1e-5)
     assert np.allclose(data["action"], np.clip(data["extras"]["steered_mean"], -1, 1), atol=1e-6)
     assert np.allclose(data["extras"]["prior_std"], 0.2)
+    # what the steered policy moved on its own states, by hand from every deployed step's extras
+    rows = [snap.load(e)["extras"] for e in episodes]
+    mu_s, sd_s, mu_a, sd_a = (np.concatenate([r[k] for r in rows]).astype(np.float64)
+                              for k in ("steered_mean", "steered_std", "actor_mean", "actor_std"))
+    by_hand = (np.log(sd_a / sd_s) + (sd_s ** 2 + (mu_s - mu_a) ** 2) / (2 * sd_a ** 2) - 0.5).sum(-1).mean()
+    assert summary["deployed_kl"] == pytest.approx(by_hand, rel=1e-6)
     # robo-post eval loads the steered version like any other.
     run_cli("eval", f"store={out}", f"version={summary['version']}", "episodes_per_task=2", "n_clients=1",
              "show=false")
@@ -100,6 +106,12 @@ def test_steer_cli_selects_alpha_publishes_and_records_auditable_extras(actor_st
     data = snap.load(fleet[0])
     assert np.allclose(data["action"], np.clip(data["extras"]["steered_mean"], -1, 1), atol=1e-6)
     assert np.allclose(data["extras"]["prior_std"], 0.2)
+    # what the steered policy moved on its own states, by hand from every deployed step's extras
+    rows = [snap.load(e)["extras"] for e in episodes]
+    mu_s, sd_s, mu_a, sd_a = (np.concatenate([r[k] for r in rows]).astype(np.float64)
+                              for k in ("steered_mean", "steered_std", "actor_mean", "actor_std"))
+    by_hand = (np.log(sd_a / sd_s) + (sd_s ** 2 + (mu_s - mu_a) ** 2) / (2 * sd_a ** 2) - 0.5).sum(-1).mean()
+    assert summary["deployed_kl"] == pytest.approx(by_hand, rel=1e-6)
 
 
 def test_steer_eval_grid_and_report(actor_store, tmp_path):

@@ -26,7 +26,7 @@ from robo_post.fleet.collect import client_configs, env_config, make_launcher
 from robo_post.fleet.launcher import raise_unfinished
 from robo_post.learner.drivers import publish_once
 from robo_post.steering.evaluate import GridConfig, evaluate_prior, format_table, run_episodes, write_report
-from robo_post.steering.poe import select_alpha
+from robo_post.steering.poe import Gaussian, kl_diag, select_alpha
 from robo_post.steering.policy import (SteeredPolicy, SteeringConfig, build_source, extra_specs, resolve_source,
                                        steered_artifact)
 from robo_post.steering.sources import QUALITIES, SteeringSourceError
@@ -82,6 +82,21 @@ def _visited_states(cfg: DictConfig, env_cfg: dict[str, Any], task: str | None, 
                         keep_states=True).states
 
 
+def deployed_kl(store: Store, episodes: list) -> float | None:
+    """Mean ``KL(steered || actor)`` over the deployed steps of ``episodes``, from their store
+    extras: what the steered policy actually moved on its own states (the selector's budget
+    is measured on the frozen actor's)."""
+    if not episodes:
+        return None
+    snap = store.snapshot(record=False)
+    kls = []
+    for episode in episodes:
+        extras = {k: torch.as_tensor(v, dtype=torch.float64) for k, v in snap.load(episode)["extras"].items()}
+        steered = Gaussian(extras["steered_mean"], extras["steered_std"].log())
+        kls.append(kl_diag(steered, Gaussian(extras["actor_mean"], extras["actor_std"].log())))
+    return float(torch.cat(kls).mean())
+
+
 def steer(cfg: DictConfig) -> dict[str, Any]:
     """Build, publish and deploy a steered policy; returns the deployment summary."""
     torch.set_num_threads(1)
@@ -121,7 +136,7 @@ def steer(cfg: DictConfig) -> dict[str, Any]:
     episodes = [e for c in configs for e in store.shard_episodes(c.client_id)[before[c.client_id]:]]
     judged = [e.success for e in episodes if e.success is not None]
     summary = {"version": version, "store": store.root, "steering": dataclasses.asdict(steering),
-               "selection": selection, "episodes": len(episodes),
+               "selection": selection, "episodes": len(episodes), "deployed_kl": deployed_kl(store, episodes),
                "mean_return": float(np.mean([e.ret for e in episodes])) if episodes else None,
                "success": float(np.mean(judged)) if judged else None}
     os.makedirs(os.path.join(store.root, "steer"), exist_ok=True)
