@@ -52,7 +52,8 @@ def test_run_end_to_end(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "lwd" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["update"] == 25 and "loss_am" in rows[-1] and "tau_mean" in rows[-1] and "bc_loss_base" in rows[-1]
     report = (run_dir / "report" / "report.md").read_text()
-    assert f"| `{run_dir / 'lwd'}` (online) | v3 | 2 | 25 |" in report
+    online = 25 - offline["final"]["update"]  # the online phase's counter goes on from the offline one's
+    assert f"| `{run_dir / 'lwd'}` (online) | v3 | 2 | 25 ({online} online) |" in report
     assert "v3" in report and os.path.getsize(run_dir / "report" / "success_rates.png") > 0
 
 

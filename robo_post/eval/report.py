@@ -315,9 +315,10 @@ def _learning_section(doc: _Doc, out_dir: str, run_dirs: list[str]) -> None:
         if online is not None:
             published = ", ".join(f"v{v}" for v in online.get("versions", [])) or "–"
             rows.append(_run_row(f"`{run_dir}` (online)", published, online.get("online_episodes"),
-                                 online.get("final", {}), online.get("wall_s")))
+                                 online.get("final", {}), online.get("wall_s"), final.get("update")))
         elif summary and logged and logged[-1].get("update", 0) > final.get("update", 0):
-            rows.append(_run_row(f"`{run_dir}` (online)", "– (not finished)", None, logged[-1], None))
+            rows.append(_run_row(f"`{run_dir}` (online)", "– (not finished)", None, logged[-1], None,
+                                 final.get("update")))
     doc.table(["run", "published", "episodes", "updates", "wall time", "final bc_loss"], rows)
     runs = {k: v for k, v in runs.items() if v}
     if not runs:
@@ -331,8 +332,14 @@ def _learning_section(doc: _Doc, out_dir: str, run_dirs: list[str]) -> None:
             doc.image(name, f"value distribution along a success and a failure ({name[20:-4]})")
 
 
-def _run_row(name: str, published: str, episodes: Any, final: dict[str, Any], wall_s: Any) -> list[str]:
-    return [name, published, "–" if episodes is None else str(episodes), str(final.get("update", "–")),
+def _run_row(name: str, published: str, episodes: Any, final: dict[str, Any], wall_s: Any,
+             before: Any = None) -> list[str]:
+    """A learning-table row; ``before``: the update an online phase went on from (its counter
+    goes on from the offline phase's), to say how many were its own."""
+    update = final.get("update")
+    updates = ("–" if update is None else f"{update} ({update - before} online)" if isinstance(before, int)
+               and isinstance(update, int) else str(update))
+    return [name, published, "–" if episodes is None else str(episodes), updates,
             "–" if wall_s is None else f"{wall_s:.0f} s",
             f"{final['bc_loss']:.4f}" if "bc_loss" in final else "–"]
 
