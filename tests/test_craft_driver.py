@@ -357,9 +357,17 @@ def test_evpo_run_logs_the_gate_and_checkpoints_the_critic(craft_run, tmp_path):
                              f"algo.reference_version={summary['pretrained_version']}", "algo.baseline=evpo",
                              "algo.iterations=1", "algo.episodes_per_iteration=3", "algo.n_clients=2",
                              f"algo.online_store={tmp_path / 'online'}", "+algo.env_kwargs.vehicles_count=8",
-                             "+algo.env_kwargs.duration=12", "show=false").stdout)
+                             "+algo.env_kwargs.duration=12", "show=false",
+                             # the guard on every state whose choice is not the proxy's best
+                             "algo.guard_weight=1", "algo.guard_margin=0", "algo.guard_danger=100").stdout)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and out["final"] == rows[0]
+    snap = Store.open(str(tmp_path / "online")).snapshot(record=False)
+    extras = [snap.load(e)["extras"] for e in snap.episodes()]
+    scores, logits = (np.concatenate([x[k] for x in extras]) for k in ("proxy_scores", "logits"))
+    first = np.take_along_axis(scores, logits.argmax(-1)[:, None], -1)[:, 0]
+    assert rows[0]["guard_critical"] == int((scores.max(-1) > first).sum()) > 0
+    assert rows[0]["guard_loss"] > 0
     assert rows[0]["episodes"] == 3  # as asked: two clients share them 2 + 1 (each recorded 2)
     row = rows[0]
     assert row["evpo_gate"] in (0, 1) and isinstance(row["evpo_gate"], int)

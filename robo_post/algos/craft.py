@@ -223,17 +223,20 @@ def policy_losses(logits: torch.Tensor, old_logits: torch.Tensor, proxy_adv: tor
 
 def guard_targets(scores: torch.Tensor, old_logits: torch.Tensor, tau: float, margin: float, danger: float
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The guard term's critical states (B,) bool and their targets (B, K).
+    """The guard term's critical states (B,) bool and the targets of all states (B, K).
 
     Critical: the proxy scores the acting policy's first choice (``argmax old_logits``) below
-    ``danger`` and its best candidate more than ``margin`` above it. Target: the acting policy
-    moved toward the proxy, ``softmax(log pi_old + (r~ - mean r~) / tau)``: at a small ``tau``
-    nearly all mass on the best candidates, and the policy's own order among near ties.
+    ``danger`` and its best candidate more than ``margin`` above it. There the target is the
+    acting policy moved toward the proxy, ``softmax(log pi_old + (r~ - mean r~) / tau)`` (at a
+    small ``tau`` nearly all mass on the best candidates, the policy's own order among near
+    ties); elsewhere the acting policy itself, which keeps the push from spreading to the
+    states that do not call for it.
     """
     first = scores.gather(-1, old_logits.argmax(-1, keepdim=True))[:, 0]
     critical = (first < danger) & (scores.max(-1).values - first > margin)
     centred = scores - scores.mean(-1, keepdim=True)
-    return critical, (old_logits.log_softmax(-1) + centred / tau).softmax(-1)
+    moved = (old_logits.log_softmax(-1) + centred / tau).softmax(-1)
+    return critical, torch.where(critical[:, None], moved, old_logits.softmax(-1))
 
 
 # --- KL between two distributions over the candidates --------------------------------------
@@ -547,12 +550,13 @@ class CraftConfig:
             proxy's units (a predicted crash or TTC breach the policy heads into); ``policy``
             weights elsewhere. ``None``: every state.
         guard_weight: weight of the guard term (0: off; it needs ``use_proxy``): cross-entropy on
-            every critical state recorded so far, all iterations' (``guard_targets``), toward
-            ``softmax(log pi_old + (r~ - mean r~) / guard_tau)``. A state is critical when the proxy
-            scores the acting policy's first choice below ``guard_danger`` and its best candidate
-            more than ``guard_margin`` above it. The way out of such states (a lane change out of
-            a blocked lane) is a few percent of the on-policy states, too rare for the clipped
-            terms to raise a candidate the policy gives 5% to (docs/craft.md).
+            every state recorded so far, all iterations' (``guard_targets``): toward
+            ``softmax(log pi_old + (r~ - mean r~) / guard_tau)`` where the state is critical, toward
+            the acting policy ``pi_old`` elsewhere. A state is critical when the proxy scores the
+            acting policy's first choice below ``guard_danger`` and its best candidate more than
+            ``guard_margin`` above it. The way out of such states (a lane change out of a blocked
+            lane) is a few percent of the on-policy states, too rare for the clipped terms to
+            raise a candidate the policy gives 5% to (docs/craft.md).
         guard_tau / guard_margin / guard_danger: that target's temperature and the critical
             states' thresholds, in the proxy's units.
         use_proxy / use_residual: the two policy-gradient terms (ablations: proxy only, residual only).

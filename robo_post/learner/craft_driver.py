@@ -48,7 +48,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from robo_post.algos.craft import (PROXY_NORMS, CraftConfig, CraftConfigError, ScoringPolicy, bc_pretrain,
                                    chunk_bc_pretrain, event_mask, event_returns, grounded_advantage, group_advantages,
-                                   guard_targets, residual_for_batch, take_rows)
+                                   guard_targets, residual_for_batch)
 from robo_post.algos.registry import MethodSpec
 from robo_post.envs.registry import env_spec
 from robo_post.eval.rollout import check_observations, recorded_env_kwargs
@@ -291,10 +291,9 @@ def on_policy_batch(config: CraftConfig, obs: dict[str, np.ndarray], extras: dic
 
 
 def guard_batch(config: CraftConfig, snap: Snapshot, registry: PolicyRegistry, run_dir: str) -> dict[str, Any] | None:
-    """The guard term's states (``obs``, ``target``, a proposal policy's ``candidates``): every
-    critical state (``guard_targets``) of the episodes this run's acting versions recorded so
-    far, all iterations' (they are few: a few percent of the states). None when there are none
-    or the term is off."""
+    """The guard term's states (``obs``, ``target``, a proposal policy's ``candidates``) and how
+    many are critical: every state (``guard_targets``) of the episodes this run's acting
+    versions recorded so far, all iterations'. None when there is no critical one or the term is off."""
     if config.guard_weight <= 0:
         return None
     configs = {v: registry.peek_config(v) or {} for v in {e.policy_version for e in snap.episodes()}}
@@ -306,12 +305,11 @@ def guard_batch(config: CraftConfig, snap: Snapshot, registry: PolicyRegistry, r
     critical, target = guard_targets(torch.as_tensor(extras["proxy_scores"], dtype=torch.float32),
                                      torch.as_tensor(extras["logits"], dtype=torch.float32),
                                      config.guard_tau, config.guard_margin, config.guard_danger)
-    index = critical.nonzero()[:, 0]
-    if len(index) == 0:
+    if not critical.any():
         return None
-    guard = {"obs": take_rows({k: torch.as_tensor(v) for k, v in obs.items()}, index), "target": target[index]}
+    guard = {"obs": {k: torch.as_tensor(v) for k, v in obs.items()}, "target": target, "critical": int(critical.sum())}
     if "candidates" in extras:
-        guard["candidates"] = torch.as_tensor(extras["candidates"], dtype=torch.float32)[index]
+        guard["candidates"] = torch.as_tensor(extras["candidates"], dtype=torch.float32)
     return guard
 
 
@@ -491,7 +489,7 @@ def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dic
                                                 method.values if config.baseline == "evpo" else None)
         if (guard := guard_batch(config, snap, registry, run_dir)) is not None:
             batch["guard"] = guard
-            baseline_stats["guard_states"] = len(guard["target"])
+            baseline_stats["guard_critical"] = guard.pop("critical")
         metrics = {k: float(v) for k, v in method.fit(batch, torch.Generator().manual_seed(cfg.seed + i)).items()}
         state["updates"] = state.get("updates", 0) + int(metrics.pop("updates"))
         row = {"update": state["updates"], "iteration": i + 1, "version": version, "time": time.time(), "episodes": len(episodes),
