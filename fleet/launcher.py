@@ -59,7 +59,7 @@ class _Launcher:
             status = read_status(cfg.store, client_id) or {"client_id": client_id, "state": "starting", "episodes": 0}
             status["restarts"] = self.restarts.get(client_id, 0)
             status["target"] = cfg.episodes
-            status["before"] = getattr(self, "before", {}).get(client_id, _NOTHING)
+            status["before"] = self.before.get(client_id, _NOTHING)
             out.append(status)
         return out
 
@@ -81,6 +81,7 @@ class LocalLauncher(_Launcher):
         self.restarts = {c: 0 for c in self.configs}
         self.failed: dict[str, int] = {}
         self.crashes: dict[str, tuple[Any, Any]] = {}  # client -> (last error, episodes) at its last crash
+        self.before: dict[str, dict[str, int]] = {}  # client -> its shard's counts when run() started
 
     def _spawn(self, client_id: str) -> None:
         cfg = self.configs[client_id]
@@ -150,6 +151,7 @@ class RayLauncher(_Launcher):
         self.actors: dict[str, Any] = {}
         self.futures: dict[str, Any] = {}
         self.errors: dict[str, str] = {}
+        self.before: dict[str, dict[str, int]] = {}  # client -> its shard's counts when run() started
 
     def start(self) -> None:
         for client_id, cfg in self.configs.items():
