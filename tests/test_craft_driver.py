@@ -359,7 +359,8 @@ def test_evpo_run_logs_the_gate_and_checkpoints_the_critic(craft_run, tmp_path):
                              f"algo.online_store={tmp_path / 'online'}", "+algo.env_kwargs.vehicles_count=8",
                              "+algo.env_kwargs.duration=12", "show=false",
                              # the guard on every state whose choice is not the proxy's best
-                             "algo.guard_weight=1", "algo.guard_margin=0", "algo.guard_danger=100").stdout)
+                             "algo.guard_weight=1", "algo.guard_margin=0", "algo.guard_danger=100",
+                             "algo.veto_updates=5", "algo.veto_danger=100", "algo.veto_margin=0").stdout)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and out["final"] == rows[0]
     snap = Store.open(str(tmp_path / "online")).snapshot(record=False)
@@ -368,6 +369,12 @@ def test_evpo_run_logs_the_gate_and_checkpoints_the_critic(craft_run, tmp_path):
     first = np.take_along_axis(scores, logits.argmax(-1)[:, None], -1)[:, 0]
     assert rows[0]["guard_critical"] == int((scores.max(-1) > first).sum()) > 0
     assert rows[0]["guard_loss"] > 0
+    # the last fit: every state recorded, those with a candidate below the best vetoed; the final
+    # version is the fitted copy, the checkpoint keeps the student
+    assert (out["veto_states"], out["vetoed_states"]) == (len(scores), int((scores < scores.max(-1)[:, None]).any(-1).sum()))
+    final = PolicyRegistry(own).load(out["version"])[0]
+    student = load_file(str(tmp_path / "run" / "checkpoint" / "tensors.safetensors"))
+    assert any(not torch.equal(v, student[f"module.policy.{k}"]) for k, v in final.items())
     assert rows[0]["episodes"] == 3  # as asked: two clients share them 2 + 1 (each recorded 2)
     row = rows[0]
     assert row["evpo_gate"] in (0, 1) and isinstance(row["evpo_gate"], int)

@@ -11,7 +11,7 @@ import torch
 from robo_post.algos.craft import (Craft, CraftBatchError, CraftConfig, CraftConfigError, EMATeacher, WindowValue,
                                    bc_pretrain, categorical_kl, dual_clip_surrogate, event_mask, event_returns,
                                    batch_scaled_advantages, evpo_advantages, explained_variance, grounded_advantage,
-                                   group_advantages, guard_targets,
+                                   group_advantages, guard_targets, veto_targets,
                                    policy_losses, residual, residual_for_batch, scale_advantages)
 from robo_post.learner.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from robo_post.models.candidate_policy import (CandidateConfigError, CandidatePolicy, CandidatePolicyConfig,
@@ -921,3 +921,23 @@ def test_the_guard_term_raises_the_critical_states_best_candidate_and_is_off_by_
         CraftConfig(guard_tau=0.0)
     with pytest.raises(CraftConfigError, match="guard_margin must be a finite number >= 0"):
         CraftConfig(guard_margin=-1)
+
+
+def test_veto_targets_drop_the_candidates_predicted_to_go_wrong_and_keep_the_policys_order():
+    scores = torch.tensor([[0.5, -1.0, 0.2, -0.6, -0.4],     # 1 and 3 vetoed (below -0.5, far below the best)
+                           [-1.0, -1.2, -1.1, -0.9, -1.3],    # all below -0.5, only those more than 0.3 below the best (-0.9)
+                           [0.1, 0.2, 0.3, 0.0, 0.1]])        # nothing predicted to go wrong
+    logits = torch.tensor([[0.0, 2.0, 1.0, 0.5, 0.0]]).repeat(3, 1)
+    vetoed, target = veto_targets(scores, logits, danger=-0.5, margin=0.3)
+    assert vetoed.tolist() == [[False, True, False, True, False], [False, False, False, False, True],
+                               [False] * 5]
+    pi = logits.softmax(-1)
+    kept = pi * ~vetoed
+    assert torch.allclose(target, kept / kept.sum(-1, keepdim=True)) and torch.allclose(target.sum(-1), torch.ones(3))
+    assert torch.allclose(target[2], pi[2])  # untouched where nothing is vetoed (renormalised by 1)
+    assert target[0].argmax() == 2  # the policy's own favourite among what is left, not the proxy's best (0)
+    assert not vetoed.gather(-1, scores.argmax(-1, keepdim=True)).any()  # the best is never vetoed
+    with pytest.raises(CraftConfigError, match="veto_updates > 0 reads the proxy's scores"):
+        CraftConfig(veto_updates=10, use_proxy=False)
+    with pytest.raises(CraftConfigError, match="veto_margin must be a finite number >= 0"):
+        CraftConfig(veto_margin=-0.1)

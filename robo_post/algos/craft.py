@@ -239,6 +239,18 @@ def guard_targets(scores: torch.Tensor, old_logits: torch.Tensor, tau: float, ma
     return critical, torch.where(critical[:, None], moved, old_logits.softmax(-1))
 
 
+def veto_targets(scores: torch.Tensor, logits: torch.Tensor, danger: float, margin: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The vetoed candidates (B, K) bool and the targets (B, K) of ``veto_updates``: the policy's
+    own distribution without the candidates the proxy predicts to go wrong, those scoring below
+    ``danger`` and more than ``margin`` below the state's best, renormalised. The policy's order
+    among the others stays, so it is not pushed toward what the proxy prefers (speed) elsewhere;
+    the best candidate is never vetoed."""
+    vetoed = (scores < danger) & (scores < scores.max(-1, keepdim=True).values - margin)
+    kept = logits.softmax(-1) * (~vetoed).to(logits.dtype)
+    return vetoed, kept / kept.sum(-1, keepdim=True).clamp(min=torch.finfo(kept.dtype).tiny)
+
+
 # --- KL between two distributions over the candidates --------------------------------------
 def categorical_kl(p_logits: torch.Tensor, q_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Exact ``KL(p || q) = sum_k p_k (log p_k - log q_k)`` per state (B,), over the valid candidates."""
@@ -559,6 +571,12 @@ class CraftConfig:
             raise a candidate the policy gives 5% to (docs/craft.md).
         guard_tau / guard_margin / guard_danger: that target's temperature and the critical
             states' thresholds, in the proxy's units.
+        veto_updates: steps of a last fit before the final version is published (0: none): the
+            student moved, on every state the run recorded, toward its own distribution without
+            the candidates the proxy predicts to go wrong (``veto_targets``: scoring below
+            ``veto_danger`` and more than ``veto_margin`` below the state's best); cross-entropy,
+            ``bc_lr`` and ``bc_minibatch``. It uses only the recorded scores: no more episodes.
+        veto_danger / veto_margin: those thresholds, in the proxy's units.
         use_proxy / use_residual: the two policy-gradient terms (ablations: proxy only, residual only).
         gamma_event / window: discount and window W of the event returns.
         adv_eps: epsilon of the group and batch normalisations.
@@ -646,6 +664,9 @@ class CraftConfig:
     guard_tau: float = 0.02
     guard_margin: float = 0.3
     guard_danger: float = 0.0
+    veto_updates: int = 0
+    veto_danger: float = -0.5
+    veto_margin: float = 0.3
     oracle: bool = False
     online_store: str | None = None
     event_weights: list[float] = field(default_factory=lambda: [-1.0, -0.3, 0.0, 0.0, 0.0])
@@ -719,10 +740,15 @@ class CraftConfig:
             raise CraftConfigError("craft guard_weight > 0 distils the proxy's scores: it needs use_proxy=true")
         if not (_is_number(self.guard_tau) and math.isfinite(self.guard_tau) and self.guard_tau > 0):
             raise CraftConfigError(f"craft guard_tau must be a number > 0, got {self.guard_tau!r}")
-        for name in ("guard_margin", "guard_danger"):
+        if self.veto_updates < 0:
+            raise CraftConfigError(f"craft veto_updates must be >= 0 (0: none), got {self.veto_updates}")
+        if self.veto_updates > 0 and not self.use_proxy:
+            raise CraftConfigError("craft veto_updates > 0 reads the proxy's scores: it needs use_proxy=true")
+        for name in ("guard_margin", "guard_danger", "veto_margin", "veto_danger"):
             value = getattr(self, name)
-            if not (_is_number(value) and math.isfinite(value)) or (name == "guard_margin" and value < 0):
-                raise CraftConfigError(f"craft {name} must be a finite number{' >= 0' * (name == 'guard_margin')} "
+            margin = name.endswith("margin")
+            if not (_is_number(value) and math.isfinite(value)) or (margin and value < 0):
+                raise CraftConfigError(f"craft {name} must be a finite number{' >= 0' * margin} "
                                        f"(proxy units), got {value!r}")
 
 

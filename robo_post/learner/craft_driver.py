@@ -34,6 +34,7 @@ for the next version are reused.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -47,8 +48,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from robo_post.algos.craft import (PROXY_NORMS, CraftConfig, CraftConfigError, ScoringPolicy, bc_pretrain,
-                                   chunk_bc_pretrain, event_mask, event_returns, grounded_advantage, group_advantages,
-                                   guard_targets, residual_for_batch)
+                                   candidate_logits, chunk_bc_pretrain, event_mask, event_returns, fit_minibatches,
+                                   grounded_advantage, group_advantages, guard_targets, residual_for_batch, take_rows,
+                                   veto_targets)
 from robo_post.algos.registry import MethodSpec
 from robo_post.envs.registry import env_spec
 from robo_post.eval.rollout import check_observations, recorded_env_kwargs
@@ -290,15 +292,48 @@ def on_policy_batch(config: CraftConfig, obs: dict[str, np.ndarray], extras: dic
     return batch | {"event_return": G}, stats | {"evpo_ev": None if math.isnan(ev) else ev, "evpo_gate": int(use_critic)}
 
 
+def run_episodes(snap: Snapshot, registry: PolicyRegistry, run_dir: str) -> list:
+    """The episodes of ``snap`` that this run's acting versions recorded (an online store may
+    also hold another run's)."""
+    configs = {v: registry.peek_config(v) or {} for v in {e.policy_version for e in snap.episodes()}}
+    mine = {v for v, c in configs.items() if (c.get("phase"), c.get("run_dir")) == ("online", os.path.abspath(run_dir))}
+    return [e for e in snap.episodes() if e.policy_version in mine]
+
+
+def veto_fit(policy: ScoringPolicy, config: CraftConfig, snap: Snapshot, registry: PolicyRegistry, run_dir: str,
+             seed: int) -> dict[str, int]:
+    """``config.veto_updates`` steps of cross-entropy of ``policy`` (in place) toward
+    ``veto_targets`` of its own distribution on every state this run recorded; returns how many
+    states and how many of them had a candidate vetoed."""
+    episodes = run_episodes(snap, registry, run_dir)
+    if not episodes:
+        return {"veto_states": 0, "vetoed_states": 0}
+    obs, _, extras, _ = load_episodes(snap, episodes)
+    batch = {"obs": {k: torch.as_tensor(v) for k, v in obs.items()}}
+    if "candidates" in extras:
+        batch["candidates"] = torch.as_tensor(extras["candidates"], dtype=torch.float32)
+    with torch.no_grad():
+        logits = candidate_logits(policy, batch["obs"], batch.get("candidates"))
+    vetoed, target = veto_targets(torch.as_tensor(extras["proxy_scores"], dtype=torch.float32), logits.float().cpu(),
+                                  config.veto_danger, config.veto_margin)
+
+    def cross_entropy(index: torch.Tensor) -> torch.Tensor:
+        rows = take_rows(batch, index)
+        log_pi = candidate_logits(policy, rows["obs"], rows.get("candidates")).log_softmax(-1)
+        return -(target[index].to(log_pi.device) * log_pi).sum(-1).mean()
+
+    fit_minibatches(policy, len(target), cross_entropy, config.veto_updates, config.bc_lr, config.bc_minibatch,
+                    config.grad_clip, torch.Generator().manual_seed(seed))
+    return {"veto_states": len(target), "vetoed_states": int(vetoed.any(-1).sum())}
+
+
 def guard_batch(config: CraftConfig, snap: Snapshot, registry: PolicyRegistry, run_dir: str) -> dict[str, Any] | None:
     """The guard term's states (``obs``, ``target``, a proposal policy's ``candidates``) and how
     many are critical: every state (``guard_targets``) of the episodes this run's acting
     versions recorded so far, all iterations'. None when there is no critical one or the term is off."""
     if config.guard_weight <= 0:
         return None
-    configs = {v: registry.peek_config(v) or {} for v in {e.policy_version for e in snap.episodes()}}
-    mine = {v for v, c in configs.items() if (c.get("phase"), c.get("run_dir")) == ("online", os.path.abspath(run_dir))}
-    episodes = [e for e in snap.episodes() if e.policy_version in mine]
+    episodes = run_episodes(snap, registry, run_dir)
     if not episodes:
         return None
     obs, _, extras, _ = load_episodes(snap, episodes)
@@ -507,13 +542,19 @@ def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dic
         write_json_atomic(state_path, state)
     save_checkpoint(ckpt, method.modules, method.optimizers, {}, {"iteration": state["iteration"],
                                                                   "updates": state.get("updates", 0)})
-    final = publish_once(registry, *method.artifact(phase="final", parent_version=parent,
-                                                    iterations=config.iterations, deterministic=True,
-                                                    env_extras=False, config=OmegaConf.to_container(cfg, resolve=True)))
+    provenance = dict(phase="final", parent_version=parent, iterations=config.iterations, deterministic=True,
+                      env_extras=False, config=OmegaConf.to_container(cfg, resolve=True))
+    veto = {}
+    if config.veto_updates > 0:  # on a copy: the checkpoint keeps the student, and a rerun repeats this exactly
+        student = copy.deepcopy(method.policy)
+        veto = veto_fit(student, config, online.snapshot(), registry, run_dir, cfg.seed)
+        final = publish_once(registry, *student.artifact(algorithm="craft", **provenance))
+    else:
+        final = publish_once(registry, *method.artifact(**provenance))
     rows = [json.loads(line) for line in open(log_path)] if os.path.exists(log_path) else []
     summary = {"algo": spec.name, "version": final, "pretrained_version": state.get("pretrained_version", parent),
                "iterations": config.iterations, "online_store": online.root, "wall_s": time.perf_counter() - t0,
-               "final": rows[-1] if rows else {}}
+               "final": rows[-1] if rows else {}, **veto}
     write_json_atomic(os.path.join(run_dir, "summary.json"), summary, indent=1)
     return summary
 
