@@ -54,7 +54,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ARMS = {
     "proxy_only": ["algo.use_residual=false", "algo.beta_sd=0"],
-    "residual_only": ["algo.use_proxy=false", "algo.beta_sd=0"],
+    # the guard and the veto read the proxy's scores, which this arm leaves out
+    "residual_only": ["algo.use_proxy=false", "algo.beta_sd=0", "algo.guard_weight=0", "algo.veto_updates=0"],
     "craft": [],
     "craft_no_kl": ["algo.beta_sd=0"],
     "craft_evpo": ["algo.baseline=evpo"],
