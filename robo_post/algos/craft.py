@@ -813,9 +813,11 @@ class Craft:
         critic.eval()
         return critic(obs).float().cpu()
 
-    def artifact(self, **provenance: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The student as an artifact of its kind (``candidate`` or ``proposal``)."""
-        return self.policy.artifact(**{"algorithm": "craft", **provenance})
+    def artifact(self, policy: ScoringPolicy | None = None, **provenance: Any
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The student (or ``policy``, e.g. a copy of it fitted further) as an artifact of its kind
+        (``candidate`` or ``proposal``)."""
+        return (self.policy if policy is None else policy).artifact(**{"algorithm": "craft", **provenance})
 
     def teacher_kl(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
                    mask: torch.Tensor | None = None) -> torch.Tensor:

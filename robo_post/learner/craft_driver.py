@@ -300,6 +300,14 @@ def run_episodes(snap: Snapshot, registry: PolicyRegistry, run_dir: str) -> list
     return [e for e in snap.episodes() if e.policy_version in mine]
 
 
+def _states(obs: dict[str, np.ndarray], extras: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Recorded states as tensors: ``obs`` and, for a proposal policy, the ``candidates`` its logits score."""
+    states: dict[str, Any] = {"obs": {k: torch.as_tensor(v) for k, v in obs.items()}}
+    if "candidates" in extras:
+        states["candidates"] = torch.as_tensor(extras["candidates"], dtype=torch.float32)
+    return states
+
+
 def veto_fit(policy: ScoringPolicy, config: CraftConfig, snap: Snapshot, registry: PolicyRegistry, run_dir: str,
              seed: int) -> dict[str, int]:
     """``config.veto_updates`` steps of cross-entropy of ``policy`` (in place) toward
@@ -309,9 +317,7 @@ def veto_fit(policy: ScoringPolicy, config: CraftConfig, snap: Snapshot, registr
     if not episodes:
         return {"veto_states": 0, "vetoed_states": 0}
     obs, _, extras, _ = load_episodes(snap, episodes)
-    batch = {"obs": {k: torch.as_tensor(v) for k, v in obs.items()}}
-    if "candidates" in extras:
-        batch["candidates"] = torch.as_tensor(extras["candidates"], dtype=torch.float32)
+    batch = _states(obs, extras)
     with torch.no_grad():
         logits = candidate_logits(policy, batch["obs"], batch.get("candidates"))
     vetoed, target = veto_targets(torch.as_tensor(extras["proxy_scores"], dtype=torch.float32), logits.float().cpu(),
@@ -342,10 +348,7 @@ def guard_batch(config: CraftConfig, snap: Snapshot, registry: PolicyRegistry, r
                                      config.guard_tau, config.guard_margin, config.guard_danger)
     if not critical.any():
         return None
-    guard = {"obs": {k: torch.as_tensor(v) for k, v in obs.items()}, "target": target, "critical": int(critical.sum())}
-    if "candidates" in extras:
-        guard["candidates"] = torch.as_tensor(extras["candidates"], dtype=torch.float32)
-    return guard
+    return _states(obs, extras) | {"target": target, "critical": int(critical.sum())}
 
 
 def proxy_oracle_correlation(extras: dict[str, np.ndarray], eps: float = 1e-5) -> float | None:
@@ -544,13 +547,11 @@ def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dic
                                                                   "updates": state.get("updates", 0)})
     provenance = dict(phase="final", parent_version=parent, iterations=config.iterations, deterministic=True,
                       env_extras=False, config=OmegaConf.to_container(cfg, resolve=True))
-    veto = {}
+    student, veto = method.policy, {}
     if config.veto_updates > 0:  # on a copy: the checkpoint keeps the student, and a rerun repeats this exactly
         student = copy.deepcopy(method.policy)
         veto = veto_fit(student, config, online.snapshot(), registry, run_dir, cfg.seed)
-        final = publish_once(registry, *student.artifact(algorithm="craft", **provenance))
-    else:
-        final = publish_once(registry, *method.artifact(**provenance))
+    final = publish_once(registry, *method.artifact(policy=student, **provenance))
     rows = [json.loads(line) for line in open(log_path)] if os.path.exists(log_path) else []
     summary = {"algo": spec.name, "version": final, "pretrained_version": state.get("pretrained_version", parent),
                "iterations": config.iterations, "online_store": online.root, "wall_s": time.perf_counter() - t0,
