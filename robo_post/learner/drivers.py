@@ -188,9 +188,9 @@ def load_reference(store: Store, version: int | None, device: torch.device) -> t
         if config.get("kind") in FLOW_KINDS:
             # a newer version trained the same way (BC again) is what a user may have meant
             alike = ("kind", "algorithm")
-            later = [u for u in registry.versions() if u > v and [(registry.peek_config(u) or {}).get(k) for k in alike]
-                     == [config.get(k) for k in alike]]
-            if not version and later:
+            later = [] if version else [u for u in registry.versions() if u > v and [
+                (registry.peek_config(u) or {}).get(k) for k in alike] == [config.get(k) for k in alike]]
+            if later:
                 print(f"starting from flow version {v}, the first {config.get('algorithm', 'flow')} version; later "
                       f"ones: {later} (reference_version={later[-1]} starts from the newest)", file=sys.stderr)
             return flow_of(weights, config).to(device), v
