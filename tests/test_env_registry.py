@@ -236,7 +236,9 @@ def test_eval_refuses_an_env_that_observes_other_shapes_than_the_policy_was_trai
     # Once the store holds episodes, each records its env kwargs and eval rebuilds that env by default.
     run_client(ClientConfig(store=store.root, client_id="demo", episodes=1, env=collected, tasks=["highway-fast"],
                             follow_registry=False))
-    assert store.snapshot().episodes()[0].attrs["env_kwargs"] == {"duration": 4, "observed_vehicles": 3}
+    recorded = store.snapshot().episodes()[0].attrs
+    assert recorded["env_kwargs"] == {"duration": 4, "observed_vehicles": 3}
+    assert recorded["step_limit"] == 4  # bounds eval's length interval (the kwargs name no max_episode_steps)
     r = evaluate(store.root, version, ["highway-fast"], 2, n_clients=1, out_store=out)
     assert r["env"] == collected and r["tasks"]["highway-fast"]["episodes"] == 2
     # given kwargs go on top of the recorded ones one key at a time (they replaced them all: the recorded

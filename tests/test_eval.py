@@ -24,7 +24,7 @@ from robo_post.envs.tabletop import PROPRIO_DIM
 from robo_post.eval import EVAL_SEED, evaluate, load_results, wilson_interval, write_report
 from robo_post.envs import env_spec
 from robo_post.eval import report as report_mod
-from robo_post.eval.rollout import _save_result, _summarise, format_mean, mean_interval, recorded_env_kwargs
+from robo_post.eval.rollout import _save_result, _step_limit, _summarise, format_mean, mean_interval, recorded_env_kwargs
 from robo_post.learner.loop import read_metrics
 from robo_post.fleet.client import episode_seed, store_schema
 from robo_post.models.features import state_features
@@ -76,6 +76,10 @@ def test_mean_intervals_stay_inside_known_bounds():
     # nor longer than the step limit the episodes ran under (eval passes it where the env kwargs name it)
     assert _summarise(episodes, ["reach"], bounds={"length": (0, 30)})["tasks"]["reach"]["length_ci95"] == pytest.approx(
         [0.0, 30.0])
+    # without max_episode_steps in the kwargs, the limit each client's env reported (it was unbounded)
+    reported = [dataclasses.replace(e, attrs={"step_limit": 30}) for e in episodes]
+    assert (_step_limit({}, reported), _step_limit({"max_episode_steps": 40}, reported), _step_limit({}, episodes),
+            _step_limit({}, reported[:3] + episodes[3:])) == (30, 40, None, None)
     assert stats["return_ci95"][0] < -5  # a return has no known bound: left as computed
     # Where the env's registry entry knows a range (tabletop's 0/1 return gave [-0.07, 1.07]):
     episodes = [dataclasses.replace(_episode(i, ret=float(i == 0)), attrs={"metrics": {"usefulness": u, "other": u}})

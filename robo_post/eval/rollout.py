@@ -223,9 +223,8 @@ def evaluate(
 
     snap = store.snapshot()
     episodes = [e for c in configs for e in snap.episodes(client=c.client_id)[: c.episodes]]
-    # an episode lasts at most the step limit it ran under (a dataset's recorded one included)
-    limit = env_cfg.get("max_episode_steps")
-    bounds = {**spec.bounds, "length": (0, limit)} if isinstance(limit, int) and limit > 0 else spec.bounds
+    limit = _step_limit(env_cfg, episodes)
+    bounds = {**spec.bounds, "length": (0, limit)} if limit is not None else spec.bounds
     result = _summarise(episodes, tasks, spec.metric_ids, bounds)
     result.update(
         policy={"version": version or 0, "label": label, "store": policy_store,
@@ -576,6 +575,16 @@ def _task_stats(episodes: list[EpisodeInfo], ids: Iterable[str] = (), bounds: Bo
         "return_ci95": mean_interval((e.ret for e in episodes), 0.95, *bounds.get("return", (None, None))),
         "metrics": {name: _metric_stats(values, bounds.get(name, (None, None))) for name, values in metrics.items()},
     }
+
+
+def _step_limit(env_cfg: dict[str, Any], episodes: list[EpisodeInfo]) -> int | None:
+    """The most steps any of ``episodes`` could last: the kwargs' ``max_episode_steps`` (a dataset's
+    recorded one included), else the largest limit the clients' envs reported; None when unknown."""
+    limit = env_cfg.get("max_episode_steps")
+    if isinstance(limit, int) and limit > 0:
+        return limit
+    reported = [e.attrs.get("step_limit") for e in episodes]
+    return max(reported) if reported and all(isinstance(n, int) and n > 0 for n in reported) else None
 
 
 def _summarise(episodes: list[EpisodeInfo], tasks: list[str], ids: Iterable[str] = (),
