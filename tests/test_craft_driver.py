@@ -384,6 +384,35 @@ def test_evpo_run_logs_the_gate_and_checkpoints_the_critic(craft_run, tmp_path):
     assert any(k.startswith("module.critic.") for k in tensors) and any(k.startswith("optim.critic.") for k in tensors)
 
 
+def test_veto_acting_fits_each_later_acting_version_on_the_states_recorded_before_it(craft_run, tmp_path):
+    store, summary, _ = craft_run
+    own = str(tmp_path / "demos")
+    shutil.copytree(store, own)
+    out = summary_of(run_cli("train", "algo=craft", f"store={own}", f"run_dir={tmp_path / 'run'}",
+                             f"algo.reference_version={summary['pretrained_version']}", "algo.iterations=2",
+                             "algo.episodes_per_iteration=2", "algo.n_clients=1", f"algo.online_store={tmp_path / 'online'}",
+                             "+algo.env_kwargs.vehicles_count=8", "+algo.env_kwargs.duration=12", "show=false",
+                             "algo.veto_updates=5", "algo.veto_danger=100", "algo.veto_margin=0",
+                             "algo.veto_acting=true").stdout)
+    registry = PolicyRegistry(own)
+    acting = sorted(v for v in registry.versions() if registry.load(v)[1].get("run_dir") == str(tmp_path / "run"))
+    first, second = (registry.load(v)[1] for v in acting)
+    snap = Store.open(str(tmp_path / "online")).snapshot(record=False)
+    scores = np.concatenate([snap.load(e)["extras"]["proxy_scores"] for e in snap.episodes(policy_version=acting[0])])
+    # the first acting version is the student as it starts; the second is fitted on the first one's states
+    assert "veto_states" not in first
+    assert (second["veto_states"], second["vetoed_states"]) == (
+        len(scores), int((scores < scores.max(-1)[:, None]).any(-1).sum())) and second["vetoed_states"] > 0
+    # and the update's ratios are against the logits the vetoed version acted with
+    logged = snap.load(snap.episodes(policy_version=acting[1])[0])
+    policy = CandidatePolicy.from_artifact(*registry.load(acting[1]))
+    with torch.no_grad():
+        logits = policy.logits({"state": torch.as_tensor(logged["obs"]["state"][:len(logged["extras"]["logits"])])})
+    assert np.allclose(logged["extras"]["logits"], logits.numpy(), atol=1e-5)
+    # the final fit is on both iterations' states
+    assert out["veto_states"] == sum(len(snap.load(e)["extras"]["proxy_scores"]) for e in snap.episodes()) > len(scores)
+
+
 def test_craft_runs_the_scene_its_demonstrations_were_recorded_in(tmp_path):
     store = str(tmp_path / "demos")
     run_cli("collect", "env=highway_meta", "+env.kwargs.scenario=roundabout", "policy=expert", "episodes=2",

@@ -870,7 +870,8 @@ def test_target_kl_stops_a_batchs_passes_after_the_first_step_past_it():
                                             ({"event_weights": [[-1], 0]}, "event_weights must be a list of finite"),
                                             ({"lambda_res": math.nan}, "lambda_res must be a finite number, got nan"),
                                             ({"dual_c": math.nan}, "dual_c must be a finite number, got nan"),
-                                            ({"lr": math.inf}, "lr must be a finite number, got inf")])
+                                            ({"lr": math.inf}, "lr must be a finite number, got inf"),
+                                            ({"veto_acting": True}, "veto_acting .* needs veto_updates > 0")])
 def test_non_numeric_or_non_finite_settings_are_config_errors(setting, shown):
     # a NaN weight passed every range check and trained NaN losses into published versions
     with pytest.raises(CraftConfigError, match=shown):

@@ -577,6 +577,10 @@ class CraftConfig:
             ``veto_danger`` and more than ``veto_margin`` below the state's best); cross-entropy,
             ``bc_lr`` and ``bc_minibatch``. It uses only the recorded scores: no more episodes.
         veto_danger / veto_margin: those thresholds, in the proxy's units.
+        veto_acting: fit each iteration's acting version the same way too (from the second
+            iteration, on the states recorded so far), so the fleet samples from the vetoed
+            policy and the run records the states it visits; the update's ratios are taken
+            against the logits it acted with. Needs ``veto_updates > 0``.
         use_proxy / use_residual: the two policy-gradient terms (ablations: proxy only, residual only).
         gamma_event / window: discount and window W of the event returns.
         adv_eps: epsilon of the group and batch normalisations.
@@ -667,6 +671,7 @@ class CraftConfig:
     veto_updates: int = 0
     veto_danger: float = -0.5
     veto_margin: float = 0.3
+    veto_acting: bool = False
     oracle: bool = False
     online_store: str | None = None
     event_weights: list[float] = field(default_factory=lambda: [-1.0, -0.3, 0.0, 0.0, 0.0])
@@ -742,6 +747,9 @@ class CraftConfig:
             raise CraftConfigError(f"craft guard_tau must be a number > 0, got {self.guard_tau!r}")
         if self.veto_updates < 0:
             raise CraftConfigError(f"craft veto_updates must be >= 0 (0: none), got {self.veto_updates}")
+        if self.veto_acting and self.veto_updates == 0:
+            raise CraftConfigError("craft veto_acting fits the acting versions for veto_updates steps: it needs "
+                                   "veto_updates > 0")
         if self.veto_updates > 0 and not self.use_proxy:
             raise CraftConfigError("craft veto_updates > 0 reads the proxy's scores: it needs use_proxy=true")
         for name in ("guard_margin", "guard_danger", "veto_margin", "veto_danger"):

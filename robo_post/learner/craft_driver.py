@@ -504,9 +504,17 @@ def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dic
     while state["iteration"] < config.iterations:
         i = state["iteration"]
         if "acting_version" not in state:  # the version the fleet samples from in this iteration
-            state["acting_version"] = _published_acting(registry, run_dir, i) or registry.publish(*method.artifact(
-                phase="online", iteration=i, parent_version=parent, deterministic=False, env_extras=True,
-                explore_eps=config.explore_eps, explore_margin=config.explore_margin, run_dir=os.path.abspath(run_dir)))
+            acting = _published_acting(registry, run_dir, i)
+            if acting is None:
+                policy, veto = method.policy, {}
+                if config.veto_acting and i > 0:  # so the run records the states the vetoed policy visits
+                    policy = copy.deepcopy(method.policy)
+                    veto = veto_fit(policy, config, online.snapshot(), registry, run_dir, cfg.seed + i)
+                acting = registry.publish(*method.artifact(
+                    policy=policy, phase="online", iteration=i, parent_version=parent, deterministic=False,
+                    env_extras=True, explore_eps=config.explore_eps, explore_margin=config.explore_margin,
+                    run_dir=os.path.abspath(run_dir), **veto))
+            state["acting_version"] = acting
             write_json_atomic(state_path, state)
         version = state["acting_version"]
         share, extra = divmod(config.episodes_per_iteration, config.n_clients)  # exactly the episodes asked for
