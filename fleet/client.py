@@ -27,7 +27,7 @@ import torch
 from gymnasium import spaces
 
 from robo_post.envs.registry import EnvRegistryError, EnvSpec, env_spec
-from robo_post.fleet.policies import ExpertPolicy, Policy, build_policy, policy_extras, recorded_extras
+from robo_post.fleet.policies import ExpertPolicy, build_policy, policy_extras, recorded_extras
 from robo_post.store import EpisodeValidationError, PolicyRegistry, Store, StoreSchema
 from robo_post.store.writer import write_json_atomic
 
