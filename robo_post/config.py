@@ -30,11 +30,28 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
     return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}.{key}" if prefix else key).items()}
 
 
+def _is_path(key: str) -> bool:
+    """Whether a dotted setting names a folder (``store``, ``run_dir``, ``algo.online_store``, ...)."""
+    name = key.rpartition(".")[2]
+    return name in ("store", "run_dir") or name.endswith(("_store", "_dir"))
+
+
+def absolute_paths(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` (a resolved container) with every folder setting made absolute, as a run
+    records it: resumed from another directory, or with ``./s`` for ``s``, it names the same folders."""
+    def walk(node: Any, prefix: str) -> Any:
+        if isinstance(node, dict):
+            return {k: walk(v, f"{prefix}.{k}" if prefix else k) for k, v in node.items()}
+        return os.path.abspath(node) if isinstance(node, str) and _is_path(prefix) else node
+    return walk(config, "")
+
+
 def changed_settings(recorded: dict[str, Any], given: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """``{dotted.key: (recorded, given)}`` for every setting two resolved configs differ in,
-    display settings (``DISPLAY_SETTINGS``) left out."""
+    display settings (``DISPLAY_SETTINGS``) left out; folders are compared as resolved paths."""
     def settings(node: Any) -> dict[str, Any]:
-        return {k: v for k, v in _flat(node).items() if not set(k.split(".")) & set(DISPLAY_SETTINGS)}
+        return {k: os.path.realpath(v) if isinstance(v, str) and _is_path(k) else v for k, v in _flat(node).items()
+                if not set(k.split(".")) & set(DISPLAY_SETTINGS)}
 
     old, new = settings(recorded), settings(given)
     # A key set to None on one side and absent on the other differs (``model.features={goal: null}``

@@ -303,6 +303,22 @@ def test_a_finished_run_rerun_on_another_store_or_model_is_refused(tiny_store, t
         "model.features": (None, None), "model.features.goal": (None, None)}
 
 
+def test_a_run_resumed_with_its_folders_spelled_otherwise_is_the_same_run(tiny_store, tmp_path, monkeypatch):
+    """`store=s` then `store=./s`, or a run resumed from another directory, was refused as a run
+    of "other settings (store: 's' -> './s')", so its documented rerun could not republish it."""
+    run_dir = tmp_path / "run"
+
+    def cfg(store, run):
+        return OmegaConf.merge(_train_cfg(store, run, 10), {"publish": True})
+
+    monkeypatch.chdir(os.path.dirname(tiny_store))
+    first = train(cfg(os.path.basename(tiny_store), os.path.relpath(run_dir)))
+    assert OmegaConf.load(run_dir / "config.yaml").store == tiny_store  # recorded absolute
+    monkeypatch.chdir(tmp_path)
+    again = train(cfg("./" + os.path.relpath(tiny_store), "run"))
+    assert again["version"] == first["version"] == PolicyRegistry(tiny_store).latest()  # already done, not refused
+
+
 def test_a_republished_run_keeps_the_settings_its_weights_were_trained_with(tiny_store, tmp_path, capsys):
     """A finished run rerun with a changed setting publishes its weights again under it; that
     rewrote config.yaml, so a larger budget with the changed setting then resumed the weights

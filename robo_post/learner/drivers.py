@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from robo_post.algos.divl import DIVL
 from robo_post.algos.registry import DataSpec, MethodSpec, check_continuous
 from robo_post.algos.sb3_agent import check_budget
-from robo_post.config import changed_settings, check_dir_path, compose, describe_changes
+from robo_post.config import absolute_paths, changed_settings, check_dir_path, compose, describe_changes
 from robo_post.learner.checkpoint import (CheckpointError, checkpoint_state, has_checkpoint, load_checkpoint,
                                          save_checkpoint)
 from robo_post.learner.loop import read_metrics, resolve_device, train_loop, truncate_log
@@ -476,7 +476,7 @@ def begin_run(run_dir: str, cfg: DictConfig, counter: str, target: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(trained)
     with open(f"{path}.tmp", "w") as f:  # renamed into place: a kill never leaves half a record
-        f.write(OmegaConf.to_yaml(cfg, resolve=True))
+        f.write(OmegaConf.to_yaml(absolute_paths(OmegaConf.to_container(cfg, resolve=True))))
     os.replace(f"{path}.tmp", path)
 
 

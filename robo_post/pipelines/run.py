@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from robo_post.config import changed_settings, check_dir_path, compose, describe_changes
+from robo_post.config import absolute_paths, changed_settings, check_dir_path, compose, describe_changes
 from robo_post.pipelines import lwd
 from robo_post.store import PolicyRegistry, Store
 from robo_post.store.writer import write_json_atomic
@@ -154,7 +154,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     eval_store = os.path.join(cfg.run_dir, "eval-store")
     path = os.path.join(cfg.run_dir, "config.yaml")
     with open(f"{path}.tmp", "w") as f:  # swapped in whole: a rerun compares its settings with it
-        f.write(OmegaConf.to_yaml(cfg, resolve=True))
+        f.write(OmegaConf.to_yaml(absolute_paths(OmegaConf.to_container(cfg, resolve=True))))
     os.replace(f"{path}.tmp", path)
 
     collect_stage(cfg, store_root, "demo", cfg.demos.episodes, {"kind": "expert", "noise": cfg.demos.noise})
