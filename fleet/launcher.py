@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -16,6 +17,10 @@ from typing import Any
 
 from robo_post.fleet.client import LAUNCHER_PID_ENV, ClientConfig, read_status, run_client
 from robo_post.store import Store, StoreError
+
+
+# Free bytes under which a client's unexplained exit is put down to a full disk.
+_FULL_BYTES = 1 << 20
 
 
 class FleetError(RuntimeError):
@@ -118,6 +123,19 @@ class LocalLauncher(_Launcher):
                 else:
                     self.failed[client_id] = code
         return running
+
+    def statuses(self) -> list[dict[str, Any]]:
+        """As ``_Launcher.statuses``; a client given up that could not record its crash (a full
+        disk fails the status write too) reads as exited, not as still running."""
+        out = super().statuses()
+        for status in out:
+            code = self.failed.get(status["client_id"])
+            if code is not None and status.get("state") not in ("crashed", "done"):
+                store = self.configs[status["client_id"]].store
+                full = shutil.disk_usage(store).free < _FULL_BYTES
+                status.update(state=f"exited with code {code}", last_error=(
+                    f"OSError: no space left on the disk holding {store}" if full else status.get("last_error")))
+        return out
 
     def stop(self) -> None:
         for proc in self.procs.values():

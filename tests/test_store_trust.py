@@ -729,3 +729,29 @@ def test_a_shard_folder_deleted_whole_is_warned_about_by_info_train_and_collect(
     r = _cli("store", "info", store.root)
     assert r.returncode == 1 and f"warning: {problem}: the figures below leave them out" in r.stderr
     assert "episodes 2 " in r.stdout
+
+
+def test_a_full_disk_is_named_and_leaves_a_readable_store(tmp_path):
+    """On a full disk `collect` said its clients were still running ("client-0: running"), left a
+    `.tmp-*` status file per restart, and `store info` failed with ENOSPC though it only reads."""
+    cli = os.path.join(os.path.dirname(sys.executable), "robo-post")
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir(), out.mkdir()
+    script = (f"mount -t tmpfs -o size=400k tmpfs {disk} || exit 77\n"
+              f"{cli} collect env=CartPole-v1 policy=random episodes=2000 store={disk}/s show=false "
+              f"2> {out}/collect.err; echo $? > {out}/collect.rc\n"
+              f"ls -a {disk}/s/fleet > {out}/fleet.ls\n"
+              f"{cli} store info {disk}/s > {out}/info.out 2>&1; echo $? > {out}/info.rc\n"
+              f"{cli} store validate {disk}/s > {out}/validate.out 2>&1; echo $? > {out}/validate.rc\n")
+    try:
+        r = subprocess.run(["unshare", "-m", "bash", "-c", script], capture_output=True, text=True, timeout=300)
+    except FileNotFoundError:
+        pytest.skip("needs unshare")
+    if r.returncode != 0:
+        pytest.skip(f"needs a private tmpfs (root): {r.stderr.strip()[-200:]}")
+    err = (out / "collect.err").read_text()
+    assert (out / "collect.rc").read_text().strip() == "1"
+    assert f"client-0: OSError: no space left on the disk holding {disk}/s" in err and "running" not in err, err
+    assert not [f for f in (out / "fleet.ls").read_text().split() if ".tmp-" in f]
+    assert (out / "info.rc").read_text().strip() == "0", (out / "info.out").read_text()
+    assert (out / "validate.rc").read_text().strip() == "0" and "0 problems" in (out / "validate.out").read_text()

@@ -46,6 +46,8 @@ from robo_post.store.writer import ShardWriter, decode_record, episode_checksum,
 
 # Errors of a write refused for want of permission or on a read-only file system.
 _READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)
+# ... or for want of space: reading a full store needs no record of what it read.
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 # What a store's folder may hold before its store.json exists: other creators racing, fleet logs.
 _STORE_ENTRIES = {"shards", "snapshots", "policies", "fleet"}
 # What the store keeps in each of its folders, and the way out when a file stands there instead.
@@ -353,7 +355,7 @@ class Store:
                 write_json_atomic(path, {"shards": counts}, fsync=False)
                 snap.recorded = True
             except OSError as e:
-                if e.errno not in _READ_ONLY:
+                if e.errno not in _READ_ONLY + _FULL:
                     raise
         return snap
 

@@ -30,6 +30,7 @@ them as failing their checksum.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -73,12 +74,19 @@ def write_json_atomic(path: str, obj: Any, fsync: bool = True, indent: int | Non
                       default: Callable[[Any], Any] | None = None) -> None:
     """Write JSON to ``path`` so readers (and a rerun after a kill) see the old or the new file, never a mix."""
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # unique per writer thread too
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=indent, default=default)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=indent, default=default)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):  # a full disk would otherwise leave one per attempt
+            os.remove(tmp)
+        if isinstance(e, OSError) and e.filename is None:  # a failed write or close names no file
+            raise OSError(e.errno, e.strerror, path) from None
+        raise
 
 
 # An episode record (one line of episodes.jsonl) ends with this key and the CRC32C of
