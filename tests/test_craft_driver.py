@@ -372,7 +372,8 @@ def test_evpo_run_logs_the_gate_and_checkpoints_the_critic(craft_run, tmp_path):
     # the last fit: every state recorded, those with a candidate below the best vetoed; the final
     # version is the fitted copy, the checkpoint keeps the student
     assert (out["veto_states"], out["vetoed_states"]) == (len(scores), int((scores < scores.max(-1)[:, None]).any(-1).sum()))
-    final = PolicyRegistry(own).load(out["version"])[0]
+    final, final_config = PolicyRegistry(own).load(out["version"])
+    assert (final_config["veto_states"], final_config["vetoed_states"]) == (out["veto_states"], out["vetoed_states"])
     student = load_file(str(tmp_path / "run" / "checkpoint" / "tensors.safetensors"))
     assert any(not torch.equal(v, student[f"module.policy.{k}"]) for k, v in final.items())
     assert rows[0]["episodes"] == 3  # as asked: two clients share them 2 + 1 (each recorded 2)

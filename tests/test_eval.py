@@ -310,12 +310,16 @@ def test_report_lists_the_online_phase_run_goes_on_with(tmp_path):
     (run / "summary.json").write_text(json.dumps({"version": 2, "episodes": 11, "wall_s": 5.0,
                                                   "final": {"update": 20, "bc_loss": 0.05}}))
     md = open(write_report(out, [], [str(run)])).read()
-    assert f"| `{run}` | v2 | 11 | 20 | 5 s | 0.0500 |" in md
-    assert f"| `{run}` (online) | – (not finished) | – | 30 (10 online) | – | 0.0333 |" in md
+    assert f"| `{run}` | v2 | 11 | 20 | 5 s | 0.0500 (bc_loss) |" in md
+    assert f"| `{run}` (online) | – (not finished) | – | 30 (10 online) | – | 0.0333 (bc_loss) |" in md
     (run / "online.json").write_text(json.dumps({"versions": [3, 4], "online_episodes": 2, "wall_s": 7.0,
                                                  "final": {"update": 30, "bc_loss": 1 / 30}}))
     md = open(write_report(out, [], [str(run)])).read()
-    assert f"| `{run}` (online) | v3, v4 | 2 | 30 (10 online) | 7 s | 0.0333 |" in md and "not finished" not in md
+    assert f"| `{run}` (online) | v3, v4 | 2 | 30 (10 online) | 7 s | 0.0333 (bc_loss) |" in md and "not finished" not in md
+    # a method logging another loss shows it, named (categorical_bc's nll showed as "–")
+    (run / "summary.json").write_text(json.dumps({"version": 2, "episodes": 11, "wall_s": 5.0,
+                                                  "final": {"update": 20, "nll": 0.25}}))
+    assert f"| `{run}` | v2 | 11 | 20 | 5 s | 0.2500 (nll) |" in open(write_report(out, [], [str(run)])).read()
 
 
 def test_report_reads_a_killed_runs_log_and_names_a_damaged_file(tmp_path, capsys):

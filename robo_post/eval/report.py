@@ -319,7 +319,7 @@ def _learning_section(doc: _Doc, out_dir: str, run_dirs: list[str]) -> None:
         elif summary and logged and logged[-1].get("update", 0) > final.get("update", 0):
             rows.append(_run_row(f"`{run_dir}` (online)", "– (not finished)", None, logged[-1], None,
                                  final.get("update")))
-    doc.table(["run", "published", "episodes", "updates", "wall time", "final bc_loss"], rows)
+    doc.table(["run", "published", "episodes", "updates", "wall time", "final loss"], rows)
     runs = {k: v for k, v in runs.items() if v}
     if not runs:
         doc.paragraph("No `metrics.jsonl` rows found in these runs.")
@@ -339,9 +339,14 @@ def _run_row(name: str, published: str, episodes: Any, final: dict[str, Any], wa
     update = final.get("update")
     updates = ("–" if update is None else f"{update} ({update - before} online)" if isinstance(before, int)
                and isinstance(update, int) else str(update))
+    loss = next((k for k in _LOSSES if isinstance(final.get(k), (int, float))), None)
     return [name, published, "–" if episodes is None else str(episodes), updates,
             "–" if wall_s is None else f"{wall_s:.0f} s",
-            f"{final['bc_loss']:.4f}" if "bc_loss" in final else "–"]
+            "–" if loss is None else f"{final[loss]:.4f} ({loss})"]
+
+
+# The loss a learning-table row shows: the first of these its method logs.
+_LOSSES = ("bc_loss", "nll", "loss", "loss_am", "value_loss")
 
 
 def _plot_curves(path: str, runs: dict[str, list[dict[str, Any]]]) -> None:

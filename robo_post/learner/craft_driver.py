@@ -559,7 +559,7 @@ def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dic
     if config.veto_updates > 0:  # on a copy: the checkpoint keeps the student, and a rerun repeats this exactly
         student = copy.deepcopy(method.policy)
         veto = veto_fit(student, config, online.snapshot(), registry, run_dir, cfg.seed)
-    final = publish_once(registry, *method.artifact(policy=student, **provenance))
+    final = publish_once(registry, *method.artifact(policy=student, **provenance, **veto))
     rows = [json.loads(line) for line in open(log_path)] if os.path.exists(log_path) else []
     summary = {"algo": spec.name, "version": final, "pretrained_version": state.get("pretrained_version", parent),
                "iterations": config.iterations, "online_store": online.root, "wall_s": time.perf_counter() - t0,
