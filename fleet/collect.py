@@ -110,7 +110,10 @@ def check_env_supports(cfg: DictConfig, spec: EnvSpec) -> None:
             raise PolicyNotFoundError(f"fleet.policy_version={pinned} is not published in {policies}; "
                                       f"published: {published or 'none'}")
         registry.load(pinned)  # a damaged version: its typed error, once
-    runs_expert = not fleet.follow_registry and pinned is None
+    # following the registry, the clients run the given policy until a version is published
+    policies = os.path.join(str(cfg.store), "policies")
+    unpublished = not os.path.isdir(policies) or PolicyRegistry(str(cfg.store)).latest() is None
+    runs_expert = pinned is None and (not fleet.follow_registry or unpublished)
     if cfg.policy.kind == "sb3" and runs_expert:
         if OmegaConf.is_missing(cfg.policy, "path"):
             raise CollectSettingsError("policy=sb3 needs policy.path=AGENT.zip (the zip SB3's save wrote)")
@@ -121,7 +124,10 @@ def check_env_supports(cfg: DictConfig, spec: EnvSpec) -> None:
         return
     if spec.expert is None:
         raise NoExpertError(f"env {spec.key!r} has no scripted expert; collect with another policy "
-                            "(policy=random) or run a published version (fleet.follow_registry=true)")
+                            "(policy=random) or run a published version (fleet.follow_registry=true)" if not
+                            fleet.follow_registry else f"env {spec.key!r} has no scripted expert, and nothing is "
+                            f"published in {policies} yet for fleet.follow_registry=true to run: the clients would "
+                            "run the expert until a version is; collect with another policy (policy=random)")
     if (mode := cfg.policy.get("mode", "expert")) not in spec.expert_modes:
         raise UnknownExpertModeError(f"env {spec.key!r}: its expert has no mode {mode!r}; "
                                      f"modes: {', '.join(spec.expert_modes)}")

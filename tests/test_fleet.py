@@ -384,6 +384,11 @@ def test_collect_refuses_an_expert_or_overseer_the_env_lacks_before_any_client(t
     cfg = compose("collect", ["env=gym", "env.name=FrozenLake-v1", f"store={root}", "episodes=2", "show=false"])
     with pytest.raises(NoExpertError, match="'FrozenLake-v1' has no scripted expert; collect with another policy"):
         collect(cfg)
+    # following a registry that holds nothing yet, the clients run the expert too (each crashed)
+    cfg.fleet.follow_registry = True
+    with pytest.raises(NoExpertError, match="nothing is published in .* yet for fleet.follow_registry=true to run"):
+        collect(cfg)
+    cfg.fleet.follow_registry = False
     cfg.policy.kind, cfg.fleet.overseer.enabled = "random", True
     with pytest.raises(OverseerUnsupportedError, match="'FrozenLake-v1' has no overseer"):
         collect(cfg)
