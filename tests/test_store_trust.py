@@ -755,3 +755,17 @@ def test_a_full_disk_is_named_and_leaves_a_readable_store(tmp_path):
     assert not [f for f in (out / "fleet.ls").read_text().split() if ".tmp-" in f]
     assert (out / "info.rc").read_text().strip() == "0", (out / "info.out").read_text()
     assert (out / "validate.rc").read_text().strip() == "0" and "0 problems" in (out / "validate.out").read_text()
+
+
+def test_a_write_past_the_file_size_limit_names_its_path_and_the_rerun_finishes(tmp_path):
+    """`train` under `ulimit -f` said only "OSError: [Errno 27] File too large": no file named."""
+    cli = os.path.join(os.path.dirname(sys.executable), "robo-post")
+    store, run = tmp_path / "s", tmp_path / "r"
+    subprocess.run([cli, "collect", "env=CartPole-v1", "policy=random", "episodes=20", f"store={store}", "show=false"],
+                   check=True, capture_output=True, timeout=300)
+    train = f"{cli} train store={store} algo=categorical_bc run_dir={run} updates=200 data.success=null show=false"
+    r = subprocess.run(["bash", "-c", f"ulimit -f 300; {train}"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and f"OSError: [Errno 27] File too large: '{run}/checkpoint'" in r.stderr, r.stderr
+    assert PolicyRegistry(str(store)).versions() == []
+    assert subprocess.run(["bash", "-c", train], capture_output=True, timeout=300).returncode == 0
+    assert PolicyRegistry(str(store)).versions() == [1]

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from safetensors.torch import load, save
 
+from robo_post.store.writer import naming
+
 TENSORS, STATE = "tensors.safetensors", "state.json"
 
 
@@ -85,9 +87,9 @@ def save_checkpoint(
     tmp, old = f"{path}.tmp", f"{path}.old"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    with open(os.path.join(tmp, TENSORS), "wb") as f:
+    with naming(path), open(os.path.join(tmp, TENSORS), "wb") as f:
         f.write(blob)
-    with open(os.path.join(tmp, STATE), "w") as f:
+    with naming(path), open(os.path.join(tmp, STATE), "w") as f:
         json.dump(payload, f)
     shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(path):

@@ -21,7 +21,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from robo_post.store.schema import StoreError, check_folder
-from robo_post.store.writer import write_json_atomic
+from robo_post.store.writer import naming, write_json_atomic
 
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 WEIGHTS_FILE = "model.safetensors"
@@ -107,9 +107,9 @@ class PolicyRegistry:
             tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
             # written by us, not safetensors' save_file, which makes the file 0600: fleet processes
             # of another user must read the weights as they read the config (the umask decides)
-            with open(os.path.join(tmp, WEIGHTS_FILE), "wb") as f:
+            with naming(final), open(os.path.join(tmp, WEIGHTS_FILE), "wb") as f:
                 f.write(save_safetensors(tensors))
-            with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            with naming(final), open(os.path.join(tmp, CONFIG_FILE), "w") as f:
                 json.dump({**config, "version": version, _CHECKSUMMED: True}, f, indent=1, allow_nan=False)
             checksums = {}
             for name in (WEIGHTS_FILE, CONFIG_FILE):

@@ -36,7 +36,7 @@ import json
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import crc32c
 import numpy as np
@@ -70,22 +70,32 @@ _COL = {name: i for i, name in enumerate(STEP_COLUMNS)}
 _FLAG_COLS = [_COL[name] for name in ("terminated", "truncated", "intervention")]  # 0 or 1
 
 
+@contextlib.contextmanager
+def naming(path: str) -> Iterator[None]:
+    """Re-raise an ``OSError`` that names no file (a write or close on a full disk or past a
+    file-size limit) as one naming ``path``, so the user learns where."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, path) from None
+
+
 def write_json_atomic(path: str, obj: Any, fsync: bool = True, indent: int | None = None,
                       default: Callable[[Any], Any] | None = None) -> None:
     """Write JSON to ``path`` so readers (and a rerun after a kill) see the old or the new file, never a mix."""
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # unique per writer thread too
     try:
-        with open(tmp, "w") as f:
+        with naming(path), open(tmp, "w") as f:
             json.dump(obj, f, indent=indent, default=default)
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException as e:
+    except BaseException:
         with contextlib.suppress(OSError):  # a full disk would otherwise leave one per attempt
             os.remove(tmp)
-        if isinstance(e, OSError) and e.filename is None:  # a failed write or close names no file
-            raise OSError(e.errno, e.strerror, path) from None
         raise
 
 
