@@ -19,6 +19,8 @@ has been trained.
 from __future__ import annotations
 
 import copy
+import os
+import sys
 import types
 from dataclasses import dataclass
 from typing import Any, SupportsFloat
@@ -34,6 +36,11 @@ from highway_env.road.road import LaneIndex, Road
 from highway_env.utils import wrap_to_pi
 from highway_env.vehicle.controller import ControlledVehicle
 from highway_env.vehicle.kinematics import Vehicle
+
+if sys.platform.startswith("linux") and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
+    # No display: highway-env's pygame draws its frames offscreen (SDL would probe Wayland and
+    # print an XDG_RUNTIME_DIR error at every report). Read when the first frame is drawn.
+    os.environ.setdefault("SDL_VIDEODRIVER", "offscreen")
 
 __all__ = [
     "MAX_ACCELERATION",

@@ -337,3 +337,16 @@ def test_an_env_observing_other_keys_is_named_with_what_it_observes(tmp_path):
     with pytest.raises(EnvMismatchError, match=r"env 'tabletop' with kwargs \{.*\} observes \{'proprio': \('float32', "
                        r"\(\d+,\)\), 'task_id': \('int64', \(\)\)\}, but the policy was trained on \{'observation': \('float32', \(3,\)\)\}"):
         evaluate(store.root, version, ["reach"], 1, n_clients=1, env="tabletop", out_store=str(tmp_path / "eval"))
+
+
+@pytest.mark.parametrize("name", ["highway_meta", "driving"])
+def test_driving_frames_render_without_a_display_and_without_sdl_errors(name):
+    """Every report on a driving env printed SDL's "error: XDG_RUNTIME_DIR is invalid or not set"."""
+    code = (f"from robo_post.envs import env_spec; env = env_spec({name!r}).make(render_mode='rgb_array'); "
+            "env.reset(seed=0); frame = env.render(); print(frame.shape, float(frame.mean()))")
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "XDG_RUNTIME_DIR",
+                                                             "SDL_VIDEODRIVER")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    shape, mean = r.stdout.rsplit(" ", 1)
+    assert float(mean) > 10  # a drawn road, not a black frame
