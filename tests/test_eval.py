@@ -372,8 +372,8 @@ def test_report_of_a_killed_run_without_an_eval_store(tmp_path, capsys):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["report", f"run_dir={run}", "eval_store=null", f"out_dir={out}"]) == 0, capsys.readouterr().err
     md = open(os.path.join(out, "report.md")).read()
-    assert f"| `{run}` | – (not finished) | – | 100 | – | 0.0100 |" in md
+    assert f"| `{run}` | – (not finished) | – | 100 | – | 0.0100 (bc_loss) |" in md
     # A `robo-post run` folder (no log of its own) stands for its phases' runs, not for one empty row.
     assert main(["report", f"run_dir={tmp_path}", "eval_store=null", f"out_dir={out}"]) == 0, capsys.readouterr().err
     md = open(os.path.join(out, "report.md")).read()
-    assert f"| `{run}` | – (not finished) | – | 100 | – | 0.0100 |" in md and f"| `{tmp_path}` |" not in md
+    assert f"| `{run}` | – (not finished) | – | 100 | – | 0.0100 (bc_loss) |" in md and f"| `{tmp_path}` |" not in md
