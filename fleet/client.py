@@ -273,6 +273,8 @@ def run_client(cfg: ClientConfig) -> dict[str, Any]:
             steps = writer.pending_steps
             success = spec.success(info)
             attrs = {"interventions": n_interventions, "policy": policy_name(cfg, version), "env_kwargs": env_kwargs}
+            if cfg.policy_store:  # whose version numbers policy_version counts (a shared store may hold several)
+                attrs["policy_store"] = os.path.abspath(cfg.policy_store)
             limit = spec.step_limit(env)
             if isinstance(limit, int) and limit > 0:  # bounds the eval's length interval when the kwargs do not name it
                 attrs["step_limit"] = limit

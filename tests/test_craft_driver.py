@@ -414,6 +414,26 @@ def test_veto_acting_fits_each_later_acting_version_on_the_states_recorded_befor
     assert out["veto_states"] == sum(len(snap.load(e)["extras"]["proxy_scores"]) for e in snap.episodes()) > len(scores)
 
 
+def test_runs_on_two_stores_sharing_an_online_store_each_learn_from_their_own_episodes(craft_run, tmp_path):
+    """The second store's run found the first's episodes under its own version numbers: it
+    trained on them and its own acting versions never drove."""
+    store, summary, _ = craft_run
+    online = str(tmp_path / "online")
+    out = {}
+    for name in ("a", "b"):  # copies of one store: their registries give the same version numbers
+        shutil.copytree(store, str(tmp_path / name))
+        out[name] = summary_of(run_cli("train", "algo=craft", f"store={tmp_path / name}", f"run_dir={tmp_path / name}-run",
+                                       f"algo.reference_version={summary['pretrained_version']}", "algo.iterations=1",
+                                       "algo.episodes_per_iteration=2", "algo.n_clients=1", f"algo.online_store={online}",
+                                       "+algo.env_kwargs.vehicles_count=8", "+algo.env_kwargs.duration=12",
+                                       "show=false").stdout)
+    assert out["a"]["final"]["version"] == out["b"]["final"]["version"]
+    episodes = Store.open(online).snapshot(record=False).episodes()
+    for name in ("a", "b"):
+        own = [e for e in episodes if e.attrs["policy_store"] == str(tmp_path / name)]
+        assert len(own) == 2 and out[name]["final"]["steps"] == sum(e.length for e in own)
+
+
 def test_craft_runs_the_scene_its_demonstrations_were_recorded_in(tmp_path):
     store = str(tmp_path / "demos")
     run_cli("collect", "env=highway_meta", "+env.kwargs.scenario=roundabout", "policy=expert", "episodes=2",

@@ -64,7 +64,7 @@ from robo_post.models.proposal_policy import ProposalPolicy, ProposalPolicyConfi
 from robo_post.store.registry import PolicyArtifactError, PolicyRegistry
 from robo_post.store.sampler import WindowSampler
 from robo_post.store.schema import ArraySpec, StoreSchema
-from robo_post.store.store import Snapshot, Store
+from robo_post.store.store import EpisodeInfo, Snapshot, Store
 from robo_post.store.writer import write_json_atomic
 
 EXTRAS = ("logits", "chosen", "proxy_scores", "events")
@@ -292,12 +292,21 @@ def on_policy_batch(config: CraftConfig, obs: dict[str, np.ndarray], extras: dic
     return batch | {"event_return": G}, stats | {"evpo_ev": None if math.isnan(ev) else ev, "evpo_gate": int(use_critic)}
 
 
-def run_episodes(snap: Snapshot, registry: PolicyRegistry, run_dir: str) -> list:
+def _of_registry(episode: EpisodeInfo, registry: PolicyRegistry) -> bool:
+    """Whether ``episode`` was recorded by a version of ``registry``: an online store shared by
+    runs on several stores holds versions whose numbers mean other policies here. Episodes
+    recorded before clients named their policy store count as this registry's."""
+    recorded = episode.attrs.get("policy_store")
+    return recorded is None or os.path.realpath(recorded) == os.path.realpath(os.path.dirname(registry.dir))
+
+
+def run_episodes(snap: Snapshot, registry: PolicyRegistry, run_dir: str) -> list[EpisodeInfo]:
     """The episodes of ``snap`` that this run's acting versions recorded (an online store may
-    also hold another run's)."""
-    configs = {v: registry.peek_config(v) or {} for v in {e.policy_version for e in snap.episodes()}}
+    also hold other runs', on this store or another)."""
+    episodes = [e for e in snap.episodes() if _of_registry(e, registry)]
+    configs = {v: registry.peek_config(v) or {} for v in {e.policy_version for e in episodes}}
     mine = {v for v, c in configs.items() if (c.get("phase"), c.get("run_dir")) == ("online", os.path.abspath(run_dir))}
-    return [e for e in snap.episodes() if e.policy_version in mine]
+    return [e for e in episodes if e.policy_version in mine]
 
 
 def _states(obs: dict[str, np.ndarray], extras: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -524,12 +533,13 @@ def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dic
                                 policy_store=store.root, policy_version=version, role="online")
                    for j in range(config.n_clients)]
         for j, c in enumerate(configs):  # resume: count what this version already recorded
-            done = sum(e.policy_version == version for e in online.shard_episodes(c.client_id))
+            done = sum(e.policy_version == version and _of_registry(e, registry)
+                       for e in online.shard_episodes(c.client_id))
             c.episodes = len(online.shard_episodes(c.client_id)) + max(share + (j < extra) - done, 0)
         statuses = LocalLauncher(configs).run(show=cfg.show)
         raise_unfinished(statuses, "craft clients", online.root)
         snap = online.snapshot()
-        episodes = snap.episodes(policy_version=version)
+        episodes = [e for e in snap.episodes(policy_version=version) if _of_registry(e, registry)]
         obs, _, extras, lengths = load_episodes(snap, episodes)
         batch, baseline_stats = on_policy_batch(config, obs, extras, lengths, event_weights,
                                                 method.values if config.baseline == "evpo" else None)
