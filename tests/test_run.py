@@ -122,6 +122,23 @@ def test_collect_refuses_settings_every_client_would_fail_on(tmp_path, overrides
     assert not store.exists()
 
 
+def test_a_recipes_free_form_training_settings_are_taken_and_unknown_ones_refused_before_any_stage(tmp_path):
+    """`+bc.algo.env_kwargs.duration=12` with recipe=craft failed with omegaconf's traceback after
+    the demos were recorded; a misspelt bc key failed the same way."""
+    from robo_post.config import compose
+    from robo_post.pipelines.run import RunSettingsError, bc_stage_config, check_stages
+
+    run_dir = tmp_path / "run"
+    cfg = compose("run", ["env=highway_meta", "recipe=craft", "+bc.algo.env_kwargs.duration=12", f"run_dir={run_dir}"])
+    train = bc_stage_config(cfg)
+    assert (train.algo.name, dict(train.algo.env_kwargs), train.store) == ("craft", {"duration": 12}, f"{run_dir}/store")
+    # (the CLI refuses a misspelt key first; composed otherwise, the stage's config names it)
+    cfg = compose("run", ["+bc.updatse=1", f"run_dir={run_dir}"])
+    with pytest.raises(RunSettingsError, match=r"^bc.updatse: `robo-post train` has no such setting"):
+        check_stages(cfg)
+    assert not run_dir.exists()
+
+
 def test_a_run_dir_reused_with_other_settings_is_refused(tmp_path):
     """A rerun skipped the finished BC stage (v1 kept its 10 updates) while config.yaml recorded the new 20."""
     run_dir = tmp_path / "run"

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError
 
 from robo_post.config import absolute_paths, changed_settings, check_dir_path, compose, describe_changes
 from robo_post.pipelines import lwd
@@ -36,7 +37,40 @@ from robo_post.store.writer import write_json_atomic
 
 
 def _compose(name: str, values: dict[str, Any], overrides: list[str] | None = None) -> DictConfig:
-    return OmegaConf.merge(compose(name, overrides or []), values)
+    base = compose(name, overrides or [])
+    _open_free_form(base, values)
+    return OmegaConf.merge(base, values)
+
+
+def _open_free_form(node: DictConfig, values: dict[str, Any]) -> None:
+    """Let ``values`` add keys to the mappings ``node`` leaves empty (``algo.env_kwargs: {}``),
+    free-form by design, as ``+key=value`` does on a job's command line; a key any other mapping
+    lacks stays an error."""
+    for key, value in values.items():
+        child = node.get(key) if key in node else None
+        if isinstance(child, DictConfig) and isinstance(value, dict):
+            if len(child) == 0:
+                OmegaConf.set_struct(child, False)
+            else:
+                _open_free_form(child, value)
+
+
+def bc_stage_config(cfg: DictConfig) -> DictConfig:
+    """The ``robo-post train`` config of the run's first training stage (``bc.*`` over the train
+    defaults of ``bc.algo.name``, BC of the demos unless a recipe names another method).
+
+    Raises:
+        RunSettingsError: a ``bc.*`` setting that training has not (e.g. a misspelt key).
+    """
+    method = cfg.bc.algo.get("name")  # a recipe may train another method first (recipe=craft)
+    try:
+        return _compose("train", {
+            "store": os.path.join(cfg.run_dir, "store"), "run_dir": os.path.join(cfg.run_dir, "bc"),
+            "device": cfg.device, "seed": cfg.seed, "show": cfg.show, **OmegaConf.to_container(cfg.bc, resolve=True),
+        }, [f"algo={method}"] if method else None)
+    except ConfigKeyError as e:
+        raise RunSettingsError(f"bc.{e.full_key}: `robo-post train{f' algo={method}' if method else ''}` has no "
+                               f"such setting ({e.msg.splitlines()[0]})") from None
 
 
 def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, policy: dict[str, Any],
@@ -59,6 +93,10 @@ def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, 
     })
     collect_cfg.env = cfg.env  # replaced whole: another env's kwargs must not merge in
     collect(collect_cfg)
+
+
+class RunSettingsError(ValueError):
+    """A run setting one of its stages cannot take."""
 
 
 class RunSettingsChangedError(ValueError):
@@ -109,6 +147,7 @@ def check_stages(cfg: DictConfig) -> None:
         UnknownExpertModeError: a ``play.mode`` the env's expert does not have.
         OverseerUnsupportedError: ``fleet.overseer.enabled`` on an env without an overseer.
         The first method's ``check_env`` error (e.g. ``CraftDataError``): what it lacks in the env.
+        RunSettingsError: a ``bc.*`` setting its training stage has not.
     """
     from robo_post.envs.registry import NoExpertError, UnknownExpertModeError, env_spec
     from robo_post.fleet.client import Overseer
@@ -126,6 +165,7 @@ def check_stages(cfg: DictConfig) -> None:
         Overseer(spec, **OmegaConf.to_container(cfg.fleet.overseer, resolve=True))
     if cfg.bc.algo.get("name"):  # a recipe's first method may need more of the env (recipe=craft)
         check_env(cfg.bc.algo, spec.key)
+    bc_stage_config(cfg)
     if not eval_splits(cfg):  # the run would end having evaluated nothing
         raise NoEvalSplitError(f"eval.splits={list(cfg.eval.splits)}: env {spec.key!r} has no instruction "
                                "splits; only 'train' can be evaluated")
@@ -163,11 +203,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     registry = PolicyRegistry(store_root)
     bc_dir = os.path.join(cfg.run_dir, "bc")
     if not os.path.exists(os.path.join(bc_dir, "summary.json")):  # not finished: a killed run's stage resumes
-        method = cfg.bc.algo.get("name")  # a recipe may train another method first (recipe=craft)
-        train(_compose("train", {
-            "store": store_root, "run_dir": bc_dir, "device": cfg.device, "seed": cfg.seed, "show": cfg.show,
-            **OmegaConf.to_container(cfg.bc, resolve=True),
-        }, [f"algo={method}"] if method else None))
+        train(bc_stage_config(cfg))
 
     # The fleet's own policies run under the overseer (interventions), the scripted demos and play do not.
     overseer = OmegaConf.to_container(cfg.fleet.overseer, resolve=True)
