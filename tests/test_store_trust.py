@@ -769,3 +769,21 @@ def test_a_write_past_the_file_size_limit_names_its_path_and_the_rerun_finishes(
     assert PolicyRegistry(str(store)).versions() == []
     assert subprocess.run(["bash", "-c", train], capture_output=True, timeout=300).returncode == 0
     assert PolicyRegistry(str(store)).versions() == [1]
+
+
+def test_a_shard_repaired_past_a_cut_data_file_takes_new_episodes(tmp_path):
+    """Repair cut the shard back to 0 episodes, validate found nothing wrong, yet every writer
+    still refused the shard: its data file, cut to 10 bytes, was "shorter than its shard index"."""
+    store = _three_episodes(str(tmp_path / "s"))
+    action = os.path.join(store.root, "shards", "a", "data", "action")
+    (name,) = [f for f in os.listdir(action) if f.startswith("c")]
+    os.truncate(os.path.join(action, name), 10)
+    (line,) = repair_store(store.root, apply=True)
+    assert "rebuilt commit.bin as 0 episodes" in line, line
+    with store.writer("a") as w:  # the file held no committed row: it is started anew
+        for i, T in ((7, 6), (8, 11)):
+            write(w, i, T)
+    snap = Store.open(store.root).snapshot()
+    assert [(e.attrs["i"], e.length) for e in snap] == [(7, 6), (8, 11)]
+    assert snap.load(list(snap)[1])["action"].tolist() == episode(8, 11)[1].tolist()
+    assert validate_store(store.root) == (2, [])

@@ -490,6 +490,8 @@ def _check_not_cut(path: str, per_shard: int, index: int, tail_rows: int, row_nb
     """Refuse the shard file of partial chunk ``index`` when it was cut short after commit (a
     full disk, a copy cut off): zarr reads missing bytes as zeros, so a writer would append
     to it silently and seal those zeros into the chunk."""
+    if index % per_shard == 0 and tail_rows == 0:
+        return  # no committed row lives in this shard file: the writer starts it anew (ShardFile)
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -531,9 +533,7 @@ class ShardFile:
         self.path, self.index = path, index
         self._synced_by: SyncSet | None = None  # the commit whose SyncSet has this file
         committed = min(max(committed, 0), n_chunks)
-        try:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
+        if committed and os.path.exists(path):
             self.fd = os.open(path, os.O_RDWR)
             self.entries = np.frombuffer(os.pread(self.fd, n_chunks * 16, 0), "<u8").reshape(-1, 2).copy()
             if len(self.entries) != n_chunks:
@@ -544,7 +544,9 @@ class ShardFile:
                 pwrite_all(self.fd, [self.entries[committed:]], committed * 16)
             held = self.entries[:committed][self.entries[:committed, 0] != _EMPTY]
             self.end = int((held[:, 0] + held[:, 1]).max(initial=n_chunks * 16))
-        else:
+        else:  # a file holding no committed chunk is all leftovers (an uncommitted write, or what
+            # `store repair` cut off, perhaps damaged): it is started anew
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             self.entries = np.full((n_chunks, 2), _EMPTY, "<u8")
             pwrite_all(self.fd, [self.entries], 0)
             self.end = n_chunks * 16
