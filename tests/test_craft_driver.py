@@ -434,6 +434,22 @@ def test_runs_on_two_stores_sharing_an_online_store_each_learn_from_their_own_ep
         assert len(own) == 2 and out[name]["final"]["steps"] == sum(e.length for e in own)
 
 
+def test_a_resumed_run_warns_of_the_online_episodes_it_lost(craft_run, tmp_path):
+    """A deleted online shard went unnoticed: the rerun collected the next iteration and the
+    veto fit and the guard lost the earlier iterations' states without a word."""
+    store, summary, _ = craft_run
+    own, online = str(tmp_path / "demos"), tmp_path / "online"
+    shutil.copytree(store, own)
+    args = ["train", "algo=craft", f"store={own}", f"run_dir={tmp_path / 'run'}", f"algo.online_store={online}",
+            f"algo.reference_version={summary['pretrained_version']}", "algo.episodes_per_iteration=2",
+            "algo.n_clients=1", "+algo.env_kwargs.vehicles_count=8", "+algo.env_kwargs.duration=12", "show=false"]
+    run_cli(*args, "algo.iterations=1")
+    shutil.rmtree(online / "shards" / "craft-0")
+    r = run_cli(*args, "algo.iterations=2")
+    assert ("warning: shard craft-0: its directory is gone, yet snapshot" in r.stderr
+            and "saw 2 committed episodes in it: the run goes on without their episodes" in r.stderr), r.stderr
+
+
 def test_craft_runs_the_scene_its_demonstrations_were_recorded_in(tmp_path):
     store = str(tmp_path / "demos")
     run_cli("collect", "env=highway_meta", "+env.kwargs.scenario=roundabout", "policy=expert", "episodes=2",

@@ -61,6 +61,7 @@ from robo_post.learner.loop import truncate_log
 from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyConfig
 from robo_post.models.features import infer_features, state_keys
 from robo_post.models.proposal_policy import ProposalPolicy, ProposalPolicyConfig
+from robo_post.store.integrity import warn_lost_shards
 from robo_post.store.registry import PolicyArtifactError, PolicyRegistry
 from robo_post.store.sampler import WindowSampler
 from robo_post.store.schema import ArraySpec, StoreSchema
@@ -492,6 +493,8 @@ def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dic
     held.callback(os.close, lock_client_ids(online.root, CLIENT_PREFIX, (
         f"another CRAFT run records into the online store {online.root} (clients {CLIENT_PREFIX}-*): nothing was "
         "trained or published; wait for it, or give this run its own algo.online_store=PATH")))
+    # the update, the veto fit and the guard read the episodes recorded so far
+    warn_lost_shards(online.root, "the run goes on without their episodes")
     begin_run(run_dir, cfg, "iteration", config.iterations)
     if reference is None:
         reference = (pretrain(snap, cfg, config, vocabulary) if kind == "candidate"
