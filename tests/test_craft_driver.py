@@ -450,6 +450,14 @@ def test_a_resumed_run_warns_of_the_online_episodes_it_lost(craft_run, tmp_path)
             and "saw 2 committed episodes in it: the run goes on without their episodes" in r.stderr), r.stderr
 
 
+def test_no_episodes_to_pretrain_on_fails_before_the_online_store_and_run_dir_are_made(craft_run, tmp_path):
+    store, _, _ = craft_run
+    r = run_cli("train", "algo=craft", f"store={store}", f"run_dir={tmp_path / 'r'}", "data.tasks=[nowhere]",
+                f"algo.online_store={tmp_path / 'online'}", "show=false", ok=False)
+    assert r.returncode == 1 and "NoEpisodesError: no episodes in snapshot" in r.stderr, r.stderr
+    assert not (tmp_path / "online").exists() and not (tmp_path / "r").exists()
+
+
 def test_craft_runs_the_scene_its_demonstrations_were_recorded_in(tmp_path):
     store = str(tmp_path / "demos")
     run_cli("collect", "env=highway_meta", "+env.kwargs.scenario=roundabout", "policy=expert", "episodes=2",

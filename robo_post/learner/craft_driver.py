@@ -486,6 +486,8 @@ def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dic
         k, candidate_shape = c.n_candidates, (c.horizon, c.action_dim)
     elif kind == "proposal":
         k, candidate_shape = config.n_proposals, (horizon, int(np.prod(action.shape)))
+    if reference is None:  # pretraining needs episodes: none fails before the online store and run_dir are made
+        select_episodes(snap, cfg.data)
     # before pretraining publishes anything: a damaged online store or one of another schema fails first
     online = online_store(config.online_store or f"{store.root.rstrip('/')}-online", env, env_kwargs, k,
                           config.oracle, candidate_shape, tasks[0] if tasks else None)
