@@ -101,19 +101,17 @@ def check_env_supports(cfg: DictConfig, spec: EnvSpec) -> None:
         Overseer(spec, **OmegaConf.to_container(fleet.overseer, resolve=True))
     if cfg.seed < 0:  # episode seeds derive from it; gymnasium takes non-negative seeds only
         raise CollectSettingsError(f"seed={cfg.seed}: seeds must be >= 0")
+    policies = os.path.join(str(cfg.store), "policies")
+    # no registry yet: nothing published (and PolicyRegistry would create its folder)
+    registry = PolicyRegistry(str(cfg.store)) if os.path.isdir(policies) else None
+    published = registry.versions() if registry is not None else []
     if (pinned := fleet.get("policy_version")) is not None:  # each client would fail loading it, and restart
-        policies = os.path.join(str(cfg.store), "policies")
-        # no registry yet: nothing published (and PolicyRegistry would create its folder)
-        registry = PolicyRegistry(str(cfg.store)) if os.path.isdir(policies) else None
-        published = registry.versions() if registry is not None else []
         if pinned not in published:
             raise PolicyNotFoundError(f"fleet.policy_version={pinned} is not published in {policies}; "
                                       f"published: {published or 'none'}")
         registry.load(pinned)  # a damaged version: its typed error, once
     # following the registry, the clients run the given policy until a version is published
-    policies = os.path.join(str(cfg.store), "policies")
-    unpublished = not os.path.isdir(policies) or PolicyRegistry(str(cfg.store)).latest() is None
-    runs_expert = pinned is None and (not fleet.follow_registry or unpublished)
+    runs_expert = pinned is None and (not fleet.follow_registry or not published)
     if cfg.policy.kind == "sb3" and runs_expert:
         if OmegaConf.is_missing(cfg.policy, "path"):
             raise CollectSettingsError("policy=sb3 needs policy.path=AGENT.zip (the zip SB3's save wrote)")
@@ -123,11 +121,11 @@ def check_env_supports(cfg: DictConfig, spec: EnvSpec) -> None:
     if cfg.policy.kind != "expert" or not runs_expert:
         return
     if spec.expert is None:
-        raise NoExpertError(f"env {spec.key!r} has no scripted expert; collect with another policy "
-                            "(policy=random) or run a published version (fleet.follow_registry=true)" if not
-                            fleet.follow_registry else f"env {spec.key!r} has no scripted expert, and nothing is "
-                            f"published in {policies} yet for fleet.follow_registry=true to run: the clients would "
-                            "run the expert until a version is; collect with another policy (policy=random)")
+        way_out = (f", and nothing is published in {policies} yet for fleet.follow_registry=true to run: the "
+                   "clients would run the expert until a version is; collect with another policy (policy=random)"
+                   if fleet.follow_registry else "; collect with another policy (policy=random) or run a published "
+                   "version (fleet.follow_registry=true)")
+        raise NoExpertError(f"env {spec.key!r} has no scripted expert{way_out}")
     if (mode := cfg.policy.get("mode", "expert")) not in spec.expert_modes:
         raise UnknownExpertModeError(f"env {spec.key!r}: its expert has no mode {mode!r}; "
                                      f"modes: {', '.join(spec.expert_modes)}")

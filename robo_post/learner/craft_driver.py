@@ -293,18 +293,20 @@ def on_policy_batch(config: CraftConfig, obs: dict[str, np.ndarray], extras: dic
     return batch | {"event_return": G}, stats | {"evpo_ev": None if math.isnan(ev) else ev, "evpo_gate": int(use_critic)}
 
 
-def _of_registry(episode: EpisodeInfo, registry: PolicyRegistry) -> bool:
-    """Whether ``episode`` was recorded by a version of ``registry``: an online store shared by
-    runs on several stores holds versions whose numbers mean other policies here. Episodes
-    recorded before clients named their policy store count as this registry's."""
-    recorded = episode.attrs.get("policy_store")
-    return recorded is None or os.path.realpath(recorded) == os.path.realpath(os.path.dirname(registry.dir))
+def of_registry(episodes: list[EpisodeInfo], registry: PolicyRegistry) -> list[EpisodeInfo]:
+    """Those of ``episodes`` recorded by versions of ``registry``: an online store shared by runs
+    on several stores holds versions whose numbers mean other policies here. Episodes recorded
+    before clients named their policy store count as this registry's."""
+    root = os.path.realpath(os.path.dirname(registry.dir))
+    stores = {e.attrs.get("policy_store") for e in episodes} - {None}
+    others = {s for s in stores if os.path.realpath(s) != root}
+    return [e for e in episodes if e.attrs.get("policy_store") not in others]
 
 
 def run_episodes(snap: Snapshot, registry: PolicyRegistry, run_dir: str) -> list[EpisodeInfo]:
     """The episodes of ``snap`` that this run's acting versions recorded (an online store may
     also hold other runs', on this store or another)."""
-    episodes = [e for e in snap.episodes() if _of_registry(e, registry)]
+    episodes = of_registry(snap.episodes(), registry)
     configs = {v: registry.peek_config(v) or {} for v in {e.policy_version for e in episodes}}
     mine = {v for v, c in configs.items() if (c.get("phase"), c.get("run_dir")) == ("online", os.path.abspath(run_dir))}
     return [e for e in episodes if e.policy_version in mine]
@@ -538,13 +540,12 @@ def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dic
                                 policy_store=store.root, policy_version=version, role="online")
                    for j in range(config.n_clients)]
         for j, c in enumerate(configs):  # resume: count what this version already recorded
-            done = sum(e.policy_version == version and _of_registry(e, registry)
-                       for e in online.shard_episodes(c.client_id))
+            done = sum(e.policy_version == version for e in of_registry(online.shard_episodes(c.client_id), registry))
             c.episodes = len(online.shard_episodes(c.client_id)) + max(share + (j < extra) - done, 0)
         statuses = LocalLauncher(configs).run(show=cfg.show)
         raise_unfinished(statuses, "craft clients", online.root)
         snap = online.snapshot()
-        episodes = [e for e in snap.episodes(policy_version=version) if _of_registry(e, registry)]
+        episodes = of_registry(snap.episodes(policy_version=version), registry)
         obs, _, extras, lengths = load_episodes(snap, episodes)
         batch, baseline_stats = on_policy_batch(config, obs, extras, lengths, event_weights,
                                                 method.values if config.baseline == "evpo" else None)
