@@ -11,11 +11,19 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[all]'
 	touch $@
 
-.PHONY: setup demo test
+.PHONY: setup demo test wheel-smoke bench-setup
 setup: $(VENV)/.installed
+
+# The learning benchmarks' external peers (d3rlpy), kept out of the default install.
+bench-setup: $(VENV)/.installed
+	$(BIN)/pip install -q -c constraints.txt -e '.[all,bench]'
 
 demo: $(VENV)/.installed
 	$(BIN)/robo-post run
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
+
+# The built wheel in a fresh venv: --version, collect, train, eval and a Minari round trip.
+wheel-smoke:
+	PY=$(PY) bash .ci/wheel_smoke.sh
