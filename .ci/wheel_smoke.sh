@@ -11,6 +11,7 @@ trap 'rm -rf "$WORK"' EXIT
 export MUJOCO_GL=${MUJOCO_GL:-egl} MINARI_DATASETS_PATH="$WORK/minari"
 
 $PY -m pip wheel -q --no-deps -w "$WORK/dist" .
+rm -rf build  # setuptools builds in the checkout
 $PY -m venv "$WORK/venv"
 "$WORK/venv/bin/pip" install -q --upgrade pip==25.3
 "$WORK/venv/bin/pip" install -q -c constraints.txt "$WORK"/dist/robo_post-*.whl

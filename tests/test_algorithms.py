@@ -364,3 +364,20 @@ def test_best_of_one_publishes_the_plain_flow_and_bad_n_is_an_error(bc_store):
     assert ActorCritic("divl_qam", reference, best_of_n=1).artifact()[1]["kind"] == "flow"
     with pytest.raises(ValueError, match="best_of_n must be >= 1"):
         ActorCritic("divl_qam", reference, best_of_n=0)
+
+
+def test_critic_trend_flags_a_critic_still_moving_at_the_end_of_its_budget():
+    from robo_post.learner.drivers import critic_trend
+
+    def rows(q, td):
+        return [{"update": 100 * (i + 1), "q_mean": q(i), "loss_q": td(i)} for i in range(40)]
+
+    settled = critic_trend(rows(lambda i: 50 - 40 * 0.8 ** i, lambda i: 1 + 0.9 ** i), return_span=100)
+    assert settled["converged"] and abs(settled["q_change"]) < 0.1
+    rising = critic_trend(rows(lambda i: 2.0 * i, lambda i: 1.0), return_span=100)  # +20 over the last 10 windows
+    assert not rising["converged"] and rising["updates"] == [3100, 4000]
+    assert rising["q_change"] == pytest.approx(18.0) and rising["q_change_share_of_span"] == pytest.approx(0.18)
+    diverging = critic_trend(rows(lambda i: 10.0, lambda i: 1.05 ** i), return_span=100)  # TD loss +50%
+    assert not diverging["converged"] and diverging["td_loss_end"] > diverging["td_loss_start"]
+    assert critic_trend(rows(lambda i: 1.0, lambda i: 1.0)[:7], 100) is None
+    assert critic_trend([{"update": i, "bc_loss": 1.0} for i in range(40)], 100) is None

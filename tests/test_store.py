@@ -170,6 +170,27 @@ def test_sampler_chunk_targets_by_hand(tmp_path):
     assert torch.equal(s1.sample(0, starts=np.array([0, 5]))["rewards"], b4["rewards"][:2])
 
 
+def test_sampler_reads_time_out_bootstrap_from_success_labels(tmp_path):
+    """bootstrap_truncated=None: a truncated episode labelled a failure ends there, a truncated
+    success (or an unlabelled one: dense-reward control cut by its time limit) bootstraps."""
+    schema = StoreSchema({"x": ArraySpec("float32", ())}, ArraySpec("float32", (1,), low=-100.0, high=100.0))
+    store = Store.create(str(tmp_path / "s"), schema)
+    with store.writer("w") as w:
+        for success in (False, True, None):
+            w.write_episode({"x": np.arange(4, dtype=np.float32)}, np.zeros((3, 1), np.float32), rewards=np.ones(3),
+                            terminated=np.zeros(3), truncated=np.arange(3) == 2, success=success)
+        w.write_episode({"x": np.arange(4, dtype=np.float32)}, np.zeros((3, 1), np.float32), rewards=np.ones(3),
+                        terminated=np.arange(3) == 2, truncated=np.zeros(3), success=True)
+    g = 0.5
+    last = np.array([2, 5, 8, 11])  # the last step of each episode
+    auto = WindowSampler.from_snapshot(store.snapshot(), horizon=1, gamma=g, bootstrap_truncated=None)
+    assert auto.sample(0, starts=last)["discounts"].tolist() == pytest.approx([0, g, g, 0])
+    never = WindowSampler.from_snapshot(store.snapshot(), horizon=1, gamma=g, bootstrap_truncated=False)
+    assert never.sample(0, starts=last)["discounts"].tolist() == pytest.approx([0, 0, 0, 0])
+    always = WindowSampler.from_snapshot(store.snapshot(), horizon=1, gamma=g, bootstrap_truncated=True)
+    assert always.sample(0, starts=last)["discounts"].tolist() == pytest.approx([g, g, g, 0])
+
+
 def test_imitation_sampler_draws_demonstrations_and_interventions_only(tmp_path):
     schema = StoreSchema({"x": ArraySpec("float32", ())}, ArraySpec("float32", (1,), low=-100.0, high=100.0))
     store = Store.create(str(tmp_path / "s"), schema)

@@ -52,7 +52,8 @@ class ActorCriticConfig:
         critic_warmup: updates that train only the critic before the actor moves.
         best_of_n: chunks the published policy proposes per decision (1 = plain sampling).
         n_step: chunk backups per offline TD target.
-        bootstrap_truncated: bootstrap time-outs (gym semantics); ``False`` makes them failures.
+        bootstrap_truncated: bootstrap time-outs (gym semantics); ``False`` makes them failures;
+            ``None`` reads it per episode from its success label (``WindowSampler``).
         critic: ``CriticConfig`` overrides, e.g. ``{"use_images": False}``.
         value: overrides of the value learner's config (``v_min``/``v_max`` default to the data's range).
         actor: overrides of the actor's config.
@@ -64,7 +65,7 @@ class ActorCriticConfig:
     critic_warmup: int = 200
     best_of_n: int = 1
     n_step: int = 1
-    bootstrap_truncated: bool = False
+    bootstrap_truncated: bool | None = None
     critic: dict[str, Any] = field(default_factory=dict)
     value: dict[str, Any] = field(default_factory=dict)
     actor: dict[str, Any] = field(default_factory=dict)

@@ -48,6 +48,11 @@ GENERIC_HORIZON, GENERIC_EXECUTE = 4, 1
 VALUE_MARGIN = 0.1
 # End-atom probability mass above which the value support is reported as too narrow.
 EDGE_MASS_WARN = 0.25
+# A critic whose mean Q still moves by more than this share of the data's return span over
+# the last quarter of its updates (or whose TD loss grows by more than TD_RISE_WARN) has not
+# converged: its actor followed a moving target.
+Q_DRIFT_WARN = 0.05
+TD_RISE_WARN = 0.2
 
 Driver = Callable[[DictConfig, MethodSpec], dict[str, Any]]
 EnvCheck = Callable[[Any, str], None]
@@ -226,6 +231,36 @@ def warn_value_edges(logged: list[dict[str, float]], value_range_: tuple[float, 
         print(f"warning: {logged[-1]['edge_mass']:.0%} of the value distribution sits on the support's end atoms "
               f"[{value_range_[0]:.3g}, {value_range_[1]:.3g}]; widen it with +algo.value.v_min=... +algo.value.v_max=...",
               file=sys.stderr)
+
+
+def critic_trend(logged: list[dict[str, float]], return_span: float) -> dict[str, Any] | None:
+    """How the critic moved over the last quarter of the logged windows: mean Q's change
+    (least-squares line, in return units and as a share of the data's return span) and the TD
+    loss at that quarter's start and end; ``converged`` is False when Q still drifts by more
+    than ``Q_DRIFT_WARN`` of the span or the TD loss grows by more than ``TD_RISE_WARN``.
+    None for a method without a critic or fewer than 8 windows."""
+    rows = [r for r in logged if "q_mean" in r and "loss_q" in r]
+    if len(rows) < 8:
+        return None
+    tail = rows[-max(4, len(rows) // 4):]
+    u = np.array([r["update"] for r in tail], dtype=float)
+    q_change = float(np.polyfit(u, [r["q_mean"] for r in tail], 1)[0] * (u[-1] - u[0]))
+    td_start, td_end = (float(np.mean([r["loss_q"] for r in part])) for part in (tail[:2], tail[-2:]))
+    share = abs(q_change) / max(return_span, 1e-6)
+    converged = share <= Q_DRIFT_WARN and td_end <= (1 + TD_RISE_WARN) * td_start
+    return {"updates": [int(u[0]), int(u[-1])], "q_change": q_change, "q_change_share_of_span": share,
+            "td_loss_start": td_start, "td_loss_end": td_end, "converged": bool(converged)}
+
+
+def warn_unconverged(trend: dict[str, Any] | None) -> None:
+    """Say so when the critic has not converged at the end of the budget (``critic_trend``)."""
+    if trend is None or trend["converged"]:
+        return
+    a, b = trend["updates"]
+    print(f"warning: the critic has not converged: over updates {a}-{b} its mean Q moved by {trend['q_change']:+.3g} "
+          f"({trend['q_change_share_of_span']:.0%} of the data's return span) and its TD loss went from "
+          f"{trend['td_loss_start']:.3g} to {trend['td_loss_end']:.3g}; the actor followed a moving target. More "
+          "updates (a larger `updates=`, which resumes this run_dir) let it settle", file=sys.stderr)
 
 
 def check_same_method(run_dir: str, cfg: DictConfig) -> None:
@@ -576,6 +611,8 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
                         amp=cfg.amp, compile=cfg.get("compile", False), tracking=cfg.get("tracking"))
     wall = time.perf_counter() - t0
     warn_value_edges(logged, data.value_range)
+    trend = critic_trend(logged or read_metrics(os.path.join(run_dir, "metrics.jsonl")), data.return_span)
+    warn_unconverged(trend)
     if isinstance(getattr(method, "value", None), DIVL):
         write_value_report(run_dir, "offline", method.value, snap, episodes)
     weights, artifact_config = method.artifact(
@@ -588,6 +625,8 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     summary = {"algo": spec.name, "version": version, "parent_version": parent, "snapshot": snap.id,
                "episodes": len(episodes), "steps": len(sampler), "value_range": list(data.value_range),
                "wall_s": wall, "final": final}
+    if trend is not None:
+        summary["critic_trend"] = trend
     write_json_atomic(os.path.join(run_dir, "summary.json"), summary, indent=1)
     return summary
 

@@ -80,6 +80,10 @@ class WindowSampler:
             is a failure worth its rewards so far, the episode-level success label of
             LWD's sparse-reward setting. Without a clock in the state, bootstrapping a
             time-out gives a failed attempt the value of the same state on a successful one.
+            None (``"auto"``) reads it from each episode's success label: a truncated
+            episode labelled a failure ends there, any other truncated one (labelled a
+            success, or by a store without a success rule: dense-reward control cut by its
+            time limit) is bootstrapped.
     """
 
     def __init__(
@@ -90,7 +94,7 @@ class WindowSampler:
         obs_keys: Iterable[str] | None = None,
         device: str | torch.device = "cpu",
         seed: int = 0,
-        bootstrap_truncated: bool = True,
+        bootstrap_truncated: bool | None = True,
     ):
         if horizon < 1 or n_step < 1:
             raise ValueError("horizon and n_step must be >= 1")
@@ -162,6 +166,12 @@ class WindowSampler:
             pad, (len(pad) - self.horizon + 1, self.horizon, *pad.shape[1:]), (pad.strides[0], *pad.strides), writeable=False
         )
 
+    def bootstraps(self, ep: EpisodeInfo) -> bool:
+        """Whether a window running past the end of truncated episode ``ep`` bootstraps."""
+        if self.bootstrap_truncated is None:
+            return ep.success is not False
+        return self.bootstrap_truncated
+
     def _append(self, ep: EpisodeInfo, data: dict, keys: list[str]) -> None:
         T, s0, o0 = ep.length, ep.step_start, ep.obs_start
         H, K = self.horizon, self.n_step * self.horizon
@@ -184,7 +194,7 @@ class WindowSampler:
         # Rewards r_t .. r_{t+K-1}, zero past the episode end.
         r = table[:, 0].astype(np.float32)[np.minimum(t[:, None] + np.arange(K), T - 1)] * (t[:, None] + np.arange(K) < T)
         taken = np.minimum(K, T - t)  # env steps until bootstrap (or episode end)
-        no_bootstrap = (t + K >= T) & (ep.terminated or not self.bootstrap_truncated)
+        no_bootstrap = (t + K >= T) & (ep.terminated or not self.bootstraps(ep))
         self._return.extend((r @ self._pow[:K]).astype(np.float32))
         self._discount.extend((self._pow[taken] * ~no_bootstrap).astype(np.float32))
         rtg = np.zeros(T + 1)
