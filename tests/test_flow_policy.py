@@ -393,3 +393,22 @@ def test_in_process_success_reports_each_episode_outcome_in_order():
     rates = in_process_success(model, ["reach", "pick"], 2, seed=3, outcomes=outcomes)
     assert len(outcomes) == 4 and all(isinstance(o, bool) for o in outcomes)
     assert [rates["success/reach"], rates["success/pick"]] == [np.mean(outcomes[:2]), np.mean(outcomes[2:])]
+
+
+def test_deterministic_flow_acts_from_the_noise_centre():
+    """deterministic=True starts every chunk from x_0 = 0: the exact Gaussian field then lands on
+    the target's mean (its central action); artifacts without the key stay stochastic."""
+    torch.manual_seed(0)
+    config = FlowPolicyConfig(features=state_features(2), action_dim=1, horizon=1, use_text=False, flow_steps=200,
+                              deterministic=True)
+    policy = FlowPolicy(config).eval()
+    policy.velocity = lambda z, x, w: exact_velocity(x, w[:, None, None])  # the N(MU, S^2) target's field
+    obs = {"state": torch.randn(4, 2)}
+    first, again = policy.sample(obs), policy.sample(obs)
+    assert torch.equal(first, again)
+    assert first[:, 0, 0].tolist() == pytest.approx([MU] * 4, abs=1e-3)
+    policy.config.deterministic = False
+    drawn = policy.sample(obs)
+    assert drawn.std().item() > 0.1 and not torch.equal(drawn, first)
+    legacy = {k: v for k, v in config.to_json().items() if k != "deterministic"}
+    assert FlowPolicyConfig.from_json(legacy).deterministic is False

@@ -39,6 +39,8 @@ class FlowPolicyConfig(FeatureConfigJSON):
         flow_steps: N Euler steps when sampling.
         action_low / action_high: env action bounds, mapped to [-1, 1].
         execute_steps: actions of a chunk executed open-loop before re-planning.
+        deterministic: act from the noise distribution's centre (x_0 = 0) instead of a
+            random draw: one action per state, the flow's central one. Training is unchanged.
     """
 
     features: dict[str, Feature]
@@ -51,6 +53,7 @@ class FlowPolicyConfig(FeatureConfigJSON):
     action_low: list[float] = field(default_factory=list)
     action_high: list[float] = field(default_factory=list)
     execute_steps: int | None = None
+    deterministic: bool = False
 
 
 
@@ -109,11 +112,14 @@ class FlowPolicy(BoundedActions, nn.Module):
     def sample(self, obs: dict[str, Any], noise: torch.Tensor | None = None, seed: int | None = None) -> torch.Tensor:
         """Sample action chunks (B, H, A) in env units by N Euler steps.
 
-        Pass ``noise`` (B, H, A) or a ``seed`` for deterministic samples.
+        Pass ``noise`` (B, H, A) or a ``seed`` for deterministic samples; a ``deterministic``
+        policy starts every chunk from x_0 = 0 when given no noise.
         """
         z = self.encode(obs)
         shape = (z.shape[0], self.config.horizon, self.config.action_dim)
-        if noise is None:
+        if noise is None and self.config.deterministic:
+            noise = torch.zeros(shape, device=self.device)
+        elif noise is None:
             gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
             noise = torch.randn(shape, generator=gen, device=self.device)
         return self.unnormalize_actions(self.integrate(z, noise))
