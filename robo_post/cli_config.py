@@ -180,7 +180,7 @@ _TRAIN = {
     "log_every": _COUNT, "checkpoint_every": _COUNT, "eval.every": _COUNT0, "eval.episodes_per_task": _COUNT,
     "data.snapshot": text(optional=True), "data.tasks": items(text(), "task ids"),
     "data.success": choice(True, False, optional=True), "data.roles": items(choice(*ROLES), "roles"),
-    "data.clients": items(text(), "client-id prefixes"), "model.horizon": integer(1, optional=True),
+    "data.clients": items(text(), "client-id prefixes"), "data.holdout": number(0, 0.5), "model.horizon": integer(1, optional=True),
     "model.execute_steps": integer(1, optional=True), "model.use_text": choice("auto", True, False),
     "model.embed_dim": _COUNT, "model.hidden_dim": _COUNT, "model.flow_steps": _COUNT, "model.deterministic": boolean,
     "algo.name": method, "algo.lr": number(0, low_open=True), "algo.critic_warmup": _COUNT0, "algo.best_of_n": _COUNT,

@@ -381,3 +381,43 @@ def test_critic_trend_flags_a_critic_still_moving_at_the_end_of_its_budget():
     assert not diverging["converged"] and diverging["td_loss_end"] > diverging["td_loss_start"]
     assert critic_trend(rows(lambda i: 1.0, lambda i: 1.0)[:7], 100) is None
     assert critic_trend([{"update": i, "bc_loss": 1.0} for i in range(40)], 100) is None
+
+
+def test_critic_diagnostics_read_values_ranking_and_drift(tmp_path):
+    """A critic whose Q is exactly the discounted return-to-go ranks perfectly with zero bias; a
+    policy equal to its reference has drifted 0, another one has not; held-out episodes are the
+    same for the same seed."""
+    from types import SimpleNamespace
+
+    from robo_post.learner.critic_report import critic_diagnostics, held_out
+    from robo_post.models.features import state_features
+    from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
+    from robo_post.store import ArraySpec, Store, StoreSchema
+
+    g = 0.9
+    schema = StoreSchema({"state": ArraySpec("float32", (1,))}, ArraySpec("float32", (1,), low=-1.0, high=1.0))
+    store = Store.create(str(tmp_path / "s"), schema)
+    with store.writer("w") as w:
+        for k in range(12):
+            T = 5 + k
+            rewards = np.full(T, 1.0 + k)
+            rtg = np.array([sum(rewards[t:] * g ** np.arange(T - t)) for t in range(T)] + [0.0], np.float32)
+            w.write_episode({"state": rtg[:, None]}, np.zeros((T, 1), np.float32), rewards=rewards,
+                            terminated=np.arange(T) == T - 1, truncated=np.zeros(T))
+    snap = store.snapshot()
+    episodes = snap.episodes()
+    torch.manual_seed(0)
+    config = FlowPolicyConfig(features=state_features(1), action_dim=1, horizon=2, use_text=False)
+    reference = FlowPolicy(config)
+    exact = SimpleNamespace(critic_fn=lambda: lambda obs, chunk: obs["state"][:, 0].float().expand(2, -1))
+    method = SimpleNamespace(value=exact, actor=SimpleNamespace(reference=reference), policy=reference)
+    d = critic_diagnostics(method, snap, episodes, g, held=False)
+    assert d["episodes"] == 12 and d["steps"] == sum(5 + k for k in range(12))
+    assert d["q_minus_return"] == pytest.approx(0.0, abs=1e-4)
+    assert d["spearman_steps"] == pytest.approx(1.0) and d["spearman_episodes"] == pytest.approx(1.0)
+    assert d["drift_rms"] == 0.0
+    method.policy = FlowPolicy(config)  # other weights: its chunks differ from the reference's
+    assert critic_diagnostics(method, snap, episodes, g, held=False)["drift_rms"] > 0.05
+    held = held_out(episodes, 0.1, seed=3)
+    assert len(held) == 1 and [e.key for e in held] == [e.key for e in held_out(list(reversed(episodes)), 0.1, 3)]
+    assert held_out(episodes[:9], 0.1, 3) == [] and len(held_out(episodes, 0.25, 3)) == 3

@@ -320,6 +320,7 @@ def _learning_section(doc: _Doc, out_dir: str, run_dirs: list[str]) -> None:
             rows.append(_run_row(f"`{run_dir}` (online)", "– (not finished)", None, logged[-1], None,
                                  final.get("update")))
     doc.table(["run", "published", "episodes", "updates", "wall time", "final loss"], rows)
+    _critic_section(doc, run_dirs)
     runs = {k: v for k, v in runs.items() if v}
     if not runs:
         doc.paragraph("No `metrics.jsonl` rows found in these runs.")
@@ -330,6 +331,29 @@ def _learning_section(doc: _Doc, out_dir: str, run_dirs: list[str]) -> None:
         for name in sorted(n for n in os.listdir(run_dir) if n.startswith("value_distributions-") and n.endswith(".png")):
             shutil.copyfile(os.path.join(run_dir, name), os.path.join(out_dir, name))
             doc.image(name, f"value distribution along a success and a failure ({name[20:-4]})")
+
+
+def _critic_section(doc: _Doc, run_dirs: list[str]) -> None:
+    """Per critic run: its Q against the data's returns, its ranking (Spearman) and the policy's
+    drift from its start (``robo_post.learner.critic_report``), and whether the critic converged."""
+    rows = []
+    for run_dir in run_dirs:
+        path = os.path.join(run_dir, "summary.json")
+        summary = read_json_object(path, "a run summary") if os.path.exists(path) else {}
+        d, trend = summary.get("critic_diagnostics"), summary.get("critic_trend")
+        if not d:
+            continue
+        rho = [("–" if d.get(k) is None else f"{d[k]:+.2f}") for k in ("spearman_steps", "spearman_episodes")]
+        converged = "–" if not trend else "yes" if trend.get("converged") else (
+            f"no (Q moved {trend['q_change']:+.3g} over the last quarter)")
+        rows.append([f"`{run_dir}`", f"{d['episodes']} ({'held out' if d['held_out'] else 'trained on'})",
+                     f"{d['q_mean']:.3g} / {d['return_mean']:.3g}", *rho, f"{d['drift_rms']:.3f}", converged])
+    if rows:
+        doc.paragraph("Critics, on episodes they did not train on where the run held some out: the mean Q of the "
+                      "data's chunks against the discounted return that followed, their rank correlation over steps "
+                      "and over episode starts, and how far the policy moved from its start (RMS, actions in [-1, 1]).")
+        doc.table(["run", "episodes", "Q / return", "Spearman (steps)", "Spearman (starts)", "policy drift",
+                   "critic converged"], rows)
 
 
 def _run_row(name: str, published: str, episodes: Any, final: dict[str, Any], wall_s: Any,

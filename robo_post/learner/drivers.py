@@ -31,6 +31,8 @@ from robo_post.algos.sb3_agent import check_budget
 from robo_post.config import absolute_paths, changed_settings, check_dir_path, compose, describe_changes
 from robo_post.learner.checkpoint import (CheckpointError, checkpoint_state, has_checkpoint, load_checkpoint,
                                          save_checkpoint)
+from robo_post.learner.critic_report import critic_diagnostics, held_out
+from robo_post.learner.critic_report import describe as describe_diagnostics
 from robo_post.learner.loop import read_metrics, resolve_device, train_loop, truncate_log
 from robo_post.learner.tracking import Tracker, tracking_settings
 from robo_post.learner.value_report import write_value_report
@@ -563,6 +565,9 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     store = Store.open(cfg.store)
     snap = store.snapshot(cfg.data.snapshot or _resumed_snapshot(cfg.run_dir))
     episodes = select_episodes(snap, cfg.data)
+    # A critic method's diagnostics read episodes it did not train on.
+    holdout = held_out(episodes, cfg.data.get("holdout", 0.0), cfg.seed) if spec.needs_reference else []
+    episodes = [e for e in episodes if e.key not in {h.key for h in holdout}]
     values = {k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"}
     if "model" in spec.config.__dataclass_fields__:
         values.setdefault("model", {k: cfg.model[k] for k in spec.model_keys if cfg.model.get(k) is not None})
@@ -614,6 +619,9 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     warn_value_edges(logged, data.value_range)
     trend = critic_trend(logged or read_metrics(os.path.join(run_dir, "metrics.jsonl")), data.return_span)
     warn_unconverged(trend)
+    diagnostics = critic_diagnostics(method, snap, holdout or episodes, cfg.gamma, held=bool(holdout), seed=cfg.seed)
+    if diagnostics is not None:
+        print(describe_diagnostics(diagnostics), file=sys.stderr)
     if isinstance(getattr(method, "value", None), DIVL):
         write_value_report(run_dir, "offline", method.value, snap, episodes)
     weights, artifact_config = method.artifact(
@@ -628,6 +636,8 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
                "wall_s": wall, "final": final}
     if trend is not None:
         summary["critic_trend"] = trend
+    if diagnostics is not None:
+        summary["critic_diagnostics"] = diagnostics
     write_json_atomic(os.path.join(run_dir, "summary.json"), summary, indent=1)
     return summary
 

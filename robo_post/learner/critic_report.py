@@ -1,0 +1,94 @@
+"""Why a critic method did or did not move its policy, measured after training.
+
+Three readings, each on episodes the method did not train on when the run held some out
+(``data.holdout``):
+
+- **value against return**: the critic's Q of the data's own chunks, Q(s_t, a_{t:t+H}),
+  against the discounted return the episode went on to collect from t (no bootstrap, so
+  the last steps of a truncated episode read low);
+- **ranking**: Spearman's rank correlation of those two, over every step and over episode
+  starts (does the critic order the data as its returns do?);
+- **drift**: how far the trained policy's chunks moved from its starting (reference)
+  policy's on the same states and the same noise, as an RMS in normalised action units
+  (actions span [-1, 1]); near 0 means the critic did not move the policy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from scipy.stats import spearmanr
+
+from robo_post.store import EpisodeInfo, Snapshot, WindowSampler
+
+BATCH = 512
+
+
+def held_out(episodes: list[EpisodeInfo], share: float, seed: int) -> list[EpisodeInfo]:
+    """``share`` of ``episodes`` (at least 1 when that rounds to 0 and there are 10 or more),
+    drawn by ``seed`` from the episodes in key order, so a resumed run holds out the same ones."""
+    if share <= 0 or len(episodes) < 2:
+        return []
+    n = int(share * len(episodes)) or (1 if len(episodes) >= 10 else 0)
+    ordered = sorted(episodes, key=lambda e: e.key)
+    pick = np.random.default_rng(seed).permutation(len(ordered))[:n]
+    return [ordered[i] for i in sorted(pick)]
+
+
+def _spearman(a: np.ndarray, b: np.ndarray) -> float | None:
+    if len(a) < 3 or np.ptp(a) == 0 or np.ptp(b) == 0:
+        return None
+    return float(spearmanr(a, b).statistic)
+
+
+@torch.no_grad()
+def critic_diagnostics(method: Any, snap: Snapshot, episodes: list[EpisodeInfo], gamma: float, held: bool,
+                       max_steps: int = 8192, seed: int = 0) -> dict[str, Any] | None:
+    """The readings of the module docstring for a critic method (``method.value.critic_fn``,
+    ``method.actor.reference``, ``method.policy``) on ``episodes``; None for a method without
+    a critic or no episodes. ``held``: the episodes were kept out of training."""
+    value, actor = getattr(method, "value", None), getattr(method, "actor", None)
+    reference = getattr(actor, "reference", None)
+    if value is None or reference is None or not episodes:
+        return None
+    policy, critic = method.policy, value.critic_fn()
+    c = policy.config
+    sampler = WindowSampler.from_snapshot(snap, episodes, horizon=c.horizon, gamma=gamma, seed=seed)
+    rng = np.random.default_rng(seed)
+    n = len(sampler)
+    firsts = np.cumsum([0] + [e.length for e in sampler.episodes[:-1]])
+    rest = np.setdiff1d(np.arange(n), firsts)
+    extra = rest if n <= max_steps else rng.choice(rest, max(0, max_steps - len(firsts)), replace=False)
+    starts = np.sort(np.concatenate([firsts, extra]))
+    gen = torch.Generator(device=policy.device).manual_seed(seed)
+    q, drift = [], []
+    for lo in range(0, len(starts), BATCH):
+        batch = sampler.sample(0, starts=starts[lo: lo + BATCH])
+        obs = batch["obs"]
+        q.append(critic(obs, policy.normalize_actions(batch["actions"].to(policy.device))).mean(0).cpu())
+        noise = torch.randn((len(starts[lo: lo + BATCH]), c.horizon, c.action_dim), generator=gen, device=policy.device)
+        moved = policy.normalize_actions(policy.sample(obs, noise=noise)) - reference.normalize_actions(
+            reference.sample(obs, noise=noise))
+        drift.append(moved.pow(2).mean((1, 2)).cpu())
+    q_all, g_all = torch.cat(q).numpy(), sampler.returns_to_go()[starts]
+    first = np.isin(starts, firsts)
+    return {
+        "episodes": len(sampler.episodes), "steps": int(len(starts)), "held_out": held,
+        "q_mean": float(q_all.mean()), "return_mean": float(g_all.mean()), "q_minus_return": float((q_all - g_all).mean()),
+        "spearman_steps": _spearman(q_all, g_all), "spearman_episodes": _spearman(q_all[first], g_all[first]),
+        "drift_rms": float(torch.cat(drift).mean().sqrt()),
+    }
+
+
+def describe(d: dict[str, Any]) -> str:
+    """One line for a user: the readings and what they were measured on."""
+    where = f"{d['episodes']} held-out episodes" if d["held_out"] else f"its {d['episodes']} training episodes"
+
+    def rho(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:+.2f}"
+
+    return (f"critic on {where}: Q of the data's chunks {d['q_mean']:.3g} vs their discounted return "
+            f"{d['return_mean']:.3g}; Spearman {rho(d['spearman_steps'])} over steps, {rho(d['spearman_episodes'])} "
+            f"over episode starts; policy drift from its start {d['drift_rms']:.3f} (RMS, actions in [-1, 1])")
