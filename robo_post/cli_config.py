@@ -174,7 +174,7 @@ _FLEET = {
     "fleet.overseer.stall_tol": number(0), "fleet.overseer.deadline": number(0, 1, low_open=True, optional=True),
 }
 _TRAIN = {
-    "store": text(), "run_dir": text(), "device": device, "torch_threads": _COUNT, "updates": _COUNT, "seed": _seed,
+    "store": text(), "run_dir": text(), "device": device, "torch_threads": _COUNT, "updates": integer(1, optional=True), "epochs": number(0, low_open=True), "seed": _seed,
     "batch_size": _COUNT, "gamma": number(0, 1, low_open=True), "prefetch": _COUNT0, "amp": choice("bf16", optional=True),
     "compile": boolean,
     "log_every": _COUNT, "checkpoint_every": _COUNT, "eval.every": _COUNT0, "eval.episodes_per_task": _COUNT,

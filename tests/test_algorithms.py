@@ -421,3 +421,23 @@ def test_critic_diagnostics_read_values_ranking_and_drift(tmp_path):
     held = held_out(episodes, 0.1, seed=3)
     assert len(held) == 1 and [e.key for e in held] == [e.key for e in held_out(list(reversed(episodes)), 0.1, 3)]
     assert held_out(episodes[:9], 0.1, 3) == [] and len(held_out(episodes, 0.25, 3)) == 3
+
+
+def test_updates_null_measures_the_budget_in_passes_over_the_training_steps(bc_store, tmp_path, monkeypatch, capsys):
+    from robo_post.algos.registry import method_spec
+    from robo_post.learner import drivers
+
+    monkeypatch.setattr(drivers, "MIN_UPDATES", 1)
+    steps = sum(e.length for e in Store.open(bc_store).snapshot().episodes())
+    for algo, trained in (("bc_flow", steps), ("divl_qam", steps)):
+        cfg = OmegaConf.merge(_cfg(bc_store, str(tmp_path / algo), algo, None), {"epochs": 3, "data": {"success": None}})
+        drivers.resolve_updates(cfg, method_spec(algo))
+        assert cfg.updates == round(3 * trained / 8)  # batch_size 8
+        assert f"updates={cfg.updates}: 3 passes over {trained} steps" in capsys.readouterr().err
+    fixed = _cfg(bc_store, str(tmp_path / "fixed"), "bc_flow", 17)
+    drivers.resolve_updates(fixed, method_spec("bc_flow"))
+    assert fixed.updates == 17
+    monkeypatch.setattr(drivers, "MAX_UPDATES", 5)
+    capped = OmegaConf.merge(_cfg(bc_store, str(tmp_path / "capped"), "bc_flow", None), {"data": {"success": None}})
+    drivers.resolve_updates(capped, method_spec("bc_flow"))
+    assert capped.updates == 5

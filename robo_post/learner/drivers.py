@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from robo_post.algos.divl import DIVL
 from robo_post.algos.registry import DataSpec, MethodSpec, check_continuous
@@ -46,6 +46,8 @@ from robo_post.store.writer import try_lock, write_json_atomic
 # Chunking for data of an env the environment registry does not know: a reactive
 # controller that re-plans every step (an open-loop chunk cannot balance a pendulum).
 GENERIC_HORIZON, GENERIC_EXECUTE = 4, 1
+# Bounds of the update budget measured from the data (``updates=null``).
+MIN_UPDATES, MAX_UPDATES = 1000, 100_000
 # Share of the value support's width added on each side of the data's return range.
 VALUE_MARGIN = 0.1
 # End-atom probability mass above which the value support is reported as too narrow.
@@ -552,9 +554,36 @@ def _warn_unread_model_settings(cfg: DictConfig, spec: MethodSpec) -> None:
                   file=sys.stderr)
 
 
+def training_episodes(snap: Snapshot, cfg: DictConfig, spec: MethodSpec) -> tuple[list[EpisodeInfo], list[EpisodeInfo]]:
+    """(episodes the method trains on, episodes held out): ``cfg.data``'s selection, less the
+    share a critic method keeps out for its diagnostics (``data.holdout``)."""
+    episodes = select_episodes(snap, cfg.data)
+    holdout = held_out(episodes, cfg.data.get("holdout", 0.0), cfg.seed) if spec.needs_reference else []
+    keys = {h.key for h in holdout}
+    return [e for e in episodes if e.key not in keys], holdout
+
+
+def resolve_updates(cfg: DictConfig, spec: MethodSpec) -> None:
+    """``updates=null``: ``epochs`` passes over the training steps at ``batch_size``, within
+    [MIN_UPDATES, MAX_UPDATES], written into ``cfg`` (so the run records the number). A budget
+    fixed in updates under-trains large datasets and over-trains small ones: flow BC of 20
+    expert episodes (20,000 steps) kept 14% of their return at 3000 updates of 64 windows
+    (10 passes) and all of it at 77 passes (docs/results.md)."""
+    if cfg.updates is not None:
+        return
+    snap = Store.open(cfg.store).snapshot(cfg.data.snapshot or _resumed_snapshot(cfg.run_dir))
+    steps = sum(e.length for e in training_episodes(snap, cfg, spec)[0])
+    updates = int(np.clip(round(cfg.epochs * steps / cfg.batch_size), MIN_UPDATES, MAX_UPDATES))
+    print(f"updates={updates}: {cfg.epochs} passes over {steps} steps at batch_size={cfg.batch_size}, within "
+          f"[{MIN_UPDATES}, {MAX_UPDATES}] (set updates=N to fix the budget)", file=sys.stderr)
+    with open_dict(cfg):
+        cfg.updates = updates
+
+
 def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     """`robo-post train` for a method trained on snapshot windows; publishes the result
     (a run that already finished returns its summary instead)."""
+    resolve_updates(cfg, spec)
     if (done := finished_run(cfg.run_dir, "update", cfg.updates, cfg)) is not None:
         return done
     check_resume(cfg.run_dir, cfg, "update", cfg.updates, "updates")
@@ -564,10 +593,7 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     device = resolve_device(cfg.device)
     store = Store.open(cfg.store)
     snap = store.snapshot(cfg.data.snapshot or _resumed_snapshot(cfg.run_dir))
-    episodes = select_episodes(snap, cfg.data)
-    # A critic method's diagnostics read episodes it did not train on.
-    holdout = held_out(episodes, cfg.data.get("holdout", 0.0), cfg.seed) if spec.needs_reference else []
-    episodes = [e for e in episodes if e.key not in {h.key for h in holdout}]
+    episodes, holdout = training_episodes(snap, cfg, spec)
     values = {k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"}
     if "model" in spec.config.__dataclass_fields__:
         values.setdefault("model", {k: cfg.model[k] for k in spec.model_keys if cfg.model.get(k) is not None})
