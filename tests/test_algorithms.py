@@ -56,7 +56,7 @@ def _cfg(store, run_dir, algo, updates, warmup=2):
         "checkpoint_every": 4, "show": False, "device": "cpu",
         "model": {"use_images": False, "use_text": False, "hidden_dim": 32, "embed_dim": 16, "flow_steps": 4,
                   "horizon": 8, "execute_steps": 4},
-    }, {"algo": {"critic_warmup": warmup}} if algo != "bc_flow" else {})
+    }, {"algo": {"critic_warmup": warmup, "reference_version": 1}} if algo != "bc_flow" else {})
 
 
 @pytest.mark.parametrize("algo", sorted(PAIRS))
@@ -441,3 +441,28 @@ def test_updates_null_measures_the_budget_in_passes_over_the_training_steps(bc_s
     capped = OmegaConf.merge(_cfg(bc_store, str(tmp_path / "capped"), "bc_flow", None), {"data": {"success": None}})
     drivers.resolve_updates(capped, method_spec("bc_flow"))
     assert capped.updates == 5
+
+
+def test_a_critic_without_reference_version_starts_from_bc_on_its_own_episodes(bc_store, tmp_path, monkeypatch):
+    """v1 is BC on the successes only; a critic learning from every episode trains BC on those
+    first (published), and the next critic on the same episodes starts from that version."""
+    from robo_post.learner import drivers
+
+    monkeypatch.setattr(drivers, "MIN_UPDATES", 1)
+    store = str(tmp_path / "store")
+    shutil.copytree(bc_store, store)
+    registry = PolicyRegistry(store)
+    first = len(registry.versions())
+
+    def critic(name):
+        cfg = OmegaConf.merge(_cfg(store, str(tmp_path / name), name, 4), {"epochs": 0.1, "algo": {"reference_version": None}})
+        return train(cfg)
+
+    divl = critic("divl_qam")
+    reference = first + 1
+    assert divl["parent_version"] == reference and divl["version"] == reference + 1
+    config = registry.load(reference)[1]
+    assert (config["algorithm"], config["episodes"], config["config"]["data"]["success"]) == ("bc_flow", 8, None)
+    assert os.path.exists(tmp_path / "divl_qam" / "reference" / "summary.json")
+    fql = critic("fql")
+    assert fql["parent_version"] == reference and not os.path.exists(tmp_path / "fql" / "reference")

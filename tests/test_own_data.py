@@ -57,16 +57,19 @@ def test_minari_dataset_to_trained_policies_evaluated_by_gymnasium_id(tmp_path, 
     assert bc["episodes"] == info["tasks"][next(iter(info["tasks"]))]["episodes"] * info["success_rate"]
     _cli("train", f"store={store}", "algo=divl_qam", f"run_dir={tmp_path / 'divl'}", *common)
     divl = json.load(open(tmp_path / "divl" / "summary.json"))
-    assert divl["episodes"] == 8 and divl["version"] == 2  # failures teach the critic too
+    # failures teach the critic too; it starts from BC on those same 8 episodes, trained first (v2)
+    assert divl["episodes"] == 8 and (divl["parent_version"], divl["version"]) == (2, 3)
+    reference = json.load(open(tmp_path / "divl" / "reference" / "summary.json"))
+    assert (reference["algo"], reference["version"], reference["episodes"]) == ("bc_flow", 2, 8)
     # Rewards of 1 per step: the value support comes from the data, not the [0, 1] success default.
     assert divl["value_range"][1] > 5.0
 
-    for version in (1, 2):
+    for version in (1, 3):
         _cli("eval", f"store={store}", f"version={version}", "episodes_per_task=2", "n_clients=1",
              "show=false", "+env_kwargs.max_episode_steps=60")
     results = [json.load(open(os.path.join(store + "-eval", "evals", f)))
                for f in sorted(os.listdir(os.path.join(store + "-eval", "evals")))]
-    assert sorted(r["policy"]["version"] for r in results) == [1, 2]
+    assert sorted(r["policy"]["version"] for r in results) == [1, 3]
     for r in results:
         stats = r["tasks"][ENV_ID]
         assert stats["episodes"] == 2 and stats["mean_return"] > 0 and len(stats["return_ci95"]) == 2

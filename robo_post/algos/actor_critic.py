@@ -48,7 +48,8 @@ class ActorCriticConfig:
     """Settings of a critic-based extraction method (``algo=divl_qam|iql_qam|fql``).
 
     Attributes:
-        reference_version: registry version of the BC flow the actor starts from; ``None`` = the first.
+        reference_version: registry version of the BC flow the actor starts from; ``None`` = flow BC
+            on the same episodes (``robo_post.learner.drivers.choose_reference``).
         critic_warmup: updates that train only the critic before the actor moves.
         best_of_n: chunks the published policy proposes per decision (1 = plain sampling).
         n_step: chunk backups per offline TD target.

@@ -26,7 +26,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from robo_post.algos.divl import DIVL
-from robo_post.algos.registry import DataSpec, MethodSpec, check_continuous
+from robo_post.algos.registry import DataSpec, MethodSpec, check_continuous, method_spec
 from robo_post.algos.sb3_agent import check_budget
 from robo_post.config import absolute_paths, changed_settings, check_dir_path, compose, describe_changes
 from robo_post.learner.checkpoint import (CheckpointError, checkpoint_state, has_checkpoint, load_checkpoint,
@@ -47,7 +47,7 @@ from robo_post.store.writer import try_lock, write_json_atomic
 # controller that re-plans every step (an open-loop chunk cannot balance a pendulum).
 GENERIC_HORIZON, GENERIC_EXECUTE = 4, 1
 # Bounds of the update budget measured from the data (``updates=null``).
-MIN_UPDATES, MAX_UPDATES = 1000, 100_000
+MIN_UPDATES, MAX_UPDATES = 3000, 100_000
 # Share of the value support's width added on each side of the data's return range.
 VALUE_MARGIN = 0.1
 # End-atom probability mass above which the value support is reported as too narrow.
@@ -210,6 +210,46 @@ def load_reference(store: Store, version: int | None, device: torch.device) -> t
     found = ", ".join(f"version {v} is a {k!r} policy" for v, k in kinds.items())
     raise ValueError(f"this method starts from a published flow policy (algo=bc_flow), but in {store.root} {found}; "
                      "train one with `robo-post train algo=bc_flow` or set algo.reference_version to a flow version")
+
+
+# What makes two runs' training episodes the same selection (``data.*``).
+SELECTION_KEYS = ("snapshot", "tasks", "success", "roles", "clients")
+# Settings a reference BC run takes over from the critic run that needs it.
+REFERENCE_SETTINGS = ("store", "device", "torch_threads", "seed", "epochs", "batch_size", "gamma", "prefetch", "amp",
+                      "compile", "log_every", "checkpoint_every", "show", "tracking", "model", "data")
+
+
+def matching_reference(registry: PolicyRegistry, data: dict[str, Any], episodes: int) -> int | None:
+    """The newest flow BC version trained on ``episodes`` episodes of the selection ``data``."""
+    for version in reversed(registry.versions()):
+        config = registry.peek_config(version) or {}
+        trained = (config.get("config") or {}).get("data") or {}
+        if (config.get("kind") == "flow" and config.get("algorithm") == "bc_flow" and config.get("episodes") == episodes
+                and all(trained.get(k) == data.get(k) for k in SELECTION_KEYS)):
+            return version
+    return None
+
+
+def choose_reference(cfg: DictConfig, spec: MethodSpec, episodes: int) -> int:
+    """The BC flow a critic method starts from when ``algo.reference_version`` is null: flow BC
+    on the very episodes the critic learns from (its ``data`` selection, usually every episode),
+    the behaviour policy its critic evaluates and the policy it is meant to improve on. The
+    newest such published version, else one trained first (``RUN/reference``, published)."""
+    registry = PolicyRegistry(cfg.store)
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    selection = f"data.success={json.dumps(data.get('success'))}" + "".join(
+        f", data.{k}={json.dumps(data[k])}" for k in ("tasks", "roles", "clients") if data.get(k) is not None)
+    found = matching_reference(registry, data, episodes)
+    if found is not None:
+        print(f"algo={spec.name} starts from v{found}, flow BC on the same {episodes} episodes ({selection})",
+              file=sys.stderr)
+        return found
+    run_dir = os.path.join(cfg.run_dir, "reference")
+    print(f"algo={spec.name}: no flow BC published on its {episodes} episodes ({selection}); training one first in "
+          f"{run_dir} (algo.reference_version=N starts from version N instead)", file=sys.stderr)
+    reference = OmegaConf.merge(compose("train", ["algo=bc_flow"]), {k: cfg[k] for k in REFERENCE_SETTINGS if k in cfg},
+                                {"run_dir": run_dir, "updates": None, "publish": True})
+    return off_policy(reference, method_spec("bc_flow"))["version"]
 
 
 def imitation_sampler(config: Any, method: Any, samplers: list[WindowSampler], seed: int) -> ImitationSampler | None:
@@ -604,6 +644,8 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
               "trains, and the published actor is the reference policy unchanged", file=sys.stderr)
     if spec.needs_reference:  # it starts from a flow policy, which integer actions cannot have
         check_continuous(spec.name, np.dtype(store.schema.action.dtype).kind in "iu")
+        if config.reference_version is None:
+            config.reference_version = choose_reference(cfg, spec, len(episodes) + len(holdout))
     reference, parent = (load_reference(store, config.reference_version, device) if spec.needs_reference
                          else (None, None))
     horizon = reference.config.horizon if reference is not None else cfg.model.horizon or chunk_defaults(store.schema)[0]

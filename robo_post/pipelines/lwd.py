@@ -43,12 +43,15 @@ def offline(store_root: str, run_dir: str, cfg: DictConfig, snapshot: str | None
     play, deployments); publishes the trained policy. Runs the registry's off-policy driver."""
     base = compose("train", [f"algo={cfg.algo}"])
     OmegaConf.set_struct(base, False)  # critic/value/actor overrides are open dicts
+    values = _method_values(cfg, cfg.offline.n_step)
+    # The loop's own BC (the first flow version unless pinned), not `train`'s BC-on-the-same-episodes rule.
+    values["reference_version"] = load_reference(Store.open(store_root), values.get("reference_version"), "cpu")[1]
     train_cfg = OmegaConf.merge(base, {
         "store": store_root, "run_dir": run_dir, "device": cfg.device, "torch_threads": cfg.torch_threads,
         "seed": cfg.seed, "show": cfg.show, "gamma": cfg.gamma, "batch_size": cfg.batch_size,
         "log_every": cfg.log_every, "checkpoint_every": cfg.checkpoint_every, "updates": cfg.offline.updates,
         "tracking": OmegaConf.to_container(cfg.tracking, resolve=True) if "tracking" in cfg else {},
-        "data": {"success": None, "snapshot": snapshot}, "algo": _method_values(cfg, cfg.offline.n_step),
+        "data": {"success": None, "snapshot": snapshot, "holdout": 0.0}, "algo": values,
     })
     return off_policy(train_cfg, method_spec(cfg.algo))
 
