@@ -48,7 +48,7 @@ def point_mass(work: str, episodes: int, quick: bool) -> dict:
         cli("collect", "env=point_mass", "+env.kwargs.goal=[0.5,0.5]", "policy.noise=0.3",
             f"episodes={40 if quick else 200}", f"store={store}", "show=false")
         cli("train", "algo=gaussian_bc", f"store={store}", f"run_dir={store}-bc", f"updates={1500 if quick else 5000}",
-            "model.features={goal: null}", "data.success=null", "show=false")
+            "model.features={goal: null}", "data.success=null", "batch_size=64", "show=false")
     out = os.path.join(work, "point_mass_grid")
     cli("steer-eval", "env=point_mass", "actor.kind=registry", f"actor.store={store}", f"episodes={episodes}",
         f"out_dir={out}", f"margin={MARGIN}", "show=false")

@@ -29,7 +29,7 @@ def actor_store(tmp_path_factory):
     run_cli("collect", "env=point_mass", f"+env.kwargs.goal=[{OLD_GOAL[0]},{OLD_GOAL[1]}]", "policy.noise=0.3",
              "episodes=40", f"store={root}", "show=false")
     run_cli("train", "algo=gaussian_bc", f"store={root}", f"run_dir={root}-bc", "updates=1500",
-             "model.features={goal: null}", "data.success=null", "show=false")
+             "model.features={goal: null}", "data.success=null", "batch_size=64", "show=false")
     return root
 
 
