@@ -95,6 +95,18 @@ def test_sb3_agent_trains_publishes_and_is_collected_with_discrete_actions(tmp_p
         assert data["action"].tolist() == greedy
 
 
+def test_a_finished_run_past_its_budget_publishes_again_under_other_settings(tmp_path):
+    """PPO stops at the end of a rollout, past a budget that is no multiple of it (512 of 500):
+    rerun with another acting setting it publishes its weights again; a smaller budget is refused."""
+    store, run_dir = str(tmp_path / "store"), str(tmp_path / "ppo")
+    args = ["train", "algo=sb3", "algo.env=CartPole-v1", "+algo.hyperparameters.n_steps=128",
+            "+algo.hyperparameters.batch_size=64", f"store={store}", f"run_dir={run_dir}", "show=false"]
+    assert json.loads(_cli(*args, "algo.timesteps=500"))["timesteps"] == 512
+    assert json.loads(_cli(*args, "algo.timesteps=500", "algo.deterministic=false"))["version"] == 2
+    r = run_cli(*args, "algo.timesteps=256", ok=False)
+    assert r.returncode != 0 and "has already trained timesteps 512, more than algo.timesteps=256" in r.stderr
+
+
 def test_an_sb3_run_killed_after_publishing_does_not_publish_again(tmp_path):
     store, run_dir = str(tmp_path / "store"), str(tmp_path / "ppo")
     args = ["train", "algo=sb3", "algo.env=CartPole-v1", "algo.timesteps=128", "+algo.hyperparameters.n_steps=128",

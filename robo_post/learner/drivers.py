@@ -415,7 +415,8 @@ def check_resume(run_dir: str, cfg: DictConfig, counter: str, target: int, setti
     """
     ckpt = os.path.join(run_dir, "checkpoint")
     done = checkpoint_state(ckpt).get(counter) if has_checkpoint(ckpt) else None
-    if isinstance(done, int) and done > target:
+    if isinstance(done, int) and done > target and _recorded_budget(run_dir, setting) != target:
+        # (a run that stopped past its own budget, as SB3 does at a rollout's end, is finished, not shrunk)
         raise RunResumeError(f"{run_dir} has already trained {counter} {done}, more than {setting}={target}: "
                              f"set {setting}>={done} to continue it, or a new run_dir starts over")
     started = done is not None or any(os.path.exists(os.path.join(run_dir, f)) for f in progress)
@@ -446,6 +447,16 @@ def check_resume(run_dir: str, cfg: DictConfig, counter: str, target: int, setti
             f"{run_dir} holds {state}, started with other settings "
             f"({describe_changes(changed)}): resuming would go on training its weights under the "
             f"new ones. Rerun with the recorded settings to resume it ({setting} may grow), or use a new run_dir")
+
+
+def _recorded_budget(run_dir: str, setting: str) -> Any:
+    """The budget ``setting`` (a dotted key) a run in ``run_dir`` recorded, None if unknown."""
+    path = os.path.join(run_dir, TRAINED_RECORD)
+    recorded = _run_record(path if os.path.exists(path) else os.path.join(run_dir, "config.yaml"), OmegaConf.load,
+                           warn=False)
+    for key in setting.split("."):
+        recorded = recorded.get(key) if isinstance(recorded, dict) else None
+    return recorded
 
 
 class NonFiniteWeightsError(ValueError):
