@@ -41,14 +41,12 @@ How, top to bottom:
 Target: a critic-based method beats BC on all data and d3rlpy's IQL.
 Misses are reported, never raised (exit 0).
 
-Measured (results/foreign_dataset.json, 8 min on 2 shared cores; command in the file, without
-the ``divl_qam_bon8`` variant): data 180 episodes, 9742 steps, mean episode return 493 (expert
-1074, noisy 1227, weak 275, random 53; 6 episodes survive to the 200-step limit). Eval return
-(30 episodes): BC all data 432, filtered BC 1598, DIVL+QAM 432, IQL+QAM 496, FQL 771, d3rlpy
-IQL 203, expert 986. FQL beats BC on all data and d3rlpy's IQL (95% CIs disjoint); DIVL+QAM
-does not move from its reference in 2000 updates, neither with QAM's temperature in units of
-the data's return span (``divl_qam_span`` 434, ``iql_qam_span`` 411, best of 8: 426); filtered
-BC (6 episodes) beats every method.
+Measured (results/foreign_dataset.json, 12 min on 2 shared cores; command in the file): data
+180 episodes, 9742 steps, mean episode return 493 (6 episodes survive to the 200-step limit).
+Eval return (30 episodes): BC all data 606, filtered BC 1708, DIVL+QAM 663, IQL+QAM 529, FQL
+496, BC all data at 4000 updates 814, d3rlpy IQL 203, expert 986. DIVL+QAM beats BC on all
+data (intervals overlap) and d3rlpy's IQL (disjoint); filtered BC (6 episodes) beats every
+method (docs/results.md has the figures before the train defaults changed).
 With PPO at learning rate 1e-3 and target_kl 0.05 the published 300k-step agent had collapsed
 (episodes of 8-16 steps while its training log read ~1700): the published version is the last
 policy, so a stabler setting (target_kl 0.02) is the default.
