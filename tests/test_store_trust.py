@@ -26,7 +26,7 @@ from robo_post.store.commit import CommitDamageWarning
 from robo_post.store.registry import PolicyRegistry, RegistryNotWritableError
 from robo_post.store import integrity
 from robo_post.store.integrity import LOST_SUFFIX, Unrepairable, repair_store, validate_store
-from robo_post.store.schema import StoreLayoutError
+from robo_post.store.schema import ArraySpec, StoreLayoutError, StoreSchema
 from robo_post.store.writer import lock_shard
 from test_store import tree_hash
 from test_store_append import SCHEMA, clear_chunk, episode, small_chunks, write  # noqa: F401 (fixture)
@@ -787,3 +787,24 @@ def test_a_shard_repaired_past_a_cut_data_file_takes_new_episodes(tmp_path):
     assert [(e.attrs["i"], e.length) for e in snap] == [(7, 6), (8, 11)]
     assert snap.load(list(snap)[1])["action"].tolist() == episode(8, 11)[1].tolist()
     assert validate_store(store.root) == (2, [])
+
+
+def test_store_paths_that_name_no_creatable_folder_are_typed_errors(tmp_path, monkeypatch):
+    """An empty path (the working directory), a NUL byte, a path under a file and an unwritable
+    place are StoreErrors naming the path; nothing is written."""
+    schema = StoreSchema({"x": ArraySpec("float32", ())}, ArraySpec("float32", (1,), low=-1.0, high=1.0))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StoreError, match="a store needs a path, got ''"):
+        Store.create("", schema)
+    with pytest.raises(StoreError, match="holds a NUL byte"):
+        Store.create("a\0b", schema)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(StoreError, match=f"cannot create a store at afile/sub: {tmp_path / 'afile'} is a file"):
+        Store.create("afile/sub", schema)
+    assert sorted(os.listdir(tmp_path)) == ["afile"]
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    monkeypatch.setattr(os, "makedirs", lambda *a, **k: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    with pytest.raises(StoreError, match=f"cannot create a store at {locked / 's'}: Permission denied"):
+        Store.create(str(locked / "s"), schema)
+    assert os.listdir(locked) == []

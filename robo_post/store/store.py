@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import contextlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -110,6 +111,20 @@ class EpisodeInfo:
         )
 
 
+def _check_root(root: str) -> None:
+    """Refuse a store path that names no folder one could create: empty (it would be the working
+    directory), with a NUL byte, or under an existing file."""
+    if not isinstance(root, str) or not root.strip():
+        raise StoreError(f"a store needs a path, got {root!r}")
+    if "\0" in root:
+        raise StoreError(f"store path {root!r} holds a NUL byte")
+    parent = os.path.dirname(os.path.abspath(root))
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        raise StoreError(f"cannot create a store at {root}: {parent} is a file, not a folder")
+
+
 def _refuse_lost_schema(root: str) -> None:
     """Raise ``StoreIntegrityError`` when ``root`` has lost its ``store.json`` but still holds
     recorded shards: a store made anew there would take them under another schema, and every
@@ -145,7 +160,13 @@ class Store:
     @classmethod
     def create(cls, root: str, schema: StoreSchema, exist_ok: bool = False) -> "Store":
         """Create a store with ``schema``. With ``exist_ok``, open it if it already exists
-        (its schema must then equal ``schema``)."""
+        (its schema must then equal ``schema``).
+
+        Raises:
+            StoreError: ``root`` is empty, holds a NUL byte, lies under a file, or cannot be
+                written (a read-only or special file system), naming it; nothing is left there.
+        """
+        _check_root(root)
         path = os.path.join(root, "store.json")
         _refuse_lost_schema(root)
         if os.path.exists(path):
@@ -166,10 +187,17 @@ class Store:
             shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
             raise StoreError(f"{root} is a folder of other files ({shown}), not a robo-post store; "
                              "give a new or empty path")
-        for sub in ("shards", "snapshots", "policies"):
-            os.makedirs(os.path.join(root, sub), exist_ok=True)
-        meta = schema.to_json()
-        write_json_atomic(path, {**meta, "crc32c": _schema_crc(meta)})
+        existed = os.path.isdir(root)
+        try:
+            for sub in ("shards", "snapshots", "policies"):
+                os.makedirs(os.path.join(root, sub), exist_ok=True)
+            meta = schema.to_json()
+            write_json_atomic(path, {**meta, "crc32c": _schema_crc(meta)})
+        except OSError as e:  # nothing was stored yet: take back the empty folders made here
+            for sub in ("shards", "snapshots", "policies") + (() if existed else ("",)):
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(root, sub))
+            raise StoreError(f"cannot create a store at {root}: {e.strerror or e}; give a writable path") from None
         return cls(root, schema)
 
     @classmethod
