@@ -633,9 +633,10 @@ class BridgeConfig:
         # timeout <= 0 discarded every episode as it opened; the queue depth needs whole episodes
         if not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout}: seconds an open episode may stay silent, must be > 0")
-        if self.max_steps < 0 or self.burst_episodes < 1:
-            raise ValueError(f"max_steps={self.max_steps} must be >= 0 (0: the description's) and "
-                             f"burst_episodes={self.burst_episodes} >= 1")
+        if self.max_steps < 0:
+            raise ValueError(f"max_steps={self.max_steps} must be >= 0 (0: the description's)")
+        if self.burst_episodes < 1:
+            raise ValueError(f"burst_episodes={self.burst_episodes}: whole episodes a topic queue holds, must be >= 1")
 
 
 @dataclass

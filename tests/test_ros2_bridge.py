@@ -1011,9 +1011,11 @@ def test_cli_refuses_bad_args_in_one_line(tmp_path, capsys):
                          ("timeout=-1", "timeout=-1.0: seconds an open episode may stay silent, must be > 0"),
                          ("timeout=0", "timeout=0.0: seconds an open episode may stay silent, must be > 0"),
                          ("timeout=abc", "timeout='abc': could not convert string to float: 'abc'"),
-                         ("burst_episodes=0", "burst_episodes=0 >= 1")]:
+                         ("burst_episodes=0", "burst_episodes=0: whole episodes a topic queue holds, must be >= 1"),
+                         ("max_steps=-1", "max_steps=-1 must be >= 0 (0: the description's)")]:
         assert cli_main(["fleet", "ros2-bridge", f"store={tmp_path / 'store'}", arg]) == 2
-        assert message in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert message in err and ("max_steps" in arg or "max_steps" not in err)  # only the wrong setting is named
         assert not (tmp_path / "store").exists()
     sim = ["fleet", "ros2-sim", f"robot={ARM2_PATH}", f"domain_id={fresh_domain()}", "discovery_timeout=1"]
     assert cli_main(sim) == 1  # the default policy=expert: refused before waiting for a bridge
