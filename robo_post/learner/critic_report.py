@@ -66,9 +66,9 @@ def critic_diagnostics(method: Any, snap: Snapshot, episodes: list[EpisodeInfo],
     q, drift = [], []
     for lo in range(0, len(starts), BATCH):
         batch = sampler.sample(0, starts=starts[lo: lo + BATCH])
-        obs = batch["obs"]
-        q.append(critic(obs, policy.normalize_actions(batch["actions"].to(policy.device))).mean(0).cpu())
-        noise = torch.randn((len(starts[lo: lo + BATCH]), c.horizon, c.action_dim), generator=gen, device=policy.device)
+        obs, actions = batch["obs"], batch["actions"].to(policy.device)
+        q.append(critic(obs, policy.normalize_actions(actions)).mean(0).cpu())
+        noise = torch.randn(actions.shape, generator=gen, device=policy.device)
         moved = policy.normalize_actions(policy.sample(obs, noise=noise)) - reference.normalize_actions(
             reference.sample(obs, noise=noise))
         drift.append(moved.pow(2).mean((1, 2)).cpu())

@@ -438,9 +438,7 @@ def check_resume(run_dir: str, cfg: DictConfig, counter: str, target: int, setti
     changed = {k: v for k, v in changed_settings(recorded, OmegaConf.to_container(cfg, resolve=True)).items()
                if k != setting and k.split(".")[0] not in RESUMABLE_SETTINGS}
     if changed:
-        budget: Any = recorded
-        for key in setting.split("."):
-            budget = budget.get(key) if isinstance(budget, dict) else None
+        budget = _dotted(recorded, setting)
         state = (f"a run finished at {counter} {done} (its {setting})" if isinstance(budget, int) and done == budget
                  else f"an unfinished run ({counter} {done or 0} of {target})")
         raise RunResumeError(
@@ -452,11 +450,15 @@ def check_resume(run_dir: str, cfg: DictConfig, counter: str, target: int, setti
 def _recorded_budget(run_dir: str, setting: str) -> Any:
     """The budget ``setting`` (a dotted key) a run in ``run_dir`` recorded, None if unknown."""
     path = os.path.join(run_dir, TRAINED_RECORD)
-    recorded = _run_record(path if os.path.exists(path) else os.path.join(run_dir, "config.yaml"), OmegaConf.load,
-                           warn=False)
-    for key in setting.split("."):
-        recorded = recorded.get(key) if isinstance(recorded, dict) else None
-    return recorded
+    return _dotted(_run_record(path if os.path.exists(path) else os.path.join(run_dir, "config.yaml"),
+                               OmegaConf.load, warn=False), setting)
+
+
+def _dotted(record: Any, key: str) -> Any:
+    """``record``'s value at the dotted ``key`` (``algo.timesteps``), None where it has none."""
+    for part in key.split("."):
+        record = record.get(part) if isinstance(record, dict) else None
+    return record
 
 
 class NonFiniteWeightsError(ValueError):
@@ -614,14 +616,15 @@ def training_episodes(snap: Snapshot, cfg: DictConfig, spec: MethodSpec) -> tupl
     return [e for e in episodes if e.key not in keys], holdout
 
 
-def resolve_updates(cfg: DictConfig, spec: MethodSpec) -> None:
+def resolve_updates(cfg: DictConfig, spec: MethodSpec) -> Snapshot | None:
     """``updates=null``: ``epochs`` passes over the training steps at ``batch_size``, within
-    [MIN_UPDATES, MAX_UPDATES], written into ``cfg`` (so the run records the number). A budget
+    [MIN_UPDATES, MAX_UPDATES], written into ``cfg`` (so the run records the number); returns
+    the snapshot it measured, for the run to train on (None when ``updates`` is set). A budget
     fixed in updates under-trains large datasets and over-trains small ones: flow BC of 20
     expert episodes (20,000 steps) kept 14% of their return at 3000 updates of 64 windows
     (10 passes) and all of it at 77 passes (docs/results.md)."""
     if cfg.updates is not None:
-        return
+        return None
     snap = Store.open(cfg.store).snapshot(cfg.data.snapshot or _resumed_snapshot(cfg.run_dir))
     steps = sum(e.length for e in training_episodes(snap, cfg, spec)[0])
     updates = int(np.clip(round(cfg.epochs * steps / cfg.batch_size), MIN_UPDATES, MAX_UPDATES))
@@ -629,12 +632,13 @@ def resolve_updates(cfg: DictConfig, spec: MethodSpec) -> None:
           f"[{MIN_UPDATES}, {MAX_UPDATES}] (set updates=N to fix the budget)", file=sys.stderr)
     with open_dict(cfg):
         cfg.updates = updates
+    return snap
 
 
 def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     """`robo-post train` for a method trained on snapshot windows; publishes the result
     (a run that already finished returns its summary instead)."""
-    resolve_updates(cfg, spec)
+    measured = resolve_updates(cfg, spec)
     if (done := finished_run(cfg.run_dir, "update", cfg.updates, cfg)) is not None:
         return done
     check_resume(cfg.run_dir, cfg, "update", cfg.updates, "updates")
@@ -643,7 +647,7 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     torch.set_num_threads(cfg.torch_threads)
     device = resolve_device(cfg.device)
     store = Store.open(cfg.store)
-    snap = store.snapshot(cfg.data.snapshot or _resumed_snapshot(cfg.run_dir))
+    snap = measured or store.snapshot(cfg.data.snapshot or _resumed_snapshot(cfg.run_dir))
     episodes, holdout = training_episodes(snap, cfg, spec)
     values = {k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"}
     if "model" in spec.config.__dataclass_fields__:

@@ -15,10 +15,10 @@ Layout on disk::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
-import contextlib
 import os
 import shutil
 from dataclasses import dataclass
