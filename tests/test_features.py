@@ -253,25 +253,6 @@ def test_the_env_registry_sets_default_roles_and_the_user_overrides_them(tmp_pat
     assert PolicyRegistry(store.root).load(forced["version"])[1]["model"]["features"]["task_id"]["n"] == 5
 
 
-def test_qam_temperature_is_in_units_of_the_data_return_span(tmp_path):
-    """The same ``inv_temp`` tilts a task with returns in [0, 1] and one with returns in the tens alike."""
-    from robo_post.learner.drivers import measure
-    from robo_post.store import WindowSampler
-
-    store = Store.open(_store(tmp_path / "s"))
-    sampler = WindowSampler.from_snapshot(store.snapshot(), horizon=4, gamma=GAMMA)
-    cfg = _cfg(store.root, str(tmp_path / "r"), "bc_flow")
-    bc = method_spec("bc_flow")
-    data = measure(store.schema, sampler, cfg.model, GAMMA, None)
-    reference = bc.build(bc.make_config({"model": {"hidden_dim": 16, "embed_dim": 8}}), data, "cpu", None).policy
-    spec = method_spec("divl_qam")
-    method = spec.build(spec.make_config({}), measure(store.schema, sampler, cfg.model, GAMMA, reference), "cpu", reference)
-    top = REWARD * (1 - GAMMA ** T) / (1 - GAMMA)
-    assert method.actor.config.q_scale == pytest.approx(top, rel=1e-5)
-    pinned = spec.build(spec.make_config({"actor": {"q_scale": 1.0}}), data, "cpu", reference)
-    assert pinned.actor.config.q_scale == 1.0
-
-
 def test_an_instruction_embeds_the_same_whatever_strings_come_with_it():
     """A batch of strings is padded to its longest: encoded together, the embeddings moved in
     their last bits with the company they kept, so a resumed run (an empty cache, other

@@ -224,7 +224,7 @@ def run_qam(base: FlowPolicy, critic, flow_steps: int = 10, **config) -> tuple[Q
     torch.manual_seed(0)
     base = copy.deepcopy(base)
     base.config.flow_steps = flow_steps  # N of the SDE, adjoint and loss grid
-    qam = QAM(base, QAMConfig(lr=3e-3, lr_decay_steps=100, **config))
+    qam = QAM(base, QAMConfig(**{"lr": 3e-3, "lr_decay_steps": 100, "q_scale": 1.0, **config}))
     for _ in range(100):
         metrics = qam.update(_batch(128), critic)
     return qam, metrics
@@ -246,6 +246,27 @@ def test_qam_tilts_along_c_monotonically_in_kappa(base_policy):
         assert std == pytest.approx(s0, abs=0.03)
 
 
+def test_measured_q_scale_tilts_alike_on_any_reward_scale(base_policy):
+    """With ``q_scale`` measured (the default), a linear critic c * a + b moves the policy by
+    kappa * s0 (one temperature, one share of the policy's spread) whatever c and b are."""
+    m0, s0 = sample_moments(base_policy)
+    drawn = sample_moments(base_policy, steps=10)[1]  # the spread of the 10-step sampler the scale is measured on
+    for c, b in ((1.5, 0.0), (150.0, -40.0)):
+        qam, metrics = run_qam(base_policy, lambda obs, a: c * a.flatten(1).sum(-1)[None] + b, q_scale=None)  # noqa: B023
+        assert metrics["q_scale"].item() == pytest.approx(c * drawn, rel=0.15)
+        # The tilt N(m0 + kappa s0^2 c / q_scale, s0^2): the same shift on both scales.
+        assert sample_moments(qam.fine)[0] == pytest.approx(m0 + 0.5 * s0**2 / drawn, abs=0.03)
+    fql_means = []
+    for c, b in ((1.5, 0.0), (150.0, -40.0)):
+        torch.manual_seed(0)
+        fql = FQL(base_policy, FQLConfig(alpha=10.0, lr=3e-3))
+        for _ in range(150):
+            fql.update(_batch(128), lambda obs, a: c * a.flatten(1).sum(-1)[None] + b)  # noqa: B023
+        fql_means.append(fql.act(_batch(4000)["obs"]).mean().item())
+    # alpha (a - target)^2 against c a / q_scale: a = target + 1 / (2 alpha drawn) on both scales.
+    assert fql_means == pytest.approx([m0 + 1 / (20 * drawn)] * 2, abs=0.03)
+
+
 # --- 15. path source ------------------------------------------------------------------------
 def test_path_source_fine_reaches_the_exact_tilt_and_reference_does_not(base_policy):
     q, a0, kappa = 16.0, 0.6, 2.0  # kappa q s^2 = 2
@@ -263,7 +284,7 @@ def test_path_source_fine_reaches_the_exact_tilt_and_reference_does_not(base_pol
 
 def test_fql_baseline_moves_along_c_and_stays_near_the_reference(base_policy):
     torch.manual_seed(0)
-    fql = FQL(base_policy, FQLConfig(alpha=10.0, lr=3e-3))
+    fql = FQL(base_policy, FQLConfig(alpha=10.0, lr=3e-3, q_scale=1.0))
     linear = lambda obs, a: 1.5 * a.flatten(1).sum(-1)[None]  # noqa: E731
     for _ in range(150):
         metrics = fql.update(_batch(128), linear)

@@ -14,6 +14,7 @@ from robo_post.algos.sb3_agent import SB3Agent, SB3AgentConfig
 from robo_post.config import compose
 from robo_post.envs.registry import UnsupportedSpaceError
 from robo_post.fleet.policies import build_policy
+from robo_post.learner.drivers import RunResumeError
 from robo_post.learner.train import train
 from robo_post.store import PolicyRegistry, Store, StoreError
 from robo_post.store.schema import StoreSchema
@@ -114,6 +115,46 @@ def test_an_sb3_run_killed_after_publishing_does_not_publish_again(tmp_path):
     assert json.loads(_cli(*args))["version"] == 1
     os.remove(os.path.join(run_dir, "summary.json"))  # killed after publishing (e.g. in a final evaluation)
     assert json.loads(_cli(*args))["version"] == 1 and PolicyRegistry(store).versions() == [1]
+
+
+def test_an_sb3_run_recorded_under_older_learner_settings_grows_and_republishes(tmp_path):
+    """The learner's settings (batch size, update budget, flow model, data selection) are not
+    SB3's: a run recorded before one of them existed or changed still resumes to a larger
+    budget, and its finished run still republishes under a changed acting setting."""
+    store, run_dir = str(tmp_path / "store"), str(tmp_path / "ppo")
+
+    def cfg(timesteps: int, **algo):
+        return OmegaConf.merge(compose("train", ["algo=sb3", "+algo.hyperparameters.n_steps=64",
+                                                 "+algo.hyperparameters.batch_size=64"]), {
+            "store": store, "run_dir": run_dir, "show": False, "device": "cpu",
+            "algo": {"env": "CartPole-v1", "timesteps": timesteps, **algo}})
+
+    def edit_records(change) -> None:  # the run's settings records, as an older version would have written them
+        for name in ("config.yaml", "trained_config.yaml"):
+            path = os.path.join(run_dir, name)
+            if os.path.exists(path):
+                record = OmegaConf.load(path)
+                change(record)
+                OmegaConf.save(record, path)
+
+    def older(record) -> None:
+        del record["epochs"], record["model"]["deterministic"]
+        record.batch_size, record.updates = 64, 3000
+
+    assert train(cfg(64))["version"] == 1
+    edit_records(older)
+    grown = train(cfg(128))
+    assert (grown["version"], grown["timesteps"]) == (2, 128)
+    edit_records(older)
+    again = train(cfg(128, deterministic=False))  # the same weights, now sampling
+    assert again["version"] == 3 and PolicyRegistry(store).load(3)[1]["deterministic"] is False
+
+    def other_sb3(record) -> None:  # an SB3 setting is still compared
+        record.algo.hyperparameters.n_steps = 32
+
+    edit_records(other_sb3)
+    with pytest.raises(RunResumeError, match=r"other settings \(algo.hyperparameters.n_steps: 32 -> 64\)"):
+        train(cfg(192))
 
 
 def test_an_agent_of_another_env_is_refused_by_a_recorded_store(tmp_path):

@@ -27,6 +27,7 @@ import torch
 
 from robo_post.algos.bc_flow import base_bc_loss
 from robo_post.algos.divl import CriticFn, td_target, twin_critic_fn, weighted_mean
+from robo_post.algos.qam import q_spread
 from robo_post.models.critic import CriticConfig, CriticNet, aggregate_heads, ema_update
 from robo_post.models.flow import FlowPolicy
 
@@ -38,7 +39,10 @@ class FQLConfig:
     Attributes:
         alpha: distillation (behaviour-constraint) weight; FQL tunes it per domain
             (10 to 1000 on OGBench).
-        normalize_q_loss: divide the Q term by the batch mean |Q| (FQL code option).
+        q_scale: Q units the Q term is divided by, so ``alpha`` means the same on any reward scale.
+            ``None`` (default) measures it on every batch as the spread of Q over the reference's
+            own chunks at the batch's states (``robo_post.algos.qam.q_spread``); a number pins it
+            (FQL's code divides by the batch mean |Q| instead).
         q_agg: ``mean`` or ``min`` over critic heads.
         lr: Adam learning rate (FQL: 3e-4).
         grad_clip: global gradient-norm clip; 0 disables it (FQL has none).
@@ -49,7 +53,7 @@ class FQLConfig:
     """
 
     alpha: float = 10.0
-    normalize_q_loss: bool = False
+    q_scale: float | None = None
     q_agg: str = "mean"
     lr: float = 3e-4
     grad_clip: float = 0.0
@@ -73,6 +77,8 @@ class FQL:
             raise ValueError(f"q_agg must be 'mean' or 'min', got {self.config.q_agg!r}")
         if self.config.base not in ("frozen", "ema_cotrained"):
             raise ValueError(f"base must be 'frozen' or 'ema_cotrained', got {self.config.base!r}")
+        if self.config.q_scale is not None and self.config.q_scale <= 0:
+            raise ValueError(f"q_scale must be > 0 or None (measured), got {self.config.q_scale}")
         self.device = torch.device(device)
         self.reference = copy.deepcopy(reference).to(self.device).requires_grad_(False)
         self.one_step = copy.deepcopy(reference).to(self.device).requires_grad_(True)
@@ -106,11 +112,12 @@ class FQL:
         distill = (actions - target).pow(2).mean()
         qs = critic_fn(obs, actions.clamp(-1.0, 1.0))
         q = aggregate_heads(qs, cfg.q_agg)
-        q_loss = -q.mean()
-        if cfg.normalize_q_loss:
-            q_loss = q_loss / q.abs().mean().detach().clamp_min(1e-6)
+        q_scale = (q_spread(critic_fn, self.reference, obs, self.reference.encode(obs), agg=cfg.q_agg).clamp_min(1e-6)
+                   if cfg.q_scale is None else torch.tensor(cfg.q_scale))
+        q_loss = -q.mean() / q_scale
         loss = cfg.alpha * distill + q_loss
-        metrics = {"distill_loss": distill.detach(), "q_loss": q_loss.detach(), "q_mean": q.mean().detach()}
+        metrics = {"distill_loss": distill.detach(), "q_loss": q_loss.detach(), "q_mean": q.mean().detach(),
+                   "q_scale": q_scale.detach()}
         if self.bc is not None:
             bc_base = base_bc_loss(self.bc, batch)
             loss = loss + bc_base

@@ -103,7 +103,7 @@ def sample_path(v_sde: Velocity, v_last: Velocity, x0: torch.Tensor, grid: TimeG
     return torch.stack(xs + [x]) if keep_path else x
 
 
-def terminal_adjoint(critic_fn: CriticFn, obs: Any, a1: torch.Tensor, inv_temp: float, clip: bool = True,
+def terminal_adjoint(critic_fn: CriticFn, obs: Any, a1: torch.Tensor, inv_temp: float | torch.Tensor, clip: bool = True,
                      agg: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
     """(adjoint at w = 1, Q) = (-inv_temp * grad_a Q(s, a1), Q(s, a1)) per sample (docs/methods.md,
     "QAM: lean adjoint").
@@ -119,6 +119,23 @@ def terminal_adjoint(critic_fn: CriticFn, obs: Any, a1: torch.Tensor, inv_temp: 
         grad = torch.autograd.grad(q.sum(), a, allow_unused=True)[0] if q.requires_grad else None
     grad = torch.zeros_like(a) if grad is None else grad
     return -inv_temp * grad, q.detach()
+
+
+@torch.no_grad()
+def q_spread(critic_fn: CriticFn, policy: FlowPolicy, obs: Any, z: torch.Tensor, draws: int = 4,
+             agg: str = "mean") -> torch.Tensor:
+    """Measured action scale of the critic: the standard deviation of Q over ``draws`` chunks
+    ``policy`` draws at each state, pooled over the batch's states (root of the mean
+    variance; docs/methods.md, "QAM: temperature"). ``z`` is ``policy.encode(obs)``.
+
+    This is the size of the Q differences the policy's own choices make, the scale an
+    advantage lives on; it is what a temperature must be measured in for the tilt to
+    move a policy by the same share of its spread on any task and reward scale.
+    """
+    c = policy.config
+    qs = torch.stack([aggregate_heads(critic_fn(obs, policy.integrate(
+        z, torch.randn(z.shape[0], c.horizon, c.action_dim, device=z.device))), agg) for _ in range(draws)])
+    return qs.var(0).mean().sqrt()
 
 
 def adjoint_step(v_base: Velocity, x: torch.Tensor, adj: torch.Tensor, t: float, h: float) -> torch.Tensor:
@@ -178,9 +195,11 @@ class QAMConfig:
     """QAM hyperparameters (docs/methods.md, "QAM: configuration"; CPU-scale defaults).
 
     Attributes:
-        inv_temp: kappa = 1 / lambda of pi_beta * exp(kappa Q / q_scale) (LWD lambda = 2 for Q in [0, 1]).
-        q_scale: Q units per unit of ``inv_temp``, so one temperature fits any reward scale. The
-            learner sets it to the span of the data's discounted returns (1 for success in [0, 1]).
+        inv_temp: kappa of the tilt pi_beta * exp(kappa Q / q_scale).
+        q_scale: Q units per unit of ``inv_temp``. ``None`` (default) measures it on every batch
+            as the spread of Q over the reference's own chunks at the batch's states
+            (``q_spread``), so kappa is in units of the advantages the policy can reach on any
+            reward scale; a number pins it.
         path_source: ``fine`` samples paths from the current fine policy (QAM, AM: the
             fixed point is the exact tilt); ``reference`` from the frozen base (literal
             LWD reading: a first-order approximation; "QAM: paths and the time grid").
@@ -207,7 +226,7 @@ class QAMConfig:
     """
 
     inv_temp: float = 0.5
-    q_scale: float = 1.0
+    q_scale: float | None = None
     path_source: str = "fine"
     q_net: str = "target"
     q_agg: str = "mean"
@@ -244,8 +263,8 @@ class QAM:
         self.device = torch.device(device)
         self.reference = copy.deepcopy(reference).to(self.device).requires_grad_(False)
         self.fine = copy.deepcopy(reference).to(self.device).requires_grad_(True)
-        if cfg.q_scale <= 0:
-            raise ValueError(f"q_scale must be > 0, got {cfg.q_scale}")
+        if cfg.q_scale is not None and cfg.q_scale <= 0:
+            raise ValueError(f"q_scale must be > 0 or None (measured), got {cfg.q_scale}")
         if cfg.init == "random":
             for m in self.fine.modules():
                 if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Conv2d)):
@@ -296,8 +315,12 @@ class QAM:
             x0 = torch.randn(B, H, A, device=self.device)
             xs = sample_path(policy_velocity(src, z_src), policy_velocity(ref, z_ref), x0, grid)
 
-        # 2. Lean adjoint from the critic's action gradient at the generated endpoint.
-        adj1, q1 = terminal_adjoint(critic_fn, obs, xs[-1], cfg.inv_temp / cfg.q_scale, cfg.clip_adj, cfg.q_agg)
+        # 2. Lean adjoint from the critic's action gradient at the generated endpoint, with kappa
+        #    in units of the Q spread over the reference's chunks (a return-span unit leaves the
+        #    tilt ~1% of the spread on dense rewards: the policy does not move).
+        q_scale = (q_spread(critic_fn, ref, obs, z_ref, agg=cfg.q_agg).clamp_min(1e-6) if cfg.q_scale is None
+                   else torch.tensor(cfg.q_scale))
+        adj1, q1 = terminal_adjoint(critic_fn, obs, xs[-1], cfg.inv_temp / q_scale, cfg.clip_adj, cfg.q_agg)
         adjs = lean_adjoint(policy_velocity(ref, z_ref), xs, adj1, grid)
 
         # 3. Regress v_theta onto the AM target, all N steps in one batched forward.
@@ -330,7 +353,7 @@ class QAM:
         self.steps += 1
         kl = control_cost(v_fine.detach(), v_base, sigma, grid.h).mean()
         return {"loss_am": loss_am.detach(), "q_endpoint": q1.mean().detach(), "adj_terminal_abs": adj1.abs().mean().detach(),
-                "adj0_abs": adjs[0].abs().mean().detach(), "kl_path": kl.detach(), "grad_norm": grad_norm.detach(), **metrics}
+                "adj0_abs": adjs[0].abs().mean().detach(), "kl_path": kl.detach(), "grad_norm": grad_norm.detach(), "q_scale": q_scale.detach(), **metrics}
 
     def act(self, obs: dict[str, Any], seed: int | None = None) -> torch.Tensor:
         """Action chunks (B, H, A) in env units: Euler ODE of the fine policy, clipped

@@ -233,10 +233,7 @@ def _actor_critic_builder(name: str) -> Builder:
         if "v_min" in {f.name for f in dataclasses.fields(PAIRS[name][1])}:  # a categorical value's support
             value.setdefault("v_min", data.value_range[0])
             value.setdefault("v_max", data.value_range[1])
-        actor = dict(config.actor)
-        if "q_scale" in {f.name for f in dataclasses.fields(PAIRS[name][3])}:  # a temperature in return units
-            actor.setdefault("q_scale", max(data.return_span, 1e-6))
-        return ActorCritic(name, reference, value, actor, config.critic_warmup, config.best_of_n, device,
+        return ActorCritic(name, reference, value, config.actor, config.critic_warmup, config.best_of_n, device,
                            config.critic)
 
     build.__doc__ = f"{value_learner.__name__} critic + actor from a published BC reference."

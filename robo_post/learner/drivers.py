@@ -326,13 +326,15 @@ def check_same_method(run_dir: str, cfg: DictConfig) -> None:
                              f"run_dir=runs/{cfg.algo.name}")
 
 
-def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig) -> dict[str, Any] | None:
+def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig,
+                 unread: tuple[str, ...] = ()) -> dict[str, Any] | None:
     """The summary of the run in ``run_dir`` when it has already finished with this config
     (``summary.json`` written, its checkpoint's ``counter`` at ``target`` or past it, the same
     settings but the display ones), else None: re-running a finished run would publish a duplicate
     version trained by 0 more updates. Changed settings (e.g. acting deterministically or
     not) publish the trained weights again under them, with a warning naming the changes:
     the weights are not trained again, whatever the changed settings would have trained.
+    Top-level settings in ``unread`` (those the driver never reads) are not compared.
     A run of another method is refused first (``check_same_method``)."""
     check_same_method(run_dir, cfg)
     summary_path, ckpt = os.path.join(run_dir, "summary.json"), os.path.join(run_dir, "checkpoint")
@@ -345,7 +347,7 @@ def finished_run(run_dir: str, counter: str, target: int, cfg: DictConfig) -> di
     done = checkpoint_state(ckpt).get(counter, 0)
     if done < target:
         return None
-    if changed := changed_settings(saved, OmegaConf.to_container(cfg, resolve=True)):
+    if changed := _read_changes(saved, cfg, unread):
         if moved := [k for k in changed if k == "store" or k.startswith("model.")]:
             # Its weights neither fit another model nor belong to another store's registry.
             what = describe_changes({k: changed[k] for k in moved})
@@ -402,12 +404,13 @@ RESUMABLE_SETTINGS = ("run_dir", "device", "torch_threads", "prefetch", "compile
 
 
 def check_resume(run_dir: str, cfg: DictConfig, counter: str, target: int, setting: str,
-                 progress: tuple[str, ...] = ()) -> None:
+                 progress: tuple[str, ...] = (), unread: tuple[str, ...] = ()) -> None:
     """Refuse to resume the unfinished run in ``run_dir`` where its weights would be mislabelled:
     its checkpoint has trained past ``target`` (``setting``, the budget: fewer steps cannot be
     undone), or its ``config.yaml`` records other settings than ``cfg`` (another store, learning
     rate, ...: the run would go on under them while every record named only the new ones). The
-    budget and ``RESUMABLE_SETTINGS`` may change. A run has started once it has a checkpoint or
+    budget, ``RESUMABLE_SETTINGS`` and the ``unread`` top-level settings (those the driver never
+    reads) may change. A run has started once it has a checkpoint or
     one of the ``progress`` files in ``run_dir``; a finished run is ``finished_run``'s to handle.
 
     Raises:
@@ -435,7 +438,7 @@ def check_resume(run_dir: str, cfg: DictConfig, counter: str, target: int, setti
             f"{run_dir} holds an unfinished run ({counter} {done or 0} of {target}), but {config_path}, the record "
             f"of the settings it started with, {state}: resuming could go on under other settings unnoticed. "
             "Restore it, or use a new run_dir")
-    changed = {k: v for k, v in changed_settings(recorded, OmegaConf.to_container(cfg, resolve=True)).items()
+    changed = {k: v for k, v in _read_changes(recorded, cfg, unread).items()
                if k != setting and k.split(".")[0] not in RESUMABLE_SETTINGS}
     if changed:
         budget = _dotted(recorded, setting)
@@ -445,6 +448,12 @@ def check_resume(run_dir: str, cfg: DictConfig, counter: str, target: int, setti
             f"{run_dir} holds {state}, started with other settings "
             f"({describe_changes(changed)}): resuming would go on training its weights under the "
             f"new ones. Rerun with the recorded settings to resume it ({setting} may grow), or use a new run_dir")
+
+
+def _read_changes(recorded: Any, cfg: DictConfig, unread: tuple[str, ...]) -> dict[str, Any]:
+    """``changed_settings`` between a run's record and ``cfg``, but for the ``unread`` top-level keys."""
+    return {k: v for k, v in changed_settings(recorded, OmegaConf.to_container(cfg, resolve=True)).items()
+            if k.split(".")[0] not in unread}
 
 
 def _recorded_budget(run_dir: str, setting: str) -> Any:
@@ -762,6 +771,11 @@ def _open_or_create_store(root: str, config: Any) -> Store:
     return Store.create(root, dataclasses.replace(schema, attrs=attrs, extras=store.schema.extras), exist_ok=True)
 
 
+# The learner's settings an SB3 run never reads (SB3 has its own batch size, discount and network):
+# a run recorded before one of them was added or changed resumes and republishes as before.
+SB3_UNREAD = ("updates", "epochs", "batch_size", "gamma", "amp", "model", "data")
+
+
 def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     """`robo-post train` for an SB3 agent: SB3's ``learn`` in the env, metrics and checkpoints
     at rollout boundaries, the agent published to the store's registry (safetensors + JSON).
@@ -771,9 +785,9 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     """
     from stable_baselines3.common.callbacks import BaseCallback
 
-    if (done := finished_run(cfg.run_dir, "timesteps", cfg.algo.timesteps, cfg)) is not None:
+    if (done := finished_run(cfg.run_dir, "timesteps", cfg.algo.timesteps, cfg, SB3_UNREAD)) is not None:
         return done
-    check_resume(cfg.run_dir, cfg, "timesteps", cfg.algo.timesteps, "algo.timesteps")
+    check_resume(cfg.run_dir, cfg, "timesteps", cfg.algo.timesteps, "algo.timesteps", unread=SB3_UNREAD)
     tracking_settings(cfg.get("tracking"))
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.torch_threads)
