@@ -66,10 +66,11 @@ def _store_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=1))
         return 1 if damaged else 0
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from robo_post.eval.rollout import report_console
+
+    console = report_console()
     console.print(f"[bold]{info['path']}[/]  snapshot {info['snapshot']}")
     rate = "n/a" if info["success_rate"] is None else f"{info['success_rate']:.1%}"
     console.print(

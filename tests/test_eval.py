@@ -363,6 +363,20 @@ def test_eval_checks_every_listed_version_before_running_any(tmp_path, versions,
     assert not os.path.exists(str(tmp_path / "s-eval"))  # nothing was evaluated
 
 
+def test_eval_prints_whole_intervals_when_its_output_is_piped(tmp_path):
+    """Piped or redirected, rich cut the table to 80 columns: "[935.31–214…" read as another number."""
+    from helpers import run_cli
+
+    from robo_post.eval.rollout import format_mean, load_results
+
+    store = Store.create(str(tmp_path / "s"), store_schema({"name": "Pendulum-v1"}, None))
+    assert PolicyRegistry(store.root).publish({}, {"kind": "random"}) == 1
+    r = run_cli("eval", f"store={store.root}", "version=1", "episodes_per_task=2", "n_clients=1", "show=false")
+    (stats,) = load_results(store.root + "-eval")[-1]["tasks"].values()
+    printed = format_mean(stats["mean_return"], stats["return_ci95"])
+    assert len(printed) > 20 and printed in r.stdout, r.stdout
+
+
 def test_report_of_a_killed_run_without_an_eval_store(tmp_path, capsys):
     """eval_store=null, which the report's own error suggests, was refused as 'not a non-empty string'; and
     the table showed '–' for the updates and loss a killed run had logged."""

@@ -21,7 +21,8 @@ from robo_post.envs.registry import env_spec
 from robo_post.eval.rollout import recorded_env_kwargs
 from robo_post.store import ArraySpec, EpisodeValidationError, PolicyRegistry, Store, StoreError, StoreSchema
 from robo_post.store.integrity import validate_store
-from robo_post.store.minari_io import SuccessRuleError, UnsupportedSpaceError, export_minari, import_minari
+from robo_post.store.minari_io import (SuccessRuleError, UnsupportedSpaceError, export_minari, import_minari,
+                                       imported_rule, stored_success)
 
 SCHEMA = StoreSchema(
     observations={
@@ -316,6 +317,28 @@ def test_foreign_import_takes_its_success_rule(tmp_path, monkeypatch, rule, succ
     eps = Store.open(str(tmp_path / "store")).snapshot().episodes()
     assert [e.success for e in eps] == successes
     assert {(e.role, e.attrs["success_rule"], e.client_id) for e in eps} == {("imported", rule, "minari")}
+    # The same rule on the stored episodes (what eval applies to its own): a store keeps no infos.
+    assert imported_rule(eps) == rule
+    assert [stored_success(rule, e) for e in eps] == ([None] * 4 if rule.startswith("info:") else successes)
+
+
+def test_eval_judges_an_env_without_success_by_the_rule_the_data_was_imported_with(tmp_path, monkeypatch):
+    """A store imported with --success-from truncation: eval reported success '–' for every version."""
+    from robo_post.eval.rollout import load_results
+
+    root, store = tmp_path / "minari", str(tmp_path / "store")
+    buffers = [EpisodeBuffer(observations=np.zeros((4, 3), np.float32), actions=np.zeros((3, 1), np.float32),
+                             rewards=np.zeros(3), terminations=np.zeros(3, bool), truncations=np.arange(3) == 2)]
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
+    with pytest.warns(UserWarning):  # Minari's missing-metadata nags
+        minari.create_dataset_from_buffers("lab/pendulum-v0", buffers, env=gym.make("Pendulum-v1"))
+    import_minari("lab/pendulum-v0", store, minari_root=root, success_from="truncation")
+    assert PolicyRegistry(store).publish({}, {"kind": "random"}) == 1
+    assert main(["eval", f"store={store}", "version=1", "env=Pendulum-v1", "episodes_per_task=2", "n_clients=1",
+                 "show=false"]) == 0
+    result = load_results(store + "-eval")[-1]
+    assert result["mean_success_rate"] == 1.0  # Pendulum never terminates: every episode ran to its limit
+    assert result["success_rule"].startswith("truncation: the rule the policy store's episodes were imported with")
 
 
 def test_foreign_import_without_or_with_a_bad_rule_is_refused(tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ Results are a JSON-ready dict (see ``evaluate``), saved to
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -106,6 +107,15 @@ def format_mean(value: float | None, ci: list[float] | None, digits: int = 2) ->
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
     return f"{value:.{digits}f}" + (f" [{ci[0]:.{digits}f}–{ci[1]:.{digits}f}]" if ci and None not in ci else "")
+
+
+def report_console() -> Any:
+    """A rich console for result tables: a terminal's own width, and no width limit when the output
+    goes to a pipe or a file (rich's 80 columns there cut intervals short: "[935.31–214…")."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=10_000)
 
 
 def format_metric(stats: dict[str, Any]) -> str:
@@ -223,13 +233,21 @@ def evaluate(
 
     snap = store.snapshot()
     episodes = [e for c in configs for e in snap.episodes(client=c.client_id)[: c.episodes]]
+    success_rule = spec.success_rule
+    if any(e.success is None for e in episodes):  # the env says nothing: judge as the data was judged
+        from robo_post.store.minari_io import imported_rule, stored_success
+
+        if (rule := imported_rule(Store.open(policy_store).snapshot().episodes())) is not None:
+            episodes = [e if e.success is not None else dataclasses.replace(e, success=stored_success(rule, e))
+                        for e in episodes]
+            success_rule = f"{rule}: the rule the policy store's episodes were imported with (the env defines none)"
     limit = _step_limit(env_cfg, episodes)
     bounds = {**spec.bounds, "length": (0, limit)} if limit is not None else spec.bounds
     result = _summarise(episodes, tasks, spec.metric_ids, bounds)
     result.update(
         policy={"version": version or 0, "label": label, "store": policy_store,
                 "config": _provenance(policy_config)},
-        success_rule=spec.success_rule, split=split, env=env_cfg, seed=seed, n_clients=n_clients,
+        success_rule=success_rule, split=split, env=env_cfg, seed=seed, n_clients=n_clients,
         episodes_per_task=episodes_per_task, eval_store=store.root, snapshot=snap.id,
         shards=[c.client_id for c in configs], tag=tag,
         train_seed_overlap=_seed_overlap(policy_store, episodes), wall_s=time.perf_counter() - t0,
@@ -333,7 +351,6 @@ def eval_from_config(cfg: Any) -> list[dict[str, Any]]:
     is ``cfg.env.name``, else the one the store was recorded in; tasks are ``cfg.tasks``, else ``cfg.env.tasks``, else the env's.
     """
     from omegaconf import OmegaConf
-    from rich.console import Console
     from rich.table import Table
 
     from robo_post.learner.loop import resolve_device
@@ -367,7 +384,7 @@ def eval_from_config(cfg: Any) -> list[dict[str, Any]]:
                 env_kwargs=env_kwargs, out_store=cfg.out_store, seed=cfg.seed, show=cfg.show,
                 env=env_name, policy=policy, device=str(resolve_device(cfg.device)),
             ))
-    console = Console()
+    console = report_console()
     table = Table("policy", "split", *tasks, "mean", title="success rate [95% Wilson CI]")
     for r in results:
         table.add_row(r["policy"]["label"], r["split"], *(format_rate(r["tasks"][t]) for t in tasks),

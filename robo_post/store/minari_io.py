@@ -41,9 +41,10 @@ import json
 import os
 import shutil
 import sys
+import types
 import uuid
 import warnings
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import gymnasium as gym
 import minari
@@ -139,6 +140,23 @@ def success_rule(rule: str) -> Callable[[Any], bool | None]:
         if np.isfinite(threshold):
             return lambda episode: bool(np.sum(episode.rewards, dtype=np.float64) >= threshold)
     raise SuccessRuleError(f"bad success rule {rule!r}; use one of: {_rules_help()}")
+
+
+def stored_success(rule: str, episode: EpisodeInfo) -> bool | None:
+    """``rule`` applied to an episode already in a store (an ``EpisodeInfo``: how it ended and its
+    return). A store keeps no infos, so an ``info:KEY`` rule gives None; an episode that did not
+    terminate was truncated."""
+    if rule.startswith("info:"):
+        return None
+    ended = types.SimpleNamespace(id=episode.key, terminations=[episode.terminated],
+                                  truncations=[not episode.terminated], rewards=[episode.ret], infos={})
+    return success_rule(rule)(ended)
+
+
+def imported_rule(episodes: Iterable[EpisodeInfo]) -> str | None:
+    """The success rule ``episodes`` were imported with, when every imported one shares it."""
+    rules = {e.attrs["success_rule"] for e in episodes if "success_rule" in e.attrs}
+    return rules.pop() if len(rules) == 1 else None
 
 
 @contextlib.contextmanager
