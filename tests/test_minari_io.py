@@ -176,6 +176,22 @@ def test_the_fleet_adds_episodes_to_an_imported_store(tmp_path, monkeypatch, cap
     assert [r["update"] for r in rows if "eval/return/Pendulum-v1" in r] == [2, 4]
 
 
+def test_a_fleet_recorded_gym_store_exports_an_env_minari_can_recover(tmp_path, monkeypatch):
+    """Exports recorded no env spec: ``recover_environment()`` failed for Minari users."""
+    root, store = tmp_path / "minari", str(tmp_path / "store")
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
+    assert main(["collect", "env=Pendulum-v1", "policy=random", "fleet.n_clients=1", f"store={store}", "show=false",
+                 "episodes=2", "+env.kwargs.max_episode_steps=12"]) == 0
+    assert main(["store", "export-minari", store, "lab/pendulum-v0", "--minari-root", str(root)]) == 0
+    dataset = minari.load_dataset("lab/pendulum-v0")
+    env = dataset.recover_environment()
+    assert (env.spec.id, env.spec.max_episode_steps) == ("Pendulum-v1", 12)
+    assert dataset.observation_space == env.observation_space  # the env's bare Box, not the fleet's Dict
+    assert main(["store", "import-minari", "lab/pendulum-v0", str(tmp_path / "back"), "--minari-root", str(root),
+                 "--client", "client-0"]) == 0
+    assert_same_episodes(Store.open(store).snapshot(), Store.open(str(tmp_path / "back")).snapshot(), "lab/pendulum-v0")
+
+
 def test_minari_to_store_to_minari_is_exact(tmp_path, monkeypatch):
     root = tmp_path / "minari"
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))  # DataCollector caches episodes under it

@@ -55,6 +55,7 @@ from minari.storage import get_dataset_path
 
 from robo_post.store.schema import (
     BARE_OBS_ATTR,
+    BARE_OBS_KEY,
     ArraySpec,
     EpisodeValidationError,
     StoreError,
@@ -249,6 +250,33 @@ def _episode_buffer(snapshot: Snapshot, info: EpisodeInfo, bare_key: str | None)
     return buffer, {META_KEY: json.dumps(record, allow_nan=False)}
 
 
+def _recorded_env(schema: StoreSchema, episodes: Sequence[EpisodeInfo], spaces: dict[str, gym.Space],
+                  action_space: gym.Space) -> tuple[gym.envs.registration.EnvSpec | None, bool]:
+    """(spec, bare) of the env the episodes were recorded in, so that Minari's ``recover_environment``
+    makes it: the store's env when gymnasium knows its id, with the env kwargs every episode was
+    recorded with, when that env's spaces are the exported ones; ``bare`` when its observation is
+    the one Box the fleet stored under ``BARE_OBS_KEY`` (exported bare, as the env gives it)."""
+    env_id = schema.attrs.get("env")
+    try:
+        spec = gym.spec(env_id) if env_id else None
+    except gym.error.Error:
+        spec = None
+    if spec is None:
+        return None, False
+    recorded = [e.attrs.get("env_kwargs") or {} for e in episodes]
+    agreed = {k: v for k, v in recorded[0].items() if all(k in r and r[k] == v for r in recorded)}
+    max_steps = agreed.pop("max_episode_steps", spec.max_episode_steps)
+    spec = dataclasses.replace(spec, kwargs={**spec.kwargs, **agreed}, max_episode_steps=max_steps)
+    try:
+        env = spec.make()
+    except Exception:  # noqa: BLE001 (an env that cannot be made here has no spec to give)
+        return None, False
+    obs, act = env.observation_space, env.action_space
+    env.close()
+    bare = list(spaces) == [BARE_OBS_KEY] and obs == spaces[BARE_OBS_KEY]
+    return (spec if act == action_space and (bare or obs == gym.spaces.Dict(spaces)) else None), bare
+
+
 def export_minari(
     snapshot: Snapshot,
     dataset_id: str,
@@ -275,6 +303,8 @@ def export_minari(
     schema = snapshot.store.schema
     bare_key = schema.attrs.get(BARE_OBS_ATTR)
     spaces = {k: _box(s) for k, s in schema.observations.items()}
+    env_spec, bare = _recorded_env(schema, episodes, spaces, _action_space(schema.action))
+    bare_key = BARE_OBS_KEY if bare else bare_key
     obs_space = spaces[bare_key] if bare_key else gym.spaces.Dict(spaces)
 
     with _datasets_path(minari_root):
@@ -299,6 +329,7 @@ def export_minari(
                 dataset = minari.create_dataset_from_buffers(
                     dataset_id,
                     [buffer],
+                    env=env_spec,
                     observation_space=obs_space,
                     action_space=_action_space(schema.action),
                     algorithm_name="robo-post",
@@ -447,7 +478,9 @@ def import_minari(
     # The env the data was recorded in, as eval rebuilds it (its step limit above all).
     env_kwargs = {**_json_safe(env_spec.kwargs), "max_episode_steps": env_spec.max_episode_steps} if (
         env_spec is not None and env_spec.max_episode_steps is not None) else None
-    bare_key = schema.attrs.get(BARE_OBS_ATTR)
+    # A bare Box: a foreign dataset's, or the fleet's one observation exported as its env gives it.
+    bare_key = schema.attrs.get(BARE_OBS_ATTR) or (
+        None if isinstance(dataset.observation_space, gym.spaces.Dict) else BARE_OBS_KEY)
     n, invalid = 0, []
     with contextlib.ExitStack() as stack:
         # One import at a time per store: two imports of one dataset into different shards
