@@ -294,11 +294,12 @@ def test_repair_cuts_out_damaged_data_under_a_healthy_commit_record(tmp_path, sm
     ("obs/proprio/zarr.json", "data/obs/proprio unreadable: its zarr.json is missing"),  # zarr raised a bare KeyError
     ("data", "shards/a/data"),  # zarr raised FileNotFoundError
     ("zarr.json", "shards/a/data"),  # zarr raised JSONDecodeError naming no file
+    ("no zarr.json", "shards/a/data unreadable: its zarr.json is missing"),  # repair said "nothing to repair"
 ])
 def test_damaged_array_metadata_is_a_store_error_naming_the_path(tmp_path, small_chunks, damage, names):
     store = _three_episodes(str(tmp_path / "s"))
     data = os.path.join(store.root, "shards", "a", "data")
-    path = os.path.join(data, damage) if damage != "data" else data
+    path = os.path.join(data, damage.removeprefix("no ")) if damage != "data" else data
     if damage == "zarr.json":
         with open(path, "w") as f:
             f.write("{")

@@ -522,15 +522,14 @@ def _free_name(path: str) -> str:
 
 
 def _lost_array_metadata(store: Store, path: str) -> list[str]:
-    """The folders under the shard at ``path`` whose ``zarr.json`` is lost: an array's that is
-    missing or not a JSON object, a group's that is not one (readers do without a missing one)."""
+    """The folders under the shard at ``path`` whose ``zarr.json`` is missing or not a JSON object:
+    an array's, or a group's (zarr opens no group without one: the shard's arrays are unreadable)."""
     schema = store.schema
     arrays = [f"obs/{k}" for k in schema.observations] + ["action", "step"] + [f"extras/{k}" for k in schema.extras]
     lost = []
-    for name, is_array in [("data", False), ("data/obs", False), ("data/extras", False),
-                           *((f"data/{a}", True) for a in arrays)]:
+    for name in ["data", "data/obs", "data/extras", *(f"data/{a}" for a in arrays)]:
         meta = os.path.join(path, name, "zarr.json")
-        if not os.path.isdir(os.path.dirname(meta)) or not (is_array or os.path.exists(meta)):
+        if not os.path.isdir(os.path.dirname(meta)):
             continue
         try:
             with open(meta, "rb") as f:
