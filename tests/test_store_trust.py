@@ -809,3 +809,24 @@ def test_store_paths_that_name_no_creatable_folder_are_typed_errors(tmp_path, mo
     with pytest.raises(StoreError, match=f"cannot create a store at {locked / 's'}: Permission denied"):
         Store.create(str(locked / "s"), schema)
     assert os.listdir(locked) == []
+
+
+def test_validate_names_a_deleted_snapshot_record_a_published_version_was_trained_on(tmp_path):
+    """A deleted snapshot record passed `validate`; a later `snapshot(id)` failed with "unknown snapshot id"."""
+    store = _three_episodes(str(tmp_path / "s"))
+    snap = store.snapshot()
+    PolicyRegistry(store.root).publish({}, {"kind": "random", "snapshot": snap.id})
+    assert validate_store(store.root) == (3, [])
+    record = os.path.join(store.root, "snapshots", f"{snap.id}.json")
+    kept = open(record, "rb").read()
+    os.remove(record)
+    with pytest.raises(StoreError, match="unknown snapshot id"):
+        store.snapshot(snap.id)
+    checked, problems = validate_store(store.root)
+    assert checked == 3 and problems == [
+        f"policy v1 was trained on snapshot {snap.id}, whose record {record} is missing: that snapshot cannot be "
+        "reopened by id (a resumed or repeated run on it fails); no episode is lost, and nothing can write the "
+        "record again"]
+    with open(record, "wb") as f:
+        f.write(kept)
+    assert validate_store(store.root) == (3, []) and store.snapshot(snap.id).id == snap.id

@@ -179,11 +179,20 @@ def validate_store(root: str) -> tuple[int, list[str]]:
                  for _, path, shards in _snapshot_records(store.root) if isinstance(shards, Exception)]
     problems += [loss.problem for loss in _lost_since_snapshots(store.root, committed)]
     registry = PolicyRegistry(store.root) if os.path.isdir(os.path.join(store.root, "policies")) else None
+    recorded = {name.removesuffix(".json") for name, _, _ in _snapshot_records(store.root)}
     for version in registry.versions() if registry is not None else []:
         try:
-            registry.load(version)
+            _, config = registry.load(version)
         except StoreError as e:  # PolicyArtifactError names the version and the file
             problems.append(str(e))
+            continue
+        # The snapshot a version was trained on reopens by id only through its record.
+        snapshot = config.get("snapshot")
+        if isinstance(snapshot, str) and snapshot not in recorded:
+            problems.append(f"policy v{version} was trained on snapshot {snapshot}, whose record "
+                            f"{os.path.join(store.root, 'snapshots', snapshot + '.json')} is missing: that "
+                            "snapshot cannot be reopened by id (a resumed or repeated run on it fails); no "
+                            "episode is lost, and nothing can write the record again")
     return checked, problems
 
 
