@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from robo_post.steering.evaluate import label, paired_bootstrap
+from robo_post.steering.evaluate import Rollouts, compare, label, paired_bootstrap, rank
 from robo_post.steering.poe import Gaussian, SteeringConfigError, compose, kl_curve, kl_diag, select_alpha
 from robo_post.steering.sources import QUALITIES, ScriptedPrior, SteeringSourceError, squashed_gaussian
 
@@ -144,6 +144,20 @@ def test_scripted_prior_qualities():
     rand = ScriptedPrior(controller, -np.ones(2), np.ones(2), **QUALITIES["random_honest"])
     m = rand.distribution(obs).mean.numpy()
     assert (np.abs(m) <= 1).all() and m.std() > 0.1 and np.allclose(rand.distribution(obs).std.numpy(), 3.0)
+
+
+def test_success_ranks_before_return_where_the_env_defines_it():
+    """A steered arm reaching the goal every time at a lower return (it moves further) read HURT, and
+    the oracle alpha (best return) reached the goal in none of its episodes."""
+    rng = np.random.default_rng(0)
+    reaches = Rollouts(rng.normal(-20.0, 1.0, 60), np.ones(60))
+    misses = Rollouts(rng.normal(-10.0, 1.0, 60), np.zeros(60))
+    assert compare(reaches, misses) == "HELP" and compare(misses, reaches) == "HURT"
+    assert max([misses, reaches], key=rank) is reaches
+    both = Rollouts(reaches.returns + 5.0, np.ones(60))  # the same successes: return decides
+    assert compare(both, reaches) == "HELP" and compare(reaches, both) == "HURT"
+    no_success = Rollouts(misses.returns, None)
+    assert compare(reaches, no_success) == "HURT"  # nothing to rank by but the return
 
 
 def test_paired_bootstrap_labels():

@@ -1,16 +1,18 @@
 """Evaluation of steering: per (prior quality, rule, alpha) cell against the frozen actor on the same seeds.
 
 Every arm runs the same episode seeds in lockstep (one batched policy call per step
-over the live episodes), so arm - frozen differences are paired. A cell is
+over the live episodes), so arm - frozen differences are paired. Where the env defines
+success, it ranks first: a cell is HELP (HURT) when the paired-bootstrap 95% CI of the
+success-rate difference lies above (below) 0. Otherwise, and where success ties, a cell is
 
 - HELP when the paired-bootstrap 95% CI of the mean return difference lies above 0,
 - HURT when it lies below 0,
 - FROZEN (a tie with the frozen actor) otherwise;
 
-with an equivalence ``margin`` (a fraction of |frozen mean return|), the CI must clear +-margin.
-The oracle alpha is the alpha (0 = frozen, or one of the grid) with the best mean
-PoE return; the oracle set adds every alpha whose paired CI against it does not lie
-below -margin (statistically tied with the best). The KL-budget selector's alpha is
+with an equivalence ``margin`` (a fraction of |frozen mean return|), the return CI must clear
++-margin. The oracle alpha is the alpha (0 = frozen, or one of the grid) with the best PoE
+success rate, then mean return; the oracle set adds every alpha that does not compare as
+HURT against it (statistically tied with the best). The KL-budget selector's alpha is
 chosen from states the frozen actor visits on separate calibration seeds, without
 returns, and scored by its distance in grid steps to the oracle set.
 """
@@ -89,6 +91,21 @@ def label(low: float, high: float, margin: float = 0.0) -> str:
     return "HELP" if low > margin else "HURT" if high < -margin else "FROZEN"
 
 
+def compare(arm: Rollouts, base: Rollouts, margin: float = 0.0) -> str:
+    """``arm``'s label against ``base`` on the same seeds: by success where both define it, then
+    (a success tie, or no success) by return."""
+    if arm.successes is not None and base.successes is not None:
+        verdict = label(*paired_bootstrap(arm.successes - base.successes)[1:])
+        if verdict != "FROZEN":
+            return verdict
+    return label(*paired_bootstrap(arm.returns - base.returns)[1:], margin)
+
+
+def rank(r: Rollouts) -> tuple[float, float]:
+    """Sort key of an arm: success rate (0 where undefined), then mean return."""
+    return (0.0 if r.successes is None else float(r.successes.mean()), float(r.returns.mean()))
+
+
 @dataclass
 class GridConfig:
     """What the evaluation grid runs.
@@ -134,23 +151,25 @@ def evaluate_prior(make_env: Callable[[], Any], actor: Source, prior: Source, lo
         mean, low_ci, high_ci = paired_bootstrap(r.returns - frozen.returns)
         row = {"arm": name, "rule": rule, "alpha": alpha, "return": float(r.returns.mean()),
                "success": None if r.successes is None else float(r.successes.mean()),
-               "diff": mean, "ci": [low_ci, high_ci], "label": label(low_ci, high_ci, margin), **more}
+               "diff": mean, "ci": [low_ci, high_ci], "label": compare(r, frozen, margin), **more}
+        if r.successes is not None and frozen.successes is not None:
+            diff, lo, hi = paired_bootstrap(r.successes - frozen.successes)
+            row |= {"success_diff": diff, "success_ci": [lo, hi]}
         cells.append(row)
         return row
 
     cell("frozen", "frozen", 0.0, frozen)
     cell("prior", "prior", 1.0, arm("prior", 1.0))
-    poe_returns = {0.0: frozen.returns}
+    poe = {0.0: frozen}
     det_gap = 0.0
     for rule in grid.rules:
         for alpha in grid.alpha_grid:
             r = arm(rule, alpha)
             cell(f"{rule}", rule, alpha, r)
             if rule == "poe":
-                poe_returns[alpha] = r.returns
+                poe[alpha] = r
             if rule == "klreg" and "poe" in grid.rules:
-                poe = next(c for c in cells if c["rule"] == "poe" and c["alpha"] == alpha)
-                det_gap = max(det_gap, abs(poe["return"] - float(r.returns.mean())))
+                det_gap = max(det_gap, abs(float(poe[alpha].returns.mean()) - float(r.returns.mean())))
             if grid.stochastic and rule in ("poe", "klreg"):
                 cell(f"{rule}_sampled", rule, alpha, arm(rule, alpha, deterministic=False))
     # The selector reads states the frozen actor visits on calibration seeds (never the eval seeds).
@@ -158,9 +177,8 @@ def evaluate_prior(make_env: Callable[[], Any], actor: Source, prior: Source, lo
                       on=[grid.seed + 10 * grid.episodes + i for i in range(grid.calibration_episodes)])
     with torch.no_grad():
         actor_d, prior_d = actor.distribution(calibration.states), prior.distribution(calibration.states)
-    oracle = max(poe_returns, key=lambda a: poe_returns[a].mean())
-    tied = sorted(a for a, r in poe_returns.items()
-                  if paired_bootstrap(r - poe_returns[oracle])[2] >= -margin)  # CI not below -margin
+    oracle = max(poe, key=lambda a: rank(poe[a]))
+    tied = sorted(a for a, r in poe.items() if compare(r, poe[oracle], margin) != "HURT")
     steps = [0.0, *sorted(grid.alpha_grid)]
     selectors = []
     for budget in grid.kl_budgets:
