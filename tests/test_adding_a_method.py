@@ -50,3 +50,24 @@ def test_the_documented_method_registers_trains_and_publishes_its_ema(tmp_path):
         assert not (tmp_path / "bad").exists()
     finally:
         METHODS.pop("ema_bc", None)
+
+
+ALGO_CONFIGS = os.path.join(os.path.dirname(DOC), "..", "configs", "algo")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(ALGO_CONFIGS) if n.endswith(".yaml")))
+def test_each_methods_yaml_states_its_config_defaults(name):
+    """The CLI and the Python API train the same method: `configs/algo/drest.yaml` said 3M steps, 32
+    envs, privileged critic, linear schedule while `DReSTConfig()` said 50k, 1, off, constant."""
+    import dataclasses
+
+    import robo_post.learner.train  # noqa: F401 (registers every method)
+    from robo_post.algos.registry import method_spec
+
+    yaml = OmegaConf.to_container(OmegaConf.load(os.path.join(ALGO_CONFIGS, name)))
+    algo = yaml.get("algo", yaml)  # `@package _global_` files nest it under algo
+    defaults = method_spec(algo.pop("name")).config()
+    assert set(algo) <= {f.name for f in dataclasses.fields(defaults)}, name
+    differ = {k: (v, getattr(defaults, k)) for k, v in algo.items()
+              if v != (dataclasses.asdict(d) if dataclasses.is_dataclass(d := getattr(defaults, k)) else d)}
+    assert not differ, differ

@@ -306,7 +306,8 @@ def test_privileged_critic_reads_the_counts_and_the_actor_does_not():
 
     from robo_post.algos.sb3_agent import SB3Agent
 
-    config = DReSTConfig(agent="PPO", env=ENV, env_kwargs={"split": "train", "n_grids": 2}, n_envs=2, E=4, seed=0,
+    config = DReSTConfig(schedule="constant",
+                         agent="PPO", env=ENV, env_kwargs={"split": "train", "n_grids": 2}, n_envs=2, E=4, seed=0,
                          privileged_critic=True,
                          hyperparameters={"n_steps": 32, "batch_size": 32, "policy_kwargs": {"net_arch": [16, 16]}})
     agent = DReSTAgent(config)
@@ -340,7 +341,8 @@ def test_configured_agents_start_with_an_unsaturated_actor(agent_name, ortho_ini
     if ortho_init is not None:
         hyper = {**hyper, "policy_kwargs": {**hyper["policy_kwargs"], "ortho_init": ortho_init}}
     torch.manual_seed(0)
-    agent = DReSTAgent(DReSTConfig(agent=agent_name, env=ENV, env_kwargs={"split": "train", "n_grids": 8}, n_envs=4,
+    agent = DReSTAgent(DReSTConfig(schedule="constant",
+                                   agent=agent_name, env=ENV, env_kwargs={"split": "train", "n_grids": 8}, n_envs=4,
                                    E=4, seed=0, hyperparameters=hyper))
     rng, obs, batch = np.random.default_rng(0), agent.venv.reset(), []
     for _ in range(32):

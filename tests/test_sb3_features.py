@@ -50,7 +50,8 @@ def test_names_resolve_and_bad_settings_are_typed_errors():
 
 @pytest.mark.parametrize("privileged", [True, False])
 def test_drest_agent_with_spatial_conv_publishes_a_plain_policy_that_acts_the_same(privileged):
-    config = DReSTConfig(agent="PPO", env=ENV, env_kwargs={"split": "train", "n_grids": 2}, n_envs=2, E=4, seed=0,
+    config = DReSTConfig(schedule="constant",
+                         agent="PPO", env=ENV, env_kwargs={"split": "train", "n_grids": 2}, n_envs=2, E=4, seed=0,
                          privileged_critic=privileged,
                          hyperparameters={"n_steps": 32, "batch_size": 32,
                                           "policy_kwargs": {"net_arch": [16], "features_extractor_class": "spatial_conv",
