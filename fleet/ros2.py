@@ -62,7 +62,10 @@ and ``episode``, ``seed``, ``length`` and ``stamp`` JSON integers: ``stamp`` is 
 stamp in integer nanoseconds, which a JSON float cannot hold exactly (beyond 2**53 ns,
 i.e. any wall-clock stamp), so a float stamp is refused rather than rounded onto a
 neighbouring message's. An
-episode that receives nothing for ``timeout`` seconds is discarded; one still awaiting
+episode is discarded as ``timeout`` once every data topic has delivered stamps ``timeout``
+seconds (of the robot's clock) past its newest message, or when the bridge receives nothing
+at all for ``timeout`` seconds; an episode whose messages still queue behind the bridge's own
+backlog is never timed out. One still awaiting
 its end when a start of the same index comes (the robot restarted) is discarded as
 ``abandoned``; one awaiting its end whose start is after a newer start event and after every
 stamp received (a start stamped far ahead) is discarded as ``malformed`` at that start. A start
@@ -608,7 +611,8 @@ class BridgeConfig:
         policy: artifact kind served while the registry is empty (version 0). Served
             policies see observations only (no simulator), so scripted experts cannot be served.
         follow_registry: load the newest registry version at every episode start.
-        timeout: seconds an open episode may receive nothing before it is discarded.
+        timeout: seconds of the robot's clock an open episode may receive nothing while the robot's
+            data go on, or of wall time the bridge may receive nothing at all, before it is discarded.
         max_steps: episode limit (0: the description's ``max_steps``); longer episodes
             are discarded as ``too_long``.
         burst_episodes: whole episodes of ``max_steps`` steps a robot may publish back to
@@ -921,7 +925,6 @@ class _Episode:
     instruction: str
     start: int
     policy_version: int
-    last_rx: float  # monotonic time of the last message that belonged to it
     last_stamp: int  # newest data stamp that belonged to it
     end: dict[str, Any] | None = None
     policy_error: bool = False  # the served policy failed during it
@@ -1107,7 +1110,7 @@ class BridgeNode(Node):
         self._pool.setdefault(ns, {})[key] = value
         ep = self._owner(ns)
         if ep is not None:  # else its start event has not arrived yet
-            ep.last_rx, ep.last_stamp = self._last_rx, max(ep.last_stamp, ns)
+            ep.last_stamp = max(ep.last_stamp, ns)
             self._serve(ep, ns)
             self._try_finish(ep)
 
@@ -1239,8 +1242,8 @@ class BridgeNode(Node):
             except Exception as e:  # a broken artifact must not take the bridge down
                 self.get_logger().error(f"cannot prepare a policy for episode {index}: {e!r}")
                 version, policy_error = self.policy_version, True
-        ep = _Episode(index, seed, task, self.robot.tasks.index(task), instruction, start, version,
-                      time.monotonic(), start, policy_error=policy_error)
+        ep = _Episode(index, seed, task, self.robot.tasks.index(task), instruction, start, version, start,
+                      policy_error=policy_error)
         # Data before this start that no open episode owns can never be used (e.g. we joined mid-episode).
         self._pool = {ns: v for ns, v in self._pool.items() if ns >= start or self._owner(ns)}
         self._open.append(ep)
@@ -1298,7 +1301,6 @@ class BridgeNode(Node):
             self._bad_end(ep, stamp, repr(e))
             return
         ep.end = ev
-        ep.last_rx = time.monotonic()
         self._try_finish(ep)
 
     # --- serving --------------------------------------------------------------------
@@ -1442,11 +1444,24 @@ class BridgeNode(Node):
         if now >= self._next_file:
             self._check_graph()
             self.write_status("running")
-        for ep in [e for e in self._open if now - e.last_rx > self.cfg.timeout]:
+        # Silence is measured on the robot's clock where the bridge can: each data topic is FIFO, so
+        # once every topic has delivered stamps `timeout` past an open episode's newest one, the robot
+        # sent nothing more for it. Wall time since the last message of any kind only decides when
+        # nothing arrives at all: an episode whose messages still queue behind the bridge's own
+        # backlog (a burst, a loaded machine) is never discarded as silent.
+        silent = now - self._last_rx > self.cfg.timeout
+        clock = self._data_clock()
+        late = int(self.cfg.timeout * 1e9)
+        for ep in [e for e in self._open if silent or (clock is not None and clock - e.last_stamp > late)]:
             self._discard(ep, "timeout")
-        if not self._open and now - self._last_rx > self.cfg.timeout:
+        if not self._open and silent:
             self._pool.clear()  # data whose start event never came
             self._faults.clear()
+
+    def _data_clock(self) -> int | None:
+        """The stamp up to which every data topic has delivered (None until each has delivered one)."""
+        stamps = [self._last.get(t) for t in self._subs if t not in (INSTRUCTION_TOPIC, EPISODE_TOPIC)]
+        return None if None in stamps else min(stamps)
 
     def _check_graph(self) -> None:
         """Warn once per foreign message type on one of our topics: DDS never matches a

@@ -1053,3 +1053,45 @@ def test_publisher_of_another_type_and_another_bridge_are_reported(tmp_path):
         context.try_shutdown()
         bridge.close()
     assert status["wrong_type"] == {ros2.JOINT_TOPIC: ["std_msgs/msg/String"]} and status["other_bridges"] == 1
+
+
+def test_episodes_queued_behind_the_bridges_backlog_are_not_timed_out(tmp_path):
+    """Four episodes sent back to back while the bridge was busy: their start events came first and
+    their data queued behind the bridge's backlog. Timed on the wall clock from their starts, all but
+    the first were discarded as `timeout` although every message arrived."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.node.cfg.timeout = 0.05
+        starts = [1_000 * (i + 1) for i in range(4)]
+        for i, start in enumerate(starts):
+            bridge.event(event="start", episode=i, seed=i, task="fold", instruction="fold", stamp=start)
+        for i, start in enumerate(starts):
+            for t in range(21):
+                bridge.node._on_joint(ARM2.joint_msg(start + t, np.full(4, 0.1 * t)), bridge.info(ros2.JOINT_TOPIC))
+                if t < 20:
+                    bridge.node._on_action(ARM2.action_msg(start + t, np.array([0.5, 0.1, 0.5])),
+                                           bridge.info(ros2.ACTION_TOPIC))
+                if t % 5 == 0:  # a slow bridge: more than `timeout` passes while the later episodes wait
+                    time.sleep(0.02)
+                    bridge.node.tick()
+            bridge.event(event="end", episode=i, seed=i, task="fold", length=20, rewards=[0.0] * 20, success=False,
+                         terminated=True, truncated=False, aborted=False, stamp=start + 20, final=False)
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"]) == (4, {})
+
+
+def test_an_episode_the_robot_left_times_out_on_the_robots_clock(tmp_path):
+    """The robot gave up episode 0 without its end and went on: once every data topic has delivered
+    stamps `timeout` past its last message, it is discarded, without waiting for the bridge to idle."""
+    root = str(tmp_path / "store")
+    bridge = LocalBridge(root)
+    try:
+        bridge.episode(0, 1_000, 3, end=False)
+        bridge.episode(1, 1_000 + 10 * 10**9, 3)  # 10 s later on the robot's clock; timeout is 5 s
+        bridge.node.tick()  # milliseconds of wall time since the last message
+        assert [ep.index for ep in bridge.node._open] == []
+    finally:
+        status = bridge.close()
+    assert (status["committed"], status["discarded"]) == (1, {"timeout": 1})
