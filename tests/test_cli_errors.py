@@ -109,7 +109,7 @@ def test_help_anywhere_composes_the_overrides_and_lists_the_group_choices():
     assert late.returncode == 0, late.stderr
     assert "algo     bc_flow | categorical_bc | craft | divl_qam | drest | fql | gaussian_bc | iql_qam | sb3   (now: divl_qam)" in late.stdout
     # divl_qam's settings with their comments, not bc_flow's; the other overrides are listed.
-    assert "critic_warmup: 200       # critic-only updates before the actor moves" in late.stdout
+    assert "critic_warmup: null      # critic-only updates before the actor moves; null = half of the updates" in late.stdout
     assert "configs/algo/bc_flow.yaml" not in late.stdout and late.stdout.rstrip().endswith("store=x")
     collect = _cli("collect", "-h").stdout
     assert "env      driving | gym | highway_meta | point_mass | reacher | store | tabletop | any gymnasium id   (now: tabletop)" in collect

@@ -50,7 +50,9 @@ class ActorCriticConfig:
     Attributes:
         reference_version: registry version of the BC flow the actor starts from; ``None`` = flow BC
             on the same episodes (``robo_post.learner.drivers.choose_reference``).
-        critic_warmup: updates that train only the critic before the actor moves.
+        critic_warmup: updates that train only the critic before the actor moves; ``None`` = half
+            of the run's updates (an actor that follows a critic still far from its values moves
+            the policy by the critic's noise).
         best_of_n: chunks the published policy proposes per decision (1 = plain sampling).
         n_step: chunk backups per offline TD target.
         bootstrap_truncated: bootstrap time-outs (gym semantics); ``False`` makes them failures;
@@ -63,7 +65,7 @@ class ActorCriticConfig:
     """
 
     reference_version: int | None = None
-    critic_warmup: int = 200
+    critic_warmup: int | None = None
     best_of_n: int = 1
     n_step: int = 1
     bootstrap_truncated: bool | None = None

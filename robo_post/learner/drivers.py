@@ -663,6 +663,8 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
         values.setdefault("model", {k: cfg.model[k] for k in spec.model_keys if cfg.model.get(k) is not None})
     _warn_unread_model_settings(cfg, spec)
     config = spec.make_config(values)
+    if hasattr(config, "critic_warmup") and config.critic_warmup is None:
+        config.critic_warmup = cfg.updates // 2  # the critic's half of the budget, then both
     if cfg.updates <= getattr(config, "critic_warmup", 0):
         print(f"warning: updates={cfg.updates} <= algo.critic_warmup={config.critic_warmup}: only the critic "
               "trains, and the published actor is the reference policy unchanged", file=sys.stderr)
