@@ -126,8 +126,10 @@ def ratio_interval(num: np.ndarray, den: np.ndarray, rng: np.random.Generator, n
     return [float(v) for v in np.percentile(a / b, [2.5, 97.5])]
 
 
-# --- d3rlpy's IQL ------------------------------------------------------------------------
-def run_d3rlpy_iql(store_root: str, updates: int, batch_size: int, gamma: float, seed: int) -> tuple[Any, dict]:
+# --- d3rlpy (external peer) ----------------------------------------------------------------
+def run_d3rlpy(method: str, store_root: str, updates: int, batch_size: int, gamma: float, seed: int) -> tuple[Any, dict]:
+    """d3rlpy's ``d3rlpy_bc``, ``d3rlpy_iql`` or ``d3rlpy_td3bc`` on the store's transitions, with their
+    published locomotion settings and standardised observations, ``updates`` gradient steps."""
     with contextlib.redirect_stderr(io.StringIO()):  # d3rlpy imports the old gym, which prints a notice
         import d3rlpy
     import structlog
@@ -142,8 +144,15 @@ def run_d3rlpy_iql(store_root: str, updates: int, batch_size: int, gamma: float,
     snap = Store.open(store_root).snapshot()
     (key,) = snap.store.schema.observations
     dataset = d3rlpy_dataset(snap, snap.episodes(), key)
-    algo = d3rlpy.algos.IQLConfig(batch_size=batch_size, gamma=gamma, expectile=0.7, weight_temp=3.0,
-                                  observation_scaler=StandardObservationScaler()).create(device="cpu:0")
+    scaler = StandardObservationScaler()
+    configs = {
+        "d3rlpy_bc": lambda: d3rlpy.algos.BCConfig(batch_size=batch_size, observation_scaler=scaler),
+        "d3rlpy_iql": lambda: d3rlpy.algos.IQLConfig(batch_size=batch_size, gamma=gamma, expectile=0.7,
+                                                     weight_temp=3.0, observation_scaler=scaler),
+        "d3rlpy_td3bc": lambda: d3rlpy.algos.TD3PlusBCConfig(batch_size=batch_size, gamma=gamma, alpha=2.5,
+                                                             observation_scaler=scaler),
+    }
+    algo = configs[method]().create(device="cpu:0")
     build_scalers_with_transition_picker(algo, dataset)  # what ``fit`` does first, without its logger
     algo.build_with_dataset(dataset)
     t0 = time.perf_counter()
@@ -310,7 +319,7 @@ def main() -> None:
 
     d3 = None
     if not args.no_d3rlpy:
-        d3_algo, d3 = run_d3rlpy_iql(store, args.updates, args.batch_size, 0.99, args.seed)
+        d3_algo, d3 = run_d3rlpy("d3rlpy_iql", store, args.updates, args.batch_size, 0.99, args.seed)
         COMMANDS.append(f"(in-process) d3rlpy IQLConfig(batch_size={args.batch_size}, gamma=0.99, expectile=0.7, "
                         f"weight_temp=3.0, StandardObservationScaler) x {args.updates} updates on {store}")
         print(f"  d3rlpy_iql: {d3['transitions']} transitions, {d3['wall_s']:.0f}s", flush=True)
@@ -383,6 +392,10 @@ def main() -> None:
                      "final": r.get("final")} for n, r in runs.items()},
         "d3rlpy_iql": d3, "not_run": skipped, "results": rows, "targets": checks, "commands": COMMANDS,
     }
+    write_results(out, result)
+
+
+def write_results(out: str, result: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)

@@ -50,24 +50,21 @@ Writes benchmarks/results/offline_suite[_quick].json (``--out``).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
-import logging
 import os
 import shlex
 import shutil
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from foreign_dataset import COMMANDS, EVAL_SEED, REPO, RESULTS, eval_d3rlpy, robo_post, t_interval, train
+from foreign_dataset import COMMANDS, EVAL_SEED, REPO, RESULTS, eval_d3rlpy, robo_post, run_d3rlpy, t_interval, train,
+                             write_results
 from robo_post.algos.sb3_agent import SB3Agent, SB3AgentConfig
 from robo_post.store import Store
 from robo_post.store.registry import PolicyRegistry
@@ -221,38 +218,6 @@ def random_returns(env_id: str, episodes: int) -> np.ndarray:
     return np.array(returns)
 
 
-# --- d3rlpy ----------------------------------------------------------------------------------
-def run_d3rlpy(method: str, store_root: str, updates: int, batch_size: int, gamma: float, seed: int) -> tuple[Any, dict]:
-    """d3rlpy's BC, IQL or TD3+BC on the store's transitions (their locomotion settings)."""
-    with contextlib.redirect_stderr(io.StringIO()):  # d3rlpy imports the old gym, which prints a notice
-        import d3rlpy
-    import structlog
-    from d3rlpy.algos.utility import build_scalers_with_transition_picker
-    from d3rlpy.preprocessing import StandardObservationScaler
-    from offline_to_online import d3rlpy_dataset
-
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    d3rlpy.seed(seed)
-    snap = Store.open(store_root).snapshot()
-    (key,) = snap.store.schema.observations
-    dataset = d3rlpy_dataset(snap, snap.episodes(), key)
-    scaler = StandardObservationScaler()
-    configs = {
-        "d3rlpy_bc": lambda: d3rlpy.algos.BCConfig(batch_size=batch_size, observation_scaler=scaler),
-        "d3rlpy_iql": lambda: d3rlpy.algos.IQLConfig(batch_size=batch_size, gamma=gamma, expectile=0.7,
-                                                     weight_temp=3.0, observation_scaler=scaler),
-        "d3rlpy_td3bc": lambda: d3rlpy.algos.TD3PlusBCConfig(batch_size=batch_size, gamma=gamma, alpha=2.5,
-                                                             observation_scaler=scaler),
-    }
-    algo = configs[method]().create(device="cpu:0")
-    build_scalers_with_transition_picker(algo, dataset)  # what ``fit`` does first, without its logger
-    algo.build_with_dataset(dataset)
-    t0 = time.perf_counter()
-    for _ in range(updates):
-        algo.update(dataset.sample_transition_batch(batch_size))
-    return algo, {"obs_key": key, "transitions": dataset.transition_count, "wall_s": time.perf_counter() - t0}
-
-
 # --- one cell ---------------------------------------------------------------------------------
 def run_cell(task: str, spec: Task, dataset: str, store: str, method: str, seed: int, work: str,
              eval_episodes: int, quick: bool) -> dict | None:
@@ -365,10 +330,7 @@ def main() -> None:
         print(f"{name:<20}" + "".join(f"{c:>22}" for c in cells))
     result = {"command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/offline_suite.py", *sys.argv[1:]]),
               "args": vars(args), "wall_s": time.perf_counter() - t_start, "table": table, "commands": COMMANDS}
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out}")
+    write_results(out, result)
 
 
 if __name__ == "__main__":
