@@ -63,8 +63,8 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from foreign_dataset import COMMANDS, EVAL_SEED, REPO, RESULTS, eval_d3rlpy, robo_post, run_d3rlpy, t_interval, train,
-                             write_results
+from foreign_dataset import (COMMANDS, EVAL_SEED, REPO, RESULTS, eval_d3rlpy, robo_post, run_d3rlpy, t_interval,
+                             train, write_results)
 from robo_post.algos.sb3_agent import SB3Agent, SB3AgentConfig
 from robo_post.store import Store
 from robo_post.store.registry import PolicyRegistry
