@@ -38,7 +38,8 @@ times updates on synthetic batches only.
 
 Runnable in parts: ``--tasks``, ``--datasets``, ``--methods``, ``--seeds``; a cell whose
 result file exists is reused (``--reuse`` keeps the work directory); the table covers every
-finished cell of the selection, so parts run on different days add up.
+finished cell of the selection, so parts run on different days add up (``--finished-only``
+tabulates them without running anything new).
 
 Run:
     python benchmarks/offline_suite.py --tasks idp --datasets medium --methods bc,d3rlpy_bc --seeds 0
@@ -277,6 +278,8 @@ def main() -> None:
     parser.add_argument("--save-agents", action="store_true", help="write agents trained here to benchmarks/agents/")
     parser.add_argument("--workdir", default=None, help="default runs/offline_suite[_quick]")
     parser.add_argument("--reuse", action="store_true", help="keep the workdir: finished agents, data and cells are reused")
+    parser.add_argument("--finished-only", action="store_true",
+                        help="tabulate the cells already run in the workdir; train, record and run nothing new")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.quick:
@@ -284,13 +287,15 @@ def main() -> None:
     suffix = "_quick" if args.quick else ""
     work = os.path.abspath(args.workdir or os.path.join(REPO, "runs", f"offline_suite{suffix}"))
     out = args.out or os.path.join(RESULTS, f"offline_suite{suffix}.json")
-    if os.path.exists(work) and not args.reuse:
+    if os.path.exists(work) and not (args.reuse or args.finished_only):
         shutil.rmtree(work)
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     table: dict[str, dict[str, dict]] = {}
     for task in args.tasks:
         spec, task_work = TASKS[task], os.path.join(work, task)
+        if args.finished_only and not os.path.exists(os.path.join(task_work, "rec_expert", "recorded")):
+            continue
         os.makedirs(task_work, exist_ok=True)
         if not all(os.path.exists(agent_files(task, lvl)[0]) for lvl in ("medium", "expert")):
             train_agents(task, spec, task_work, 0, args.save_agents)
@@ -304,10 +309,15 @@ def main() -> None:
         hi = float(eval_version(expert_store, spec.env, det[0], args.eval_episodes).mean())
         lo = float(random_returns(spec.env, args.eval_episodes).mean())
         for dataset in args.datasets:
+            if args.finished_only and not os.path.exists(os.path.join(task_work, "data", dataset, "imported")):
+                continue
             store = dataset_store(task, spec, task_work, dataset, ids)
             for method in args.methods:
                 scores = []
                 for seed in args.seeds:
+                    done = os.path.join(task_work, "cells", dataset, method, f"seed{seed}.json")
+                    if args.finished_only and not os.path.exists(done):
+                        continue
                     cell = run_cell(task, spec, dataset, store, method, seed, task_work, args.eval_episodes, args.quick)
                     if cell is not None:
                         scores.append(100 * (np.mean(cell["returns"]) - lo) / (hi - lo))
