@@ -107,10 +107,10 @@ OFFLINE_ONLY = ("d3rlpy_iql",)  # external peer: offline phase only
 
 def method_spec(method: str, kappa: float) -> tuple[str, dict, dict]:
     """(ActorCritic name, value-learner overrides, actor overrides) of a benchmark method."""
-    qam = {"inv_temp": kappa}
+    qam = {"inv_temp": kappa, "q_scale": 1.0}  # success in [0, 1]: the unit its figures were measured in
     return {
-        "fql_a10": ("fql", {}, {"alpha": 10.0}),
-        "fql_a100": ("fql", {}, {"alpha": 100.0}),
+        "fql_a10": ("fql", {}, {"alpha": 10.0, "q_scale": 1.0}),
+        "fql_a100": ("fql", {}, {"alpha": 100.0, "q_scale": 1.0}),
         "iql_qam": ("iql_qam", {"expectile": 0.9}, qam),
         "divl_qam": ("divl_qam", {"num_atoms": 51, "v_min": -0.1, "v_max": 1.1, "tau_base_offline": 0.6,
                                   "tau_base_online": 0.9, "alpha": 0.3}, qam),

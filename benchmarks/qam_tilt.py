@@ -140,14 +140,15 @@ def ground_truth(base_samples: torch.Tensor, q, kappa: float, n: int) -> dict:
 
 # --- methods ---------------------------------------------------------------------------
 def run_qam(q, kappa: float, steps: int, path_source: str) -> torch.Tensor:
-    qam = QAM(STATE["base"], QAMConfig(inv_temp=kappa, path_source=path_source, lr=1e-3, lr_decay_steps=steps))
+    qam = QAM(STATE["base"], QAMConfig(inv_temp=kappa, q_scale=1.0, path_source=path_source, lr=1e-3,
+                                          lr_decay_steps=steps))
     for _ in range(steps):
         qam.update({"obs": obs(STATE["batch"]), "actions": torch.zeros(STATE["batch"], 1, 2)}, as_critic_fn(q))
     return qam.act(obs(STATE["n_eval"]))[:, 0]
 
 
 def run_fql(q, kappa: float, steps: int, alpha: float) -> torch.Tensor:
-    fql = FQL(STATE["base"], FQLConfig(alpha=alpha, lr=1e-3))
+    fql = FQL(STATE["base"], FQLConfig(alpha=alpha, q_scale=1.0, lr=1e-3))
     for _ in range(steps):
         fql.update({"obs": obs(STATE["batch"]), "actions": torch.zeros(STATE["batch"], 1, 2)}, as_critic_fn(q, kappa))
     return fql.act(obs(STATE["n_eval"]))[:, 0]
@@ -156,7 +157,8 @@ def run_fql(q, kappa: float, steps: int, alpha: float) -> torch.Tensor:
 def run_bam(q, kappa: float, steps: int) -> torch.Tensor:
     """BPTT through the SDE of the fine policy on sum_i h ||u_i||^2 / 2 - kappa Q(X_1) (QAM's agents/bam.py)."""
     base = STATE["base"]
-    qam = QAM(base, QAMConfig(inv_temp=kappa, lr=1e-3, lr_decay_steps=steps))  # reuse its fine copy, grid, optimiser
+    # reuse its fine copy, grid, optimiser
+    qam = QAM(base, QAMConfig(inv_temp=kappa, q_scale=1.0, lr=1e-3, lr_decay_steps=steps))
     fine, grid, B = qam.fine, qam.grid, STATE["batch"]
     z = base.encode(obs(B))
     for _ in range(steps):

@@ -372,6 +372,8 @@ def test_best_of_one_publishes_the_plain_flow_and_bad_n_is_an_error(bc_store):
     assert ActorCritic("divl_qam", reference, best_of_n=1).artifact()[1]["kind"] == "flow"
     with pytest.raises(ValueError, match="best_of_n must be >= 1"):
         ActorCritic("divl_qam", reference, best_of_n=0)
+    with pytest.raises(ValueError, match="critic_warmup=None means half of the update budget"):
+        ActorCritic("divl_qam", reference, critic_warmup=None)  # the config's default, unresolved outside a run
 
 
 def test_critic_trend_flags_a_critic_still_moving_at_the_end_of_its_budget():

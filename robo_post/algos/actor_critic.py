@@ -102,6 +102,9 @@ class ActorCritic:
         for net in (self.value.net, self.value.target):  # the critic sees the state standardised like the policy
             net.set_state_stats(reference.encoder.state_mean.cpu(), reference.encoder.state_std.cpu())
         self.actor = actor_cls(reference, actor_cfg(**(actor or {})), device)
+        if critic_warmup is None:  # ActorCriticConfig's None is the driver's to resolve from the budget
+            raise ValueError("critic_warmup=None means half of the update budget, which `robo-post train` "
+                             "resolves; pass a number of updates")
         self.critic_warmup = critic_warmup
         if best_of_n < 1:
             raise ValueError(f"best_of_n must be >= 1, got {best_of_n}")

@@ -27,7 +27,7 @@ import torch
 
 from robo_post.algos.bc_flow import base_bc_loss
 from robo_post.algos.divl import CriticFn, td_target, twin_critic_fn, weighted_mean
-from robo_post.algos.qam import q_spread
+from robo_post.algos.qam import batch_q_scale, pinned_q_scale
 from robo_post.models.critic import CriticConfig, CriticNet, aggregate_heads, ema_update
 from robo_post.models.flow import FlowPolicy
 
@@ -77,9 +77,8 @@ class FQL:
             raise ValueError(f"q_agg must be 'mean' or 'min', got {self.config.q_agg!r}")
         if self.config.base not in ("frozen", "ema_cotrained"):
             raise ValueError(f"base must be 'frozen' or 'ema_cotrained', got {self.config.base!r}")
-        if self.config.q_scale is not None and self.config.q_scale <= 0:
-            raise ValueError(f"q_scale must be > 0 or None (measured), got {self.config.q_scale}")
         self.device = torch.device(device)
+        self.q_scale = pinned_q_scale(self.config.q_scale, self.device)
         self.reference = copy.deepcopy(reference).to(self.device).requires_grad_(False)
         self.one_step = copy.deepcopy(reference).to(self.device).requires_grad_(True)
         # A FlowPolicy with one Euler step samples exactly mu(s, eps) = eps + v(s, eps, 0), clipped.
@@ -112,8 +111,7 @@ class FQL:
         distill = (actions - target).pow(2).mean()
         qs = critic_fn(obs, actions.clamp(-1.0, 1.0))
         q = aggregate_heads(qs, cfg.q_agg)
-        q_scale = (q_spread(critic_fn, self.reference, obs, self.reference.encode(obs), agg=cfg.q_agg).clamp_min(1e-6)
-                   if cfg.q_scale is None else torch.tensor(cfg.q_scale))
+        q_scale = batch_q_scale(self.q_scale, critic_fn, self.reference, obs, None, cfg.q_agg)
         q_loss = -q.mean() / q_scale
         loss = cfg.alpha * distill + q_loss
         metrics = {"distill_loss": distill.detach(), "q_loss": q_loss.detach(), "q_mean": q.mean().detach(),

@@ -138,6 +138,22 @@ def q_spread(critic_fn: CriticFn, policy: FlowPolicy, obs: Any, z: torch.Tensor,
     return qs.var(0).mean().sqrt()
 
 
+def pinned_q_scale(value: float | None, device: torch.device) -> torch.Tensor | None:
+    """A pinned ``q_scale`` as a tensor on ``device`` (built once), None to measure it per batch."""
+    if value is not None and not value > 0:
+        raise ValueError(f"q_scale must be > 0 or None (measured), got {value}")
+    return None if value is None else torch.tensor(float(value), device=device)
+
+
+def batch_q_scale(pinned: torch.Tensor | None, critic_fn: CriticFn, policy: FlowPolicy, obs: Any,
+                  z: torch.Tensor | None, agg: str) -> torch.Tensor:
+    """The Q units of this batch's tilt: ``pinned``, else ``q_spread`` of ``policy`` (floored at 1e-6);
+    ``z`` is ``policy.encode(obs)`` when the caller has it."""
+    if pinned is not None:
+        return pinned
+    return q_spread(critic_fn, policy, obs, policy.encode(obs) if z is None else z, agg=agg).clamp_min(1e-6)
+
+
 def adjoint_step(v_base: Velocity, x: torch.Tensor, adj: torch.Tensor, t: float, h: float) -> torch.Tensor:
     """One backward Euler step of the lean adjoint ODE with a single VJP (docs/methods.md, "QAM: lean adjoint").
 
@@ -263,8 +279,6 @@ class QAM:
         self.device = torch.device(device)
         self.reference = copy.deepcopy(reference).to(self.device).requires_grad_(False)
         self.fine = copy.deepcopy(reference).to(self.device).requires_grad_(True)
-        if cfg.q_scale is not None and cfg.q_scale <= 0:
-            raise ValueError(f"q_scale must be > 0 or None (measured), got {cfg.q_scale}")
         if cfg.init == "random":
             for m in self.fine.modules():
                 if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Conv2d)):
@@ -279,6 +293,7 @@ class QAM:
         steps = cfg.lr_decay_steps
         self.scheduler = None if steps <= 0 else torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, steps) / steps)))
+        self.q_scale = pinned_q_scale(cfg.q_scale, self.device)
         self.grid = time_grid(self.fine.config.flow_steps, cfg.time_grid, cfg.eps)
         # The regression's times and noise scales, on the device once (not copied every update).
         self.grid_t = self.grid.t.to(self.device, torch.float32)
@@ -318,8 +333,7 @@ class QAM:
         # 2. Lean adjoint from the critic's action gradient at the generated endpoint, with kappa
         #    in units of the Q spread over the reference's chunks (a return-span unit leaves the
         #    tilt ~1% of the spread on dense rewards: the policy does not move).
-        q_scale = (q_spread(critic_fn, ref, obs, z_ref, agg=cfg.q_agg).clamp_min(1e-6) if cfg.q_scale is None
-                   else torch.tensor(cfg.q_scale))
+        q_scale = batch_q_scale(self.q_scale, critic_fn, ref, obs, z_ref, cfg.q_agg)
         adj1, q1 = terminal_adjoint(critic_fn, obs, xs[-1], cfg.inv_temp / q_scale, cfg.clip_adj, cfg.q_agg)
         adjs = lean_adjoint(policy_velocity(ref, z_ref), xs, adj1, grid)
 
@@ -353,7 +367,8 @@ class QAM:
         self.steps += 1
         kl = control_cost(v_fine.detach(), v_base, sigma, grid.h).mean()
         return {"loss_am": loss_am.detach(), "q_endpoint": q1.mean().detach(), "adj_terminal_abs": adj1.abs().mean().detach(),
-                "adj0_abs": adjs[0].abs().mean().detach(), "kl_path": kl.detach(), "grad_norm": grad_norm.detach(), "q_scale": q_scale.detach(), **metrics}
+                "adj0_abs": adjs[0].abs().mean().detach(), "kl_path": kl.detach(), "grad_norm": grad_norm.detach(),
+                "q_scale": q_scale.detach(), **metrics}
 
     def act(self, obs: dict[str, Any], seed: int | None = None) -> torch.Tensor:
         """Action chunks (B, H, A) in env units: Euler ODE of the fine policy, clipped
