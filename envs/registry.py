@@ -119,7 +119,10 @@ class EnvSpec:
         bounds: ``name -> (low, high)`` (``None``: unbounded) of per-episode quantities that
             cannot leave a range: ``"return"`` or a metric. Eval clips their 95% intervals
             to it, which a few skewed episodes otherwise overshoot.
-        horizon: default action-chunk length for chunked policies.
+        horizon: default action-chunk length for chunked policies; 1 (the default) for
+            reactive control, whose later actions depend on states the policy sees anyway:
+            predicting them spends the network on what it cannot know (flow BC on Hopper's
+            SAC data: 1672 with chunks of 4, 3279 with 1).
         execute_steps: default actions executed open-loop per chunk (1 for reactive
             control: locomotion, balancing).
         language: the env provides an instruction (``env.unwrapped.instruction``).
@@ -159,7 +162,7 @@ class EnvSpec:
     metrics: Callable[[list[Mapping[str, Any]]], dict[str, Metric]] | None = None
     metric_ids: tuple[str, ...] = ()
     bounds: Mapping[str, tuple[float | None, float | None]] = field(default_factory=dict)
-    horizon: int = 4
+    horizon: int = 1
     execute_steps: int = 1
     language: bool = False
     split_kwarg: str | None = None

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from robo_post.algos.fql import FQLCritic
-from robo_post.algos.actor_critic import PAIRS, ActorCritic
+from robo_post.algos.actor_critic import PAIRS, ActorCritic, ActorCriticConfig, backup_chunks
 from robo_post.config import compose
 from robo_post.fleet.policies import build_policy
 from robo_post.learner.drivers import load_reference
@@ -80,6 +80,20 @@ def test_the_critic_trains_alone_for_half_the_budget_by_default(bc_store, tmp_pa
     train(_cfg(bc_store, str(tmp_path / "half"), "divl_qam", 8, warmup=None))
     rows = [json.loads(x) for x in (tmp_path / "half" / "metrics.jsonl").read_text().splitlines()]
     assert [("loss_am" in r) for r in rows] == [False, False, True, True]  # updates 2, 4 | 6, 8
+
+
+def test_backups_are_sized_so_the_value_travels_within_the_critic_budget():
+    """One-step backups on 1000-step locomotion left DIVL's critic at a fifth of the data's returns
+    after 4649 warm-up updates; the measured n spans ~4 steps per backup there."""
+    config = ActorCriticConfig(critic_warmup=4649)
+    lengths = [1000] * 7 + [150] * 23  # mean 348 steps, so D = 1 / (1 - 0.99) = 100
+    assert backup_chunks("divl_qam", config, lengths, 1, 0.99, 9298) == 5  # 4649 * 0.005 = 23 backups: 100 / 23 -> 5
+    assert backup_chunks("divl_qam", config, lengths, 4, 0.99, 9298) == 2  # counted in chunks of 4
+    assert backup_chunks("divl_qam", config, [20] * 5, 1, 0.99, 9298) == 1  # short episodes: D = 20 < 23
+    slow = ActorCriticConfig(critic_warmup=4649, value={"ema_rate": 0.001})  # a slower target: 4.6 backups
+    assert backup_chunks("divl_qam", slow, lengths, 1, 0.99, 9298) == 22
+    assert backup_chunks("fql", ActorCriticConfig(critic_warmup=10), lengths, 1, 0.99, 20) == 100  # at most D
+    assert backup_chunks("iql_qam", ActorCriticConfig(critic_warmup=0), lengths, 1, 1.0, 9298) == 8  # no warm-up: the run; D = 348
 
 
 def test_a_budget_within_the_critic_warmup_is_warned_about(bc_store, tmp_path, capsys):

@@ -39,12 +39,13 @@ def test_euler_sampling_of_exact_field_hits_target_moments():
     assert x.std().item() == pytest.approx(S, abs=1e-2)
 
 
-def test_flow_matching_recovers_gaussian_velocity():
+@pytest.mark.parametrize("predicts", ["chunk", "velocity"])
+def test_flow_matching_recovers_the_gaussian_flow(predicts):
     torch.manual_seed(0)
     # Bounds of +-3 map actions to a/3, so the data is N(0.1, (1/6)^2) in normalised
     # units and (almost) never clipped.
     cfg = FlowPolicyConfig(features=state_features(1, "proprio"), action_dim=1, horizon=1, use_text=False, embed_dim=8, hidden_dim=64,
-                           action_low=[-3.0], action_high=[3.0])
+                           action_low=[-3.0], action_high=[3.0], predicts=predicts)
     model = FlowPolicy(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     obs = {"proprio": torch.zeros(512, 1)}
@@ -57,12 +58,15 @@ def test_flow_matching_recovers_gaussian_velocity():
     w = torch.linspace(0.05, 0.95, 19).repeat_interleave(200)
     x = torch.randn(len(w), 1, 1)
     with torch.no_grad():
-        pred = model.velocity(model.encode({"proprio": torch.zeros(len(w), 1)}), x, w).squeeze()
+        pred = model.output(model.encode({"proprio": torch.zeros(len(w), 1)}), x, w).squeeze()
+    # What the network regresses onto: the velocity, or the chunk it points to, E[x_1 | x_w].
     target = exact_velocity(x.squeeze(), w, MU / 3, S / 3)
+    if predicts == "chunk":
+        target = x.squeeze() + (1 - w) * target
     rel = (pred - target).norm() / target.norm()
-    # A 5% error needs longer training; 1500 CPU steps reach ~10%,
-    # an untrained field is at ~100%.
-    assert rel.item() < 0.15, rel
+    # A 5% error needs longer training; 1500 CPU steps reach ~10% on the velocity and ~20% on
+    # the chunk (it varies less around its mean, so the same fit reads larger); untrained: ~100%.
+    assert rel.item() < (0.3 if predicts == "chunk" else 0.15), rel
     model.config.flow_steps = 200  # 10 Euler steps shrink this narrow target's std to ~0.37 even with the exact field
     samples = model.sample({"proprio": torch.zeros(4000, 1)}, seed=1).squeeze()
     assert samples.mean().item() == pytest.approx(MU, abs=0.05)

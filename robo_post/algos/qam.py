@@ -68,16 +68,18 @@ def time_grid(n: int, kind: str = "shifted", eps: float = 0.1) -> TimeGrid:
     t_i + h, which avoids the w = 0 singularity of x / w and sigma_w.
     ``eps`` (the third-party LWD port ``WenLongZhang888/openpi``): a uniform grid on
     [eps, 1] that starts from N(0, I) at eps.
+    The last interval's Jacobian is taken at its midpoint, not at w = 1, where the velocity
+    of a chunk-predicting flow, (x_1(x) - x) / (1 - w), is singular.
     """
     i = torch.arange(n, dtype=torch.float64)
     if kind == "shifted":
         h = 1.0 / n
         t = i * h
-        return TimeGrid(t, t + h, torch.sqrt(2 * (1 - t + h) / (t + h)), t + h, h)
+        return TimeGrid(t, t + h, torch.sqrt(2 * (1 - t + h) / (t + h)), (t + h).clamp(max=1 - h / 2), h)
     if kind == "eps":
         h = (1.0 - eps) / n
         t = eps + i * h
-        return TimeGrid(t, t, torch.sqrt(2 * (1 - t) / t), t + h, h)
+        return TimeGrid(t, t, torch.sqrt(2 * (1 - t) / t), (t + h).clamp(max=1 - h / 2), h)
     raise ValueError(f"time_grid must be 'shifted' or 'eps', got {kind!r}")
 
 

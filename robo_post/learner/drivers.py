@@ -25,6 +25,7 @@ import torch
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from robo_post.algos.actor_critic import backup_chunks
 from robo_post.algos.divl import DIVL
 from robo_post.algos.registry import DataSpec, MethodSpec, check_continuous, method_spec
 from robo_post.algos.sb3_agent import check_budget
@@ -44,8 +45,9 @@ from robo_post.store.store import remove_empty_store
 from robo_post.store.writer import try_lock, write_json_atomic
 
 # Chunking for data of an env the environment registry does not know: a reactive
-# controller that re-plans every step (an open-loop chunk cannot balance a pendulum).
-GENERIC_HORIZON, GENERIC_EXECUTE = 4, 1
+# controller that decides one action per step (an open-loop chunk cannot balance a
+# pendulum, and predicting the later actions of a chunk slows BC several times).
+GENERIC_HORIZON, GENERIC_EXECUTE = 1, 1
 # Bounds of the update budget measured from the data (``updates=null``).
 MIN_UPDATES, MAX_UPDATES = 3000, 100_000
 # Share of the value support's width added on each side of the data's return range.
@@ -607,7 +609,7 @@ def _warn_unread_model_settings(cfg: DictConfig, spec: MethodSpec) -> None:
     has no chunks or flow steps, and a method that starts from a reference keeps its chunks."""
     flow = "flow_steps" in spec.model_keys
     unread = (([] if flow and not spec.needs_reference else ["horizon", "execute_steps", "deterministic"])
-              + ([] if flow else ["flow_steps"]))
+              + ([] if flow else ["flow_steps"]) + (["predicts"] if spec.needs_reference or not flow else []))
     default = compose("train", []).model  # the model group is train's own (a plugin has no algo/ config file)
     for key in unread:
         if cfg.model.get(key) != default.get(key):
@@ -675,6 +677,9 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     reference, parent = (load_reference(store, config.reference_version, device) if spec.needs_reference
                          else (None, None))
     horizon = reference.config.horizon if reference is not None else cfg.model.horizon or chunk_defaults(store.schema)[0]
+    if getattr(config, "n_step", 1) is None:
+        config.n_step = backup_chunks(spec.name, config, [e.length for e in episodes], horizon, cfg.gamma, cfg.updates)
+        print(f"n_step={config.n_step}: {config.n_step * horizon}-step backups (algo.n_step=N fixes it)", file=sys.stderr)
     sampler = WindowSampler.from_snapshot(  # with prefetch, the prefetcher moves batches to the device
         snap, episodes, horizon=horizon, n_step=getattr(config, "n_step", 1), gamma=cfg.gamma,
         device="cpu" if cfg.prefetch else device, seed=cfg.seed,

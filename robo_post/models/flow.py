@@ -2,8 +2,10 @@
 
 Conventions (docs/methods.md): flow time w in [0, 1], w = 0 is noise
 x_0 ~ N(0, I), w = 1 is the (normalised) action chunk x_1;
-x_w = (1 - w) x_0 + w x_1 and the velocity target is x_1 - x_0. Sampling runs
-N Euler steps x <- x + v(s, x, i/N) / N and clips to [-1, 1].
+x_w = (1 - w) x_0 + w x_1. The network predicts the chunk, x_1(s, x_w, w), trained by
+regression onto x_1; the velocity the ODE follows is v = (x_1(s, x, w) - x) / (1 - w).
+(Models published before predict the velocity x_1 - x_0 directly: ``predicts="velocity"``.)
+Sampling runs N Euler steps x <- x + v(s, x, i/N) / N and clips to [-1, 1].
 
 Shapes: observations are a dict of (B, ...) tensors, one per key of the model's
 feature spec (``robo_post.models.features``), plus ``instruction``: a list of B
@@ -41,6 +43,9 @@ class FlowPolicyConfig(FeatureConfigJSON):
         execute_steps: actions of a chunk executed open-loop before re-planning.
         deterministic: act from the noise distribution's centre (x_0 = 0) instead of a
             random draw: one action per state, the flow's central one. Training is unchanged.
+        predicts: what the network outputs: ``chunk`` (x_1; its regression target has no
+            noise term, so BC converges several times faster on near-deterministic
+            demonstrations) or ``velocity`` (x_1 - x_0, the form of models published before).
     """
 
     features: dict[str, Feature]
@@ -54,9 +59,17 @@ class FlowPolicyConfig(FeatureConfigJSON):
     action_high: list[float] = field(default_factory=list)
     execute_steps: int | None = None
     deterministic: bool = False
+    predicts: str = "chunk"
+
+    def __post_init__(self):
+        if self.predicts not in PREDICTS:
+            raise ValueError(f"FlowPolicyConfig.predicts must be one of {PREDICTS}, got {self.predicts!r}")
 
 
-
+PREDICTS = ("chunk", "velocity")
+# Smallest 1 - w the chunk-to-velocity map divides by. Euler sampling never goes past
+# w = 1 - 1/N; only the adjoint's Jacobian at w = 1 reaches it.
+MIN_REMAINING = 0.05
 TIME_FREQS = 4
 TIME_FEATURES = 2 * TIME_FREQS + 1
 
@@ -89,19 +102,31 @@ class FlowPolicy(BoundedActions, nn.Module):
         """Observation dict (B, ...) -> state embedding (B, hidden_dim)."""
         return self.encoder(obs)
 
-    def velocity(self, z: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """v(s, x, w): z (B, hidden), x (B, H, A) normalised, w (B,) -> (B, H, A)."""
+    def output(self, z: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The network's raw output (B, H, A) at z (B, hidden), x (B, H, A) normalised, w (B,)."""
         inp = torch.cat([z, x.flatten(1), time_features(w)], dim=-1)
         return self.velocity_net(inp).view_as(x)
 
+    def velocity(self, z: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """v(s, x, w): z (B, hidden), x (B, H, A) normalised, w (B,) -> (B, H, A)."""
+        out = self.output(z, x, w)
+        if self.config.predicts == "velocity":
+            return out
+        return (out - x) / (1 - w).clamp(min=MIN_REMAINING)[:, None, None]
+
     # --- training --------------------------------------------------------------
     def bc_loss(self, obs: dict[str, Any], actions: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Flow-matching BC loss on env-unit chunks (B, H, A); ``mask`` (B, H) drops padding."""
+        """Flow-matching BC loss on env-unit chunks (B, H, A); ``mask`` (B, H) drops padding.
+
+        A chunk-predicting model regresses onto x_1; the velocity loss is this one weighted
+        by 1 / (1 - w)^2, which puts most weight where x_w already shows the answer.
+        """
         x1 = self.normalize_actions(actions.to(self.device)).clamp(-1.0, 1.0)
         x0 = torch.randn_like(x1)
         w = torch.rand(x1.shape[0], device=self.device)
         xw = (1 - w[:, None, None]) * x0 + w[:, None, None] * x1
-        err = (self.velocity(self.encode(obs), xw, w) - (x1 - x0)).pow(2).mean(-1)  # (B, H)
+        target = x1 if self.config.predicts == "chunk" else x1 - x0
+        err = (self.output(self.encode(obs), xw, w) - target).pow(2).mean(-1)  # (B, H)
         if mask is None:
             return err.mean()
         mask = mask.to(self.device).float()
@@ -143,6 +168,7 @@ class FlowPolicy(BoundedActions, nn.Module):
     @classmethod
     def from_artifact(cls, weights: dict[str, torch.Tensor], config: dict[str, Any], device: str = "cpu") -> "FlowPolicy":
         model_json, weights = upgrade_artifact(config["model"], weights)
+        model_json = {"predicts": "velocity", **model_json}  # published before chunk prediction existed
         model = cls(FlowPolicyConfig.from_json(model_json))
         model.load_state_dict(weights)
         return model.to(device).eval()
