@@ -77,9 +77,12 @@ def test_train_publishes_the_extracted_policy_with_provenance(bc_store, tmp_path
 def test_the_critic_trains_alone_for_half_the_budget_by_default(bc_store, tmp_path):
     """With 200 critic-only updates the actor followed a critic far from its values: on expert-only
     pendulum data DIVL+QAM fell from its reference's 8435 to 5145 (one seed); with half the budget, 8502."""
-    train(_cfg(bc_store, str(tmp_path / "half"), "divl_qam", 8, warmup=None))
+    summary = train(_cfg(bc_store, str(tmp_path / "half"), "divl_qam", 8, warmup=None))
     rows = [json.loads(x) for x in (tmp_path / "half" / "metrics.jsonl").read_text().splitlines()]
     assert [("loss_am" in r) for r in rows] == [False, False, True, True]  # updates 2, 4 | 6, 8
+    # 4 warm-up updates complete no target backup, so one backup spans the whole discount horizon (or episode)
+    backup = summary["backup"]
+    assert backup["critic_warmup"] == 4 and backup["n_step"] > 1 and 8 * (backup["n_step"] - 1) < 100
 
 
 def test_backups_are_sized_so_the_value_travels_within_the_critic_budget():

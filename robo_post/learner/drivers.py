@@ -733,6 +733,9 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     summary = {"algo": spec.name, "version": version, "parent_version": parent, "snapshot": snap.id,
                "episodes": len(episodes), "steps": len(sampler), "value_range": list(data.value_range),
                "wall_s": wall, "final": final}
+    if hasattr(config, "n_step"):  # as measured (n_step: null) or set
+        summary["backup"] = {"n_step": config.n_step, "steps": config.n_step * sampler.horizon,
+                             "critic_warmup": config.critic_warmup}
     if trend is not None:
         summary["critic_trend"] = trend
     if diagnostics is not None:
