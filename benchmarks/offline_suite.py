@@ -36,6 +36,10 @@ How, top to bottom:
 The authors' JAX QAM is not in this suite yet: its harness (``benchmarks/qam_reference.py``)
 times updates on synthetic batches only.
 
+Ablations: ``--ablate NAME="METHOD OVERRIDES"`` adds a method NAME, one of ours with extra
+``robo-post train`` settings (e.g. ``--ablate "bc_h4=bc model.horizon=4"``); its reference BC
+takes the same ``model.*`` settings.
+
 Runnable in parts: ``--tasks``, ``--datasets``, ``--methods``, ``--seeds``; a cell whose
 result file exists is reused (``--reuse`` keeps the work directory); the table covers every
 finished cell of the selection, so parts run on different days add up (``--finished-only``
@@ -221,24 +225,28 @@ def random_returns(env_id: str, episodes: int) -> np.ndarray:
 
 # --- one cell ---------------------------------------------------------------------------------
 def run_cell(task: str, spec: Task, dataset: str, store: str, method: str, seed: int, work: str,
-             eval_episodes: int, quick: bool) -> dict | None:
+             eval_episodes: int, quick: bool, ablations: dict[str, tuple[str, list[str]]]) -> dict | None:
     out = os.path.join(work, "cells", dataset, method, f"seed{seed}.json")
     if os.path.exists(out):
         with open(out) as f:
             return json.load(f)
+    base, extra = ablations.get(method, (method, []))
     episodes = Store.open(store).snapshot().episodes()
-    if method == "bc_filtered" and not any(e.success for e in episodes):
+    if base == "bc_filtered" and not any(e.success for e in episodes):
         return None  # nothing to filter for
     budget = ["updates=200"] if quick else []
-    bc_run = os.path.join(work, "runs", dataset, f"bc-seed{seed}")
-    if method in OURS:
+    model = [x for x in extra if x.startswith("model.")]  # an ablated reference is trained with them
+    bc_run = os.path.join(work, "runs", dataset, f"bc{'-' + method if model else ''}-seed{seed}")
+    if base in OURS:
         pin = []
-        if method in ("divl_qam", "iql_qam", "fql"):  # the rule's reference (BC on the same episodes), of this seed
-            pin = [f"algo.reference_version={train(store, bc_run, *TRAIN['bc'], f'seed={seed}', *budget)['version']}"]
-        run_dir = bc_run if method == "bc" else os.path.join(work, "runs", dataset, f"{method}-seed{seed}")
-        summary = train(store, run_dir, *TRAIN[method], f"seed={seed}", *budget, *pin)
+        if base in ("divl_qam", "iql_qam", "fql"):  # the rule's reference (BC on the same episodes), of this seed
+            reference = train(store, bc_run, *TRAIN["bc"], *model, f"seed={seed}", *budget)
+            pin = [f"algo.reference_version={reference['version']}"]
+        run_dir = bc_run if base == "bc" else os.path.join(work, "runs", dataset, f"{method}-seed{seed}")
+        summary = train(store, run_dir, *TRAIN[base], *extra, f"seed={seed}", *budget, *pin)
         returns = eval_version(store, spec.env, summary["version"], eval_episodes)
         cell = {"version": summary["version"], "updates": summary["final"]["update"], "wall_s": summary["wall_s"],
+                "overrides": extra, "backup": summary.get("backup"),
                 "critic_diagnostics": summary.get("critic_diagnostics")}
     else:
         bc = train(store, bc_run, *TRAIN["bc"], f"seed={seed}", *budget)  # the budget our BC measured
@@ -257,6 +265,15 @@ def run_cell(task: str, spec: Task, dataset: str, store: str, method: str, seed:
 
 
 # --- main ----------------------------------------------------------------------------------------
+def parse_ablation(text: str) -> tuple[str, tuple[str, list[str]]]:
+    name, _, rest = text.partition("=")
+    base, *overrides = shlex.split(rest)
+    if not name or name in METHODS or base not in OURS or not overrides:
+        raise argparse.ArgumentTypeError(f"--ablate NAME=\"METHOD OVERRIDES\" with a new NAME and METHOD one of "
+                                         f"{', '.join(OURS)}; got {text!r}")
+    return name, (base, overrides)
+
+
 def parse_list(allowed: tuple[str, ...]):
     def parse(text: str) -> list[str]:
         items = [x for x in text.split(",") if x]
@@ -271,7 +288,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=parse_list(tuple(TASKS)), default=list(TASKS))
     parser.add_argument("--datasets", type=parse_list(tuple(DATASETS)), default=list(DATASETS))
-    parser.add_argument("--methods", type=parse_list(METHODS), default=list(METHODS))
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated, from {', '.join(METHODS)} and the --ablate names")
+    parser.add_argument("--ablate", type=parse_ablation, action="append", default=[],
+                        help='NAME="METHOD OVERRIDES": one of our methods with extra train settings')
     parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
     parser.add_argument("--eval-episodes", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="smoke run: idp, medium, 4 episodes, 200 updates")
@@ -282,6 +302,11 @@ def main() -> None:
                         help="tabulate the cells already run in the workdir; train, record and run nothing new")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    ablations = dict(args.ablate)
+    try:
+        args.methods = parse_list(METHODS + tuple(ablations))(args.methods)
+    except argparse.ArgumentTypeError as e:
+        parser.error(f"--methods: {e}")
     if args.quick:
         args.tasks, args.datasets, args.seeds, args.eval_episodes = ["idp"], ["medium"], [0], 3
     suffix = "_quick" if args.quick else ""
@@ -318,7 +343,8 @@ def main() -> None:
                     done = os.path.join(task_work, "cells", dataset, method, f"seed{seed}.json")
                     if args.finished_only and not os.path.exists(done):
                         continue
-                    cell = run_cell(task, spec, dataset, store, method, seed, task_work, args.eval_episodes, args.quick)
+                    cell = run_cell(task, spec, dataset, store, method, seed, task_work, args.eval_episodes, args.quick,
+                                    ablations)
                     if cell is not None:
                         scores.append(100 * (np.mean(cell["returns"]) - lo) / (hi - lo))
                 if scores:
