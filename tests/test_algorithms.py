@@ -95,7 +95,8 @@ def test_backups_are_sized_so_the_value_travels_within_the_critic_budget():
     assert backup_chunks("divl_qam", config, [20] * 5, 1, 0.99, 9298) == 1  # short episodes: D = 20 < 23
     slow = ActorCriticConfig(critic_warmup=4649, value={"ema_rate": 0.001})  # a slower target: 4.6 backups
     assert backup_chunks("divl_qam", slow, lengths, 1, 0.99, 9298) == 22
-    assert backup_chunks("fql", ActorCriticConfig(critic_warmup=10), lengths, 1, 0.99, 20) == 100  # at most D
+    assert backup_chunks("iql_qam", ActorCriticConfig(critic_warmup=10), lengths, 1, 0.99, 20) == 100  # at most D
+    assert backup_chunks("fql", ActorCriticConfig(critic_warmup=10), lengths, 1, 0.99, 20) == 1  # it values its own actions
     assert backup_chunks("iql_qam", ActorCriticConfig(critic_warmup=0), lengths, 1, 1.0, 9298) == 8  # no warm-up: the run; D = 348
 
 

@@ -156,6 +156,10 @@ class ValueLearner:
     actions) and ``bootstrap`` (read V(s') for the TD target).
     """
 
+    # It values the data's own actions, so backups through several of them are consistent
+    # (``robo_post.algos.actor_critic.backup_chunks``).
+    multi_step = True
+
     def __init__(self, critic: CriticConfig, config: ValueLearnerConfig, value_outputs: int,
                  device: torch.device | str = "cpu"):
         if config.v_target not in ("online", "ema") or config.update_mode not in ("sequential", "joint"):

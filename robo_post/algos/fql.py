@@ -171,6 +171,10 @@ class FQLCritic:
         device: torch device.
     """
 
+    # It values its own actor's actions, so a backup through several of the data's actions is
+    # biased towards the behaviour: one chunk per backup (``backup_chunks``).
+    multi_step = False
+
     def __init__(self, critic: CriticConfig, config: FQLCriticConfig | None = None, device: torch.device | str = "cpu"):
         self.config = config or FQLCriticConfig()
         if self.config.q_agg not in ("mean", "min"):
