@@ -96,8 +96,8 @@ def test_methods_train_on_any_keys_with_value_support_from_the_data(tmp_path):
     weights, config = PolicyRegistry(store).load(bc["version"])
     assert set(config["model"]["features"]) == {"observation", "mode"}
     assert config["model"]["use_text"] is False  # no instructions in the data
-    # No env in the schema: the reactive default (re-plan every step).
-    assert (config["model"]["horizon"], config["model"]["execute_steps"]) == (4, 1)
+    # No env in the schema: the reactive default (one action per step).
+    assert (config["model"]["horizon"], config["model"]["execute_steps"], config["model"]["predicts"]) == (1, 1, "chunk")
     top = REWARD * (1 - GAMMA ** T) / (1 - GAMMA)  # return-to-go of an episode's first step
     assert bc["value_range"] == pytest.approx([-0.1 * top, 1.1 * top], rel=1e-5)
 
