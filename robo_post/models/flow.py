@@ -89,6 +89,7 @@ class FlowPolicy(BoundedActions, nn.Module):
         self.config = c = config
         self.encoder = ObservationEncoder(c.features, c.use_text, c.embed_dim, c.hidden_dim)
         self.chunk_dim = c.horizon * c.action_dim
+        # Outputs the chunk or the velocity (``predicts``); the name is the weights' key in published artifacts.
         self.velocity_net = mlp([c.hidden_dim + self.chunk_dim + TIME_FEATURES, c.hidden_dim, c.hidden_dim, self.chunk_dim])
         self.register_action_bounds(c.action_low, c.action_high, c.action_dim)
 
