@@ -114,6 +114,22 @@ def test_registry_round_trip_gives_bit_identical_actions(tmp_path):
     assert registry.load(version)[1]["algorithm"] == "test"
 
 
+def test_a_policy_published_before_chunk_prediction_acts_as_it_did():
+    """Its network outputs the velocity; read as a chunk predictor it would act otherwise."""
+    model = _image_model()
+    model.config.predicts = "velocity"
+    weights, config = model.artifact()
+    del config["model"]["predicts"]  # what versions published before the setting existed hold
+    loaded = FlowPolicy.from_artifact(weights, config)
+    obs = _obs(3)
+    assert loaded.config.predicts == "velocity"
+    assert torch.equal(model.eval().sample(obs, seed=11), loaded.sample(obs, seed=11))
+    model.config.predicts = "chunk"
+    assert not torch.equal(model.sample(obs, seed=11), loaded.sample(obs, seed=11))
+    with pytest.raises(ValueError, match="predicts must be one of"):
+        FlowPolicyConfig(features=model.config.features, action_dim=3, predicts="noise")
+
+
 def test_runner_executes_chunks_open_loop():
     model = _image_model()
     model.config.execute_steps = 2
