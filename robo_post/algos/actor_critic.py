@@ -98,7 +98,7 @@ def backup_chunks(name: str, config: ActorCriticConfig, episode_lengths: Sequenc
     mean_length = sum(episode_lengths) / max(len(episode_lengths), 1)
     distance = min(1.0 / (1.0 - gamma), mean_length) if gamma < 1 else mean_length
     backups = max((config.critic_warmup or updates) * rate, 1.0)
-    return max(1, min(math.ceil(distance / backups / horizon), math.ceil(distance / horizon)))
+    return max(1, math.ceil(distance / backups / horizon))  # backups >= 1: at most ceil(D / H)
 
 
 class ActorCritic:
