@@ -84,6 +84,7 @@ class Task:
     expert_timesteps: int
     success_from: str         # import-minari --success-from
     episodes: int = 30        # episodes recorded per source
+    train_env: str | None = None  # where the SAC agents learn, when not env (a sparse task's dense twin)
 
 
 TASKS = {
@@ -92,7 +93,9 @@ TASKS = {
     "halfcheetah": Task("HalfCheetah-v5", 50_000, 300_000, "truncation"),
     "ant": Task("Ant-v5", 100_000, 300_000, "truncation"),
     "idp": Task("InvertedDoublePendulum-v5", 20_000, 40_000, "truncation", episodes=10),  # the balance task
-    "reacher": Task("robo_post/SparseReacher-v0", 20_000, 100_000, "termination", episodes=100),  # sparse goal
+    # The sparse goal task; SAC learns on its dense-reward twin (same observations) and records here.
+    "reacher": Task("robo_post/SparseReacher-v0", 20_000, 100_000, "termination", episodes=100,
+                    train_env="robo_post/Reacher-v0"),
 }
 SOURCES = ("expert", "medium", "random")
 DATASETS = {"expert": ("expert",), "medium": ("medium",), "random": ("random",), "mixed": SOURCES}
@@ -114,7 +117,7 @@ def train_agents(task: str, spec: Task, work: str, seed: int, save: bool) -> Non
     resumed to the expert; ``save`` copies both into ``benchmarks/agents/TASK/``."""
     store, run = os.path.join(work, "agent_store"), os.path.join(work, "agent_run")
     for steps in (spec.medium_timesteps, spec.expert_timesteps):
-        robo_post("train", "algo=sb3", "algo.agent=SAC", f"algo.env={spec.env}", f"algo.timesteps={steps}",
+        robo_post("train", "algo=sb3", "algo.agent=SAC", f"algo.env={spec.train_env or spec.env}", f"algo.timesteps={steps}",
                   f"store={store}", f"run_dir={run}", "show=false", f"seed={seed}",
                   f"checkpoint_every={spec.medium_timesteps}", timeout=48 * 3600)
     for level in ("medium", "expert") if save else ():

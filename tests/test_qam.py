@@ -270,6 +270,19 @@ def test_measured_q_scale_tilts_alike_on_any_reward_scale(base_policy):
     assert fql_means == pytest.approx([m0 + 1 / (20 * drawn)] * 2, abs=0.03)
 
 
+def test_heads_that_disagree_more_than_the_policy_spreads_set_the_temperature(base_policy):
+    """A critic whose heads disagree on the data's chunks by more than the policy's own chunks
+    spread in Q measures the tilt in that disagreement: Q differences within the critic's
+    error move the policy less (a near-deterministic policy otherwise divides by ~0)."""
+    m0, s0 = sample_moments(base_policy)
+    c, d = 1.5, 2.0
+    heads = lambda obs, a: torch.stack([c * a.flatten(1).sum(-1) + d, c * a.flatten(1).sum(-1) - d])  # noqa: E731
+    qam, metrics = run_qam(base_policy, heads, q_scale=None)
+    resolution = 2**0.5 * d  # the heads' spread: root of their (unbiased) variance
+    assert metrics["q_scale"].item() == pytest.approx(resolution, rel=1e-4)
+    assert sample_moments(qam.fine)[0] == pytest.approx(m0 + 0.5 * s0**2 * c / resolution, abs=0.02)
+
+
 # --- 15. path source ------------------------------------------------------------------------
 def test_path_source_fine_reaches_the_exact_tilt_and_reference_does_not(base_policy):
     q, a0, kappa = 16.0, 0.6, 2.0  # kappa q s^2 = 2

@@ -41,7 +41,8 @@ class FQLConfig:
             (10 to 1000 on OGBench).
         q_scale: Q units the Q term is divided by, so ``alpha`` means the same on any reward scale.
             ``None`` (default) measures it on every batch as the spread of Q over the reference's
-            own chunks at the batch's states (``robo_post.algos.qam.q_spread``); a number pins it
+            own chunks at the batch's states (``robo_post.algos.qam.q_spread``), floored by the
+            critic heads' disagreement (``q_resolution``); a number pins it
             (FQL's code divides by the batch mean |Q| instead).
         q_agg: ``mean`` or ``min`` over critic heads.
         lr: Adam learning rate (FQL: 3e-4).
@@ -111,7 +112,8 @@ class FQL:
         distill = (actions - target).pow(2).mean()
         qs = critic_fn(obs, actions.clamp(-1.0, 1.0))
         q = aggregate_heads(qs, cfg.q_agg)
-        q_scale = batch_q_scale(self.q_scale, critic_fn, self.reference, obs, None, cfg.q_agg)
+        q_scale = batch_q_scale(self.q_scale, critic_fn, self.reference, obs, None, cfg.q_agg,
+                                self.reference.normalize_actions(batch["actions"].to(self.device)))
         q_loss = -q.mean() / q_scale
         loss = cfg.alpha * distill + q_loss
         metrics = {"distill_loss": distill.detach(), "q_loss": q_loss.detach(), "q_mean": q.mean().detach(),

@@ -147,13 +147,32 @@ def pinned_q_scale(value: float | None, device: torch.device) -> torch.Tensor | 
     return None if value is None else torch.tensor(float(value), device=device)
 
 
+@torch.no_grad()
+def q_resolution(critic_fn: CriticFn, obs: Any, actions: torch.Tensor) -> torch.Tensor:
+    """The critic's own uncertainty: the spread between its heads' Q of the data's chunks
+    ``actions`` (normalised), pooled over the batch (root of the mean variance); 0 with one head.
+
+    Q differences smaller than this are within what the critic's heads disagree on.
+    """
+    qs = critic_fn(obs, actions)
+    return qs.var(0).mean().sqrt() if qs.shape[0] > 1 else qs.new_zeros(())
+
+
 def batch_q_scale(pinned: torch.Tensor | None, critic_fn: CriticFn, policy: FlowPolicy, obs: Any,
-                  z: torch.Tensor | None, agg: str) -> torch.Tensor:
-    """The Q units of this batch's tilt: ``pinned``, else ``q_spread`` of ``policy`` (floored at 1e-6);
-    ``z`` is ``policy.encode(obs)`` when the caller has it."""
+                  z: torch.Tensor | None, agg: str, actions: torch.Tensor) -> torch.Tensor:
+    """The Q units of this batch's tilt: ``pinned``, else the larger of ``q_spread`` of ``policy``
+    and the critic's ``q_resolution`` on the batch's normalised chunks ``actions`` (floored at 1e-6);
+    ``z`` is ``policy.encode(obs)`` when the caller has it.
+
+    The resolution floor is there for a near-deterministic policy: its chunks' Q spread
+    collapses (measured 1e-4 on a balance task's expert data, against 0.05 between the heads),
+    and a temperature in those units multiplies the critic's gradient noise by ~10^4; the
+    policy then left its expert start for half of its return.
+    """
     if pinned is not None:
         return pinned
-    return q_spread(critic_fn, policy, obs, policy.encode(obs) if z is None else z, agg=agg).clamp_min(1e-6)
+    spread = q_spread(critic_fn, policy, obs, policy.encode(obs) if z is None else z, agg=agg)
+    return torch.maximum(spread, q_resolution(critic_fn, obs, actions)).clamp_min(1e-6)
 
 
 def adjoint_step(v_base: Velocity, x: torch.Tensor, adj: torch.Tensor, t: float, h: float) -> torch.Tensor:
@@ -217,7 +236,7 @@ class QAMConfig:
         q_scale: Q units per unit of ``inv_temp``. ``None`` (default) measures it on every batch
             as the spread of Q over the reference's own chunks at the batch's states
             (``q_spread``), so kappa is in units of the advantages the policy can reach on any
-            reward scale; a number pins it.
+            reward scale, floored by the critic heads' disagreement (``q_resolution``); a number pins it.
         path_source: ``fine`` samples paths from the current fine policy (QAM, AM: the
             fixed point is the exact tilt); ``reference`` from the frozen base (literal
             LWD reading: a first-order approximation; "QAM: paths and the time grid").
@@ -335,7 +354,8 @@ class QAM:
         # 2. Lean adjoint from the critic's action gradient at the generated endpoint, with kappa
         #    in units of the Q spread over the reference's chunks (a return-span unit leaves the
         #    tilt ~1% of the spread on dense rewards: the policy does not move).
-        q_scale = batch_q_scale(self.q_scale, critic_fn, ref, obs, z_ref, cfg.q_agg)
+        q_scale = batch_q_scale(self.q_scale, critic_fn, ref, obs, z_ref, cfg.q_agg,
+                                ref.normalize_actions(batch["actions"].to(self.device)))
         adj1, q1 = terminal_adjoint(critic_fn, obs, xs[-1], cfg.inv_temp / q_scale, cfg.clip_adj, cfg.q_agg)
         adjs = lean_adjoint(policy_velocity(ref, z_ref), xs, adj1, grid)
 
