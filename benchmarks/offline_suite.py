@@ -33,8 +33,11 @@ How, top to bottom:
    (``robo-post eval ... n_clients=1``; d3rlpy's policies and the random policy in-process
    on the same seeds).
 
-The authors' JAX QAM is not in this suite yet: its harness (``benchmarks/qam_reference.py``)
-times updates on synthetic batches only.
+The authors' JAX QAM (``qam_authors``) runs in its own interpreter through the worker of
+``benchmarks/qam_reference.py`` (``--reference-python``, ``--reference-repo``; skipped with one
+line saying why when either is missing): their default settings, one action per decision,
+trained on the same transitions (actions scaled to [-1, 1], time-outs bootstrapped) for the
+same updates at the same batch as d3rlpy's, and scored with the same in-process evaluation.
 
 Ablations: ``--ablate NAME="METHOD OVERRIDES"`` adds a method NAME, one of ours with extra
 ``robo-post train`` settings (e.g. ``--ablate "bc_h4=bc model.horizon=4"``); its reference BC
@@ -70,6 +73,7 @@ from safetensors.torch import load_file, save_file
 
 from foreign_dataset import (COMMANDS, EVAL_SEED, REPO, RESULTS, eval_d3rlpy, robo_post, run_d3rlpy, t_interval,
                              train, write_results)
+from qam_reference import OfflineReference, reference_problem, write_reference_dataset
 from robo_post.algos.sb3_agent import SB3Agent, SB3AgentConfig
 from robo_post.store import Store
 from robo_post.store.registry import PolicyRegistry
@@ -101,7 +105,8 @@ SOURCES = ("expert", "medium", "random")
 DATASETS = {"expert": ("expert",), "medium": ("medium",), "random": ("random",), "mixed": SOURCES}
 OURS = ("bc", "bc_filtered", "divl_qam", "iql_qam", "fql")
 D3RLPY = ("d3rlpy_bc", "d3rlpy_iql", "d3rlpy_td3bc")
-METHODS = OURS + D3RLPY
+AUTHORS = ("qam_authors",)
+METHODS = OURS + D3RLPY + AUTHORS
 TRAIN = {"bc": ["algo=bc_flow", "data.success=null"], "bc_filtered": ["algo=bc_flow"],
          "divl_qam": ["algo=divl_qam"], "iql_qam": ["algo=iql_qam"], "fql": ["algo=fql"]}
 
@@ -227,8 +232,26 @@ def random_returns(env_id: str, episodes: int) -> np.ndarray:
 
 
 # --- one cell ---------------------------------------------------------------------------------
+def run_authors_qam(store: str, paths: tuple[str, str], updates: int, batch: int, gamma: float,
+                    seed: int) -> tuple[OfflineReference, dict]:
+    """The authors' QAM (their default settings, one action per decision) on the store's
+    transitions in its own interpreter; ``paths``: (python, checkout)."""
+    snap = Store.open(store).snapshot()
+    (key,) = snap.store.schema.observations
+    action = snap.store.schema.action
+    if action.low is None or action.high is None:
+        raise ValueError(f"the authors' QAM acts in [-1, 1]: {store} records no action bounds to scale from")
+    low, high = (np.broadcast_to(np.asarray(b, np.float32), action.shape) for b in (action.low, action.high))
+    data = os.path.join(store + "-reference", "transitions.npz")
+    os.makedirs(os.path.dirname(data), exist_ok=True)
+    transitions = write_reference_dataset(snap, snap.episodes(), key, low, high, data)
+    algo = OfflineReference(*paths, data, updates, batch, gamma, seed, low, high)
+    return algo, {"transitions": transitions, "episodes": len(snap.episodes()), "obs_key": key, **algo.info}
+
+
 def run_cell(task: str, spec: Task, dataset: str, store: str, method: str, seed: int, work: str,
-             eval_episodes: int, quick: bool, ablations: dict[str, tuple[str, list[str]]]) -> dict | None:
+             eval_episodes: int, quick: bool, ablations: dict[str, tuple[str, list[str]]],
+             reference: tuple[tuple[str, str], str | None]) -> dict | None:
     out = os.path.join(work, "cells", dataset, method, f"seed{seed}.json")
     if os.path.exists(out):
         with open(out) as f:
@@ -252,14 +275,22 @@ def run_cell(task: str, spec: Task, dataset: str, store: str, method: str, seed:
                 "overrides": extra, "backup": summary.get("backup"),
                 "critic_diagnostics": summary.get("critic_diagnostics")}
     else:
+        if base in AUTHORS and reference[1] is not None:
+            return None  # said once, in main
         bc = train(store, bc_run, *TRAIN["bc"], f"seed={seed}", *budget)  # the budget our BC measured
         with open(os.path.join(bc_run, "config.yaml")) as f:
             bc_cfg = yaml.safe_load(f)
         updates, batch = bc["final"]["update"], bc_cfg["batch_size"]
-        algo, info = run_d3rlpy(method, store, updates, batch, bc_cfg["gamma"], seed)
-        COMMANDS.append(f"(in-process) d3rlpy {method} x {updates} updates at batch {batch}, seed {seed}, on {store}")
+        if base in AUTHORS:
+            algo, info = run_authors_qam(store, reference[0], updates, batch, bc_cfg["gamma"], seed)
+            COMMANDS.append(f"(worker) the authors' QAM x {updates} updates at batch {batch}, seed {seed}, on {store}")
+        else:
+            algo, info = run_d3rlpy(method, store, updates, batch, bc_cfg["gamma"], seed)
+            COMMANDS.append(f"(in-process) d3rlpy {method} x {updates} updates at batch {batch}, seed {seed}, on {store}")
         returns = eval_d3rlpy(algo, info["obs_key"], spec.env, {}, eval_episodes)
         cell = {"updates": updates, "batch_size": batch, **info}
+        if base in AUTHORS:
+            algo.close()
     cell |= {"task": task, "dataset": dataset, "method": method, "seed": seed, "returns": returns.tolist()}
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
@@ -304,6 +335,9 @@ def main() -> None:
     parser.add_argument("--finished-only", action="store_true",
                         help="tabulate the cells already run in the workdir; train, record and run nothing new")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--reference-python", help="python of an environment with the authors' QAM's dependencies "
+                        "(benchmarks/qam_reference.py)")
+    parser.add_argument("--reference-repo", help="checkout of github.com/ColinQiyangLi/qam")
     args = parser.parse_args()
     ablations = dict(args.ablate)
     try:
@@ -318,6 +352,9 @@ def main() -> None:
     if os.path.exists(work) and not (args.reuse or args.finished_only):
         shutil.rmtree(work)
     torch.set_num_threads(1)
+    reference = ((args.reference_python, args.reference_repo), reference_problem(args.reference_python, args.reference_repo))
+    if reference[1] is not None and any(m in AUTHORS for m in args.methods):
+        print(f"qam_authors skipped: {reference[1]}")
     t_start = time.perf_counter()
     table: dict[str, dict[str, dict]] = {}
     for task in args.tasks:
@@ -347,7 +384,7 @@ def main() -> None:
                     if args.finished_only and not os.path.exists(done):
                         continue
                     cell = run_cell(task, spec, dataset, store, method, seed, task_work, args.eval_episodes, args.quick,
-                                    ablations)
+                                    ablations, reference)
                     if cell is not None:
                         scores.append(100 * (np.mean(cell["returns"]) - lo) / (hi - lo))
                 if scores:

@@ -37,7 +37,9 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
+import numpy as np
 import torch
 
 from robo_post.algos.actor_critic import ActorCritic
@@ -87,19 +89,117 @@ for line in sys.stdin:
 """
 
 
+# The offline worker: trains their agent on a dataset file as their main.py does (sequences of
+# ``horizon`` steps at their batch size), prints "ready" with its wall time, then answers each line
+# of JSON observations (N, D) with JSON actions (N, horizon * A) sampled as their evaluation does.
+OFFLINE_WORKER = r"""
+import json, sys, time
+spec = json.loads(sys.argv[2])
+sys.path.insert(0, sys.argv[1])
+import jax, numpy as np
+from agents.qam import QAMAgent, get_config
+from utils.datasets import Dataset
+
+np.random.seed(spec["seed"])  # their sample_sequence draws from numpy's global generator
+data = Dataset.create(**{k: v for k, v in np.load(spec["data"]).items()})
+config = get_config()
+config.update(dict(horizon_length=spec["horizon"], action_chunking=True, batch_size=spec["batch"],
+                   discount=spec["discount"]))
+example = data.sample(())
+agent = QAMAgent.create(spec["seed"], example["observations"], example["actions"], dict(config))
+t0 = time.perf_counter()
+for _ in range(spec["updates"]):
+    agent, info = agent.update(data.sample_sequence(config["batch_size"], sequence_length=spec["horizon"],
+                                                    discount=config["discount"]))
+jax.block_until_ready(agent.network.params)
+print("ready", json.dumps({"wall_s": time.perf_counter() - t0,
+                           "final": {k: float(v) for k, v in info.items() if np.ndim(v) == 0}}), flush=True)
+rng = jax.random.PRNGKey(spec["seed"])
+for line in sys.stdin:
+    rng, key = jax.random.split(rng)
+    actions = agent.sample_actions(np.asarray(json.loads(line), np.float32), rng=key)
+    print(json.dumps(np.asarray(actions).tolist()), flush=True)
+"""
+
+
+def _worker(python: str, code: str, repo: str, spec: dict) -> tuple[subprocess.Popen, str]:
+    """Start ``code`` under ``python`` on one CPU thread; (process, the rest of its "ready" line)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+               JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([python, "-c", code, repo, json.dumps(spec)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    head, _, rest = proc.stdout.readline().strip().partition(" ")
+    if head != "ready":
+        err = proc.communicate()[1].strip().splitlines()
+        errors = [e for e in err if e.split(":")[0].endswith(("Error", "Exception"))]  # the raised error's line
+        raise RuntimeError((errors or err or [f"worker exited with {proc.returncode}"])[-1])
+    return proc, rest
+
+
+def reference_problem(python: str | None, repo: str | None) -> str | None:
+    """Why the authors' QAM cannot run from these paths (None when it can be tried)."""
+    if not (python and repo):
+        return "pass --reference-python and --reference-repo"
+    if not os.path.exists(os.path.join(repo, "agents", "qam.py")):
+        return f"no agents/qam.py in {repo}"
+    if not os.path.exists(python):
+        return f"no interpreter at {python}"
+    return None
+
+
+def write_reference_dataset(snap: Any, episodes: list, key: str, low: np.ndarray, high: np.ndarray, path: str) -> int:
+    """Store episodes -> their ``Dataset`` fields in an ``.npz`` (returns the transition count):
+    actions scaled from [low, high] to [-1, 1] and clipped 1e-5 inside, as their loader clips;
+    ``terminals`` ends each episode, ``masks`` is 0 only after a true termination (a time-out
+    bootstraps, as in their D4RL loader). A one-dimensional action gets a second coordinate fixed
+    at 0: their vector field squeezes a one-dimensional output, which breaks its own sampler."""
+    fields: dict[str, list] = {k: [] for k in ("observations", "actions", "rewards", "next_observations",
+                                               "terminals", "masks")}
+    for ep in episodes:
+        d = snap.load(ep)
+        o, a = d["obs"][key].astype(np.float32), d["action"].astype(np.float32)
+        end = np.zeros(len(a), np.float32)
+        end[-1] = 1.0
+        fields["observations"].append(o[:-1])
+        fields["next_observations"].append(o[1:])
+        a = np.clip(2 * (a - low) / (high - low) - 1, -1 + 1e-5, 1 - 1e-5)
+        fields["actions"].append(np.pad(a, ((0, 0), (0, max(0, 2 - a.shape[1])))))
+        fields["rewards"].append(d["reward"].astype(np.float32))
+        fields["terminals"].append(end)
+        fields["masks"].append(1.0 - end * float(ep.terminated))
+    arrays = {k: np.concatenate(v) for k, v in fields.items()}
+    np.savez(path, **arrays)
+    return len(arrays["rewards"])
+
+
+class OfflineReference:
+    """The authors' QAM trained offline in a worker process on ``data`` (``write_reference_dataset``)
+    for ``updates`` at ``batch``, one action per decision; then ``predict(obs) -> actions`` in the
+    env's units, like a d3rlpy policy. ``info``: their wall time and last update's metrics."""
+
+    def __init__(self, python: str, repo: str, data: str, updates: int, batch: int, discount: float, seed: int,
+                 low: np.ndarray, high: np.ndarray):
+        spec = {"data": data, "updates": updates, "batch": batch, "discount": discount, "seed": seed, "horizon": 1}
+        self.proc, ready = _worker(python, OFFLINE_WORKER, repo, spec)
+        self.info = json.loads(ready)
+        self.low, self.high = low, high
+
+    def predict(self, obs: np.ndarray) -> np.ndarray:
+        self.proc.stdin.write(json.dumps(np.asarray(obs, np.float32).tolist()) + "\n")
+        self.proc.stdin.flush()
+        actions = np.asarray(json.loads(self.proc.stdout.readline()), np.float32)
+        return self.low + (actions[:, : len(self.low)] + 1) / 2 * (self.high - self.low)  # less the padding
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
 class Reference:
     """The authors' agent in a worker process; ``time(kind, n)`` -> seconds for n updates."""
 
     def __init__(self, python: str, repo: str, spec: dict):
-        env = dict(os.environ, XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-                   JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([python, "-c", WORKER, repo, json.dumps(spec)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        line = self.proc.stdout.readline().strip()
-        if line != "ready":
-            err = self.proc.communicate()[1].strip().splitlines()
-            errors = [e for e in err if e.split(":")[0].endswith(("Error", "Exception"))]  # the raised error's line
-            raise RuntimeError((errors or err or [f"worker exited with {self.proc.returncode}"])[-1])
+        self.proc, _ = _worker(python, WORKER, repo, spec)
 
     def time(self, kind: str, n: int) -> float:
         self.proc.stdin.write(f"{kind} {n}\n")
@@ -149,11 +249,8 @@ def main() -> None:
     args = parser.parse_args()
     n, reps = (3, 2) if args.quick else (args.updates, args.reps)
     torch.set_num_threads(1)
-    skip = None
-    if not (args.reference_python and args.reference_repo):
-        skip = "reference skipped: pass --reference-python and --reference-repo"
-    elif not os.path.exists(os.path.join(args.reference_repo, "agents", "qam.py")):
-        skip = f"reference skipped: no agents/qam.py in {args.reference_repo}"
+    problem = reference_problem(args.reference_python, args.reference_repo)
+    skip = None if problem is None else f"reference skipped: {problem}"
     print(f"one CPU thread; obs {OBS}, chunk {HORIZON}x{ACTION}, batch {BATCH}, {FLOW_STEPS} flow steps, {NUM_Q} critics; "
           f"{reps} interleaved repetitions of {n} updates per cell; ours {'bf16 autocast' if args.amp else 'fp32'}")
     if skip:
