@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
 import warnings
 from typing import Callable
 
@@ -336,7 +338,8 @@ COMMANDS["config"] = ("print a job's composed config without running it (same as
 def _usage() -> str:
     lines = ["usage: robo-post COMMAND [ARGS | hydra overrides]", "", "commands:"]
     lines += [f"  {name:<12} {help_}" for name, (help_, _) in COMMANDS.items()]
-    lines += ["", "`robo-post COMMAND --help` for a command's own help; `robo-post --version`."]
+    lines += ["", "`robo-post COMMAND --help` for a command's own help; `robo-post --version`.",
+              "A failure prints one line; `robo-post --debug COMMAND ...` (or ROBO_POST_DEBUG=1) adds its traceback."]
     return "\n".join(lines)
 
 
@@ -354,6 +357,9 @@ _python_show_warning = warnings.showwarning
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    debug = os.environ.get("ROBO_POST_DEBUG", "") not in ("", "0")
+    if argv[:1] == ["--debug"]:
+        debug, argv = True, argv[1:]
     if argv[:1] in (["--version"], ["-V"]):
         from importlib.metadata import version
 
@@ -372,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     # Expected failures: a clear message, no traceback. OSError: a read-only or full disk,
     # a path that is a file, an unreadable dataset file; the message names the path.
     except (StoreError, RuntimeError, ValueError, OSError) as e:
+        if debug:
+            traceback.print_exc()
         print(f"robo-post {name}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # store commits are atomic: an interrupted episode is simply not committed

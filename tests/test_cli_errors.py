@@ -146,6 +146,19 @@ def test_version():
     assert r.returncode == 0 and r.stdout == f"robo-post {version('robo-post')}\n"
 
 
+@pytest.mark.parametrize("how", ["flag", "env", "off"])
+def test_debug_adds_the_traceback_to_the_one_line(tmp_path, capsys, monkeypatch, how):
+    from robo_post.cli import main
+
+    missing = str(tmp_path / "nowhere")
+    monkeypatch.setenv("ROBO_POST_DEBUG", "1" if how == "env" else "0")
+    assert main((["--debug"] if how == "flag" else []) + ["store", "info", missing]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("robo-post store: ") and missing in err.strip().splitlines()[-1]
+    assert ("Traceback (most recent call last)" in err) == (how != "off")
+    assert not os.path.exists(missing)
+
+
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
     """A `robo-post collect` sent Ctrl-C (SIGINT to its process group, as a terminal does) once its
