@@ -41,31 +41,26 @@ Split = Literal["train", "heldout"]
 # Base seed of eval episodes. Training fleets default to seed 0; a distinct base
 # seed (and distinct client ids) gives eval episodes layouts the learner never saw.
 EVAL_SEED = 1_000_003
-Z_95 = 1.959963984540054  # standard-normal quantile at 0.975
 RESULTS_DIR = "evals"
 _RESULT_KEYS = ("created", "policy", "split", "tasks", "overall", "mean_success_rate", "episodes_per_task")
 EXPERT = {"kind": "expert"}
 
 
-def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion (default: 95%).
+def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (default: 95%; ``scipy.stats.binomtest``).
 
     Unlike the normal approximation it stays inside [0, 1] and is sensible at
     0/n and n/n, which is where small eval sets usually land. ``n = 0`` gives (0, 1).
     """
+    from scipy.stats import binomtest
+
     if n == 0:
         return 0.0, 1.0
     if not 0 <= successes <= n:
         raise ValueError(f"successes must be in [0, {n}], got {successes}")
-    p, z2 = successes / n, z * z
-    denom = 1.0 + z2 / n
-    center = (p + z2 / (2 * n)) / denom
-    half = z / denom * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    # At 0/n and n/n the bound is exactly 0 or 1; center ∓ half leaves rounding noise
-    # there (2.8e-17 for 0/7, 0.9999999999999999 for 10/10).
-    low = 0.0 if successes == 0 else max(0.0, center - half)
-    high = 1.0 if successes == n else min(1.0, center + half)
-    return low, high
+    ci = binomtest(successes, n).proportion_ci(confidence, method="wilson")
+    # At 0/n and n/n the bound is exactly 0 or 1 (the formula leaves rounding noise there).
+    return (0.0 if successes == 0 else float(ci.low)), (1.0 if successes == n else float(ci.high))
 
 
 def mean_interval(values: Iterable[float], confidence: float = 0.95, low: float | None = None,
