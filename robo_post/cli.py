@@ -148,6 +148,35 @@ def _store_import_minari(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store_export_lerobot(args: argparse.Namespace) -> int:
+    from robo_post.store import Store
+    from robo_post.store.lerobot_io import export_lerobot
+
+    snap = Store.open(args.store).snapshot()
+    episodes = snap.episodes(task=args.task, success=args.success, role=args.role)
+    path = export_lerobot(snap, args.path, episodes, fps=args.fps, images=args.images)
+    print(f"exported {len(episodes)} episodes ({sum(e.length for e in episodes)} steps) to {path}")
+    return 0
+
+
+def _store_import_lerobot(args: argparse.Namespace) -> int:
+    from robo_post.store.lerobot_io import import_lerobot
+
+    done = import_lerobot(args.path, args.store, args.client, task_id=args.task, success_from=args.success_from,
+                          skip_invalid=args.skip_invalid)
+    rule = args.success_from or "as exported"
+    held = f"; {done.skipped} the store already held were skipped" if done.skipped else ""
+    for index, reason in done.invalid:
+        print(f"skipped invalid episode {index}: {reason}", file=sys.stderr)
+    if done.ignored:
+        print(f"left out features the store cannot hold (neither numeric nor a camera): {', '.join(done.ignored)}",
+              file=sys.stderr)
+    invalid = f"; {len(done.invalid)} invalid skipped (listed above)" if done.invalid else ""
+    print(f"imported {done.imported} episode{'' if done.imported == 1 else 's'} from {args.path} into "
+          f"{args.store} (shard {args.client}, success: {rule}){held}{invalid}")
+    return 0
+
+
 def _store_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="robo-post store", description="Inspect, check, convert a trajectory store.")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -185,6 +214,31 @@ def _store_main(argv: list[str]) -> int:
                    help="import the other episodes when one fails validation (NaN, an action out of bounds), "
                    "listing each skipped one; by default it stops the import")
     p.set_defaults(fn=_store_import_minari)
+    p = sub.add_parser("export-lerobot", help="write a snapshot's episodes as a new LeRobot v3.0 dataset folder")
+    p.add_argument("store")
+    p.add_argument("path", help="the dataset folder to create")
+    p.add_argument("--task", metavar="T", help="only episodes of this task")
+    p.add_argument("--success", action=argparse.BooleanOptionalAction, help="only (un)successful episodes")
+    p.add_argument("--role", metavar="R", help="only episodes of this role (demo, play, deploy, online, eval, ...)")
+    p.add_argument("--fps", type=int, metavar="N",
+                   help="frames per second (default: the imported LeRobot dataset's, else 30)")
+    p.add_argument("--images", action="store_true",
+                   help="camera frames as PNG images in the data files (exact) instead of mp4 videos (lossy)")
+    p.set_defaults(fn=_store_export_lerobot)
+    p = sub.add_parser("import-lerobot", help="append a LeRobot v3.0 dataset's episodes to a store (created if absent)")
+    p.add_argument("path", help="the dataset folder (meta/info.json, data/, videos/)")
+    p.add_argument("store")
+    p.add_argument("--client", metavar="ID", default="lerobot", help="shard to write (default: lerobot)")
+    p.add_argument("--task", metavar="T", help="task id of every episode (default: exported task, else the folder name)")
+    p.add_argument(
+        "--success-from", metavar="RULE",
+        help="how each episode's success is decided: termination | truncation | feature:KEY | return>=X | none "
+        "(required for datasets not exported by robo-post; default for those: the exported success)",
+    )
+    p.add_argument("--skip-invalid", action="store_true",
+                   help="import the other episodes when one fails validation (NaN, an action out of bounds), "
+                   "listing each skipped one; by default it stops the import")
+    p.set_defaults(fn=_store_import_lerobot)
     args = parser.parse_args(argv)
     return args.fn(args)
 
@@ -317,7 +371,8 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
               _hydra_job("steer", _steer)),
     "steer-eval": ("steering grid vs the frozen actor: HELP / FROZEN / HURT, selector vs oracle, heat maps",
                    _hydra_job("steer-eval", _steer_eval)),
-    "store": ("info | validate | repair | export-minari | import-minari: inspect, check, repair, convert a store", _store_main),
+    "store": ("info | validate | repair | export-minari | import-minari | export-lerobot | import-lerobot: inspect, "
+              "check, repair, convert a store", _store_main),
     "fleet": ("ros2-bridge | ros2-sim | ros2-status: ROS 2 bridge to a robot, a simulated robot, bridge liveness",
               _fleet_main),
 }

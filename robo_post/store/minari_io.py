@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import json
 import os
 import shutil
@@ -53,6 +52,7 @@ from minari.data_collector import EpisodeBuffer
 from minari.dataset.minari_dataset import parse_dataset_id
 from minari.storage import get_dataset_path
 
+from robo_post.store.convert import SOURCE_ATTR, SuccessRuleError, import_lock, kept, remove_dead_exports
 from robo_post.store.schema import (
     BARE_OBS_ATTR,
     BARE_OBS_KEY,
@@ -87,10 +87,6 @@ SUCCESS_RULES = {
 }
 
 
-# Per imported episode: {"dataset": id, "episode": index in the dataset}.
-SOURCE_ATTR = "imported_from"
-
-
 @dataclasses.dataclass(frozen=True)
 class MinariImport:
     """What ``import_minari`` did: episodes appended, episodes skipped as the store already held
@@ -103,11 +99,6 @@ class MinariImport:
 
 class UnsupportedSpaceError(StoreError, ValueError):
     """A Minari dataset's spaces cannot be represented in a robo-post store."""
-
-
-class SuccessRuleError(StoreError, ValueError):
-    """No usable success rule for a Minari import: none given for a foreign dataset,
-    a malformed rule, or an info key the dataset lacks."""
 
 
 def _rules_help() -> str:
@@ -145,9 +136,9 @@ def success_rule(rule: str) -> Callable[[Any], bool | None]:
 
 def stored_success(rule: str, episode: EpisodeInfo) -> bool | None:
     """``rule`` applied to an episode already in a store (an ``EpisodeInfo``: how it ended and its
-    return). A store keeps no infos, so an ``info:KEY`` rule gives None; an episode that did not
-    terminate was truncated."""
-    if rule.startswith("info:"):
+    return). A store keeps no infos nor features, so an ``info:KEY`` rule (or a LeRobot import's
+    ``feature:KEY``) gives None; an episode that did not terminate was truncated."""
+    if rule.startswith(("info:", "feature:")):
         return None
     ended = types.SimpleNamespace(id=episode.key, terminations=[episode.terminated],
                                   truncations=[not episode.terminated], rewards=[episode.ret], infos={})
@@ -314,7 +305,7 @@ def export_minari(
         raise StoreError(f"Minari dataset {dataset_id!r} already exists at {path}")
     # Minari writes in place: the dataset is built beside the datasets folder and renamed into
     # it whole, so a killed export leaves no partial dataset that reads as a complete one.
-    _remove_dead_exports(root)
+    remove_dead_exports(root)
     staging = f"{root.rstrip(os.sep)}.export-{uuid.uuid4().hex}"
     os.makedirs(staging)
     held = try_lock(staging, lambda: StoreError(f"{staging} is in use"))  # alive while this export runs
@@ -352,24 +343,6 @@ def export_minari(
             shutil.rmtree(staging, ignore_errors=True)
             os.close(held)
     return path
-
-
-def _remove_dead_exports(root: str) -> None:
-    """Remove the staging folders of killed exports beside ``root``: those whose lock no live
-    export holds (an export running meanwhile keeps its own)."""
-    parent, prefix = os.path.dirname(root.rstrip(os.sep)) or ".", os.path.basename(root.rstrip(os.sep)) + ".export-"
-    for name in os.listdir(parent) if os.path.isdir(parent) else []:
-        path = os.path.join(parent, name)
-        if not name.startswith(prefix) or not os.path.isdir(path):
-            continue
-        try:
-            fd = try_lock(path, lambda: BlockingIOError())
-        except OSError:  # a live export's (or not ours to remove)
-            continue
-        try:
-            shutil.rmtree(path, ignore_errors=True)
-        finally:
-            os.close(fd)
 
 
 def _schema_from_spaces(dataset_id: str, observation_space: gym.Space, action_space: gym.Space) -> StoreSchema:
@@ -485,7 +458,7 @@ def import_minari(
     with contextlib.ExitStack() as stack:
         # One import at a time per store: two imports of one dataset into different shards
         # would each find its episodes missing and both write them.
-        stack.enter_context(_import_lock(store.root))
+        stack.enter_context(import_lock(store.root))
         # A store this import created and left empty is removed (a foreign dataset's first
         # episode refused): the next try creates it afresh, with this dataset's schema.
         stack.callback(lambda: remove_empty_store(store.root, existed) if created and n == 0 else None)
@@ -548,7 +521,7 @@ def import_minari(
                 )
             except EpisodeValidationError as e:
                 if not skip_invalid:  # the dataset's own episode: importing again stops here again
-                    e.args = (f"Minari dataset {dataset_id!r}, episode {index}: {e}; {_kept(n, store_root)}; the "
+                    e.args = (f"Minari dataset {dataset_id!r}, episode {index}: {e}; {kept(n, store_root)}; the "
                               "dataset's episode is invalid: fix it and import again (only the rest is added), or "
                               "pass --skip-invalid to import the others", *e.args[1:])
                     raise
@@ -557,7 +530,7 @@ def import_minari(
             except StoreError as e:
                 # Same type, with where it stopped: earlier episodes stay committed, and
                 # importing the dataset again skips them.
-                e.args = (f"Minari dataset {dataset_id!r}, episode {index}: {e}; {_kept(n, store_root)}"
+                e.args = (f"Minari dataset {dataset_id!r}, episode {index}: {e}; {kept(n, store_root)}"
                           + ("; importing again adds only the rest" if n else ""), *e.args[1:])
                 raise
             n += 1
@@ -567,25 +540,6 @@ def import_minari(
               f"the rule they were imported with ({rules}), not --success-from {success_from}: the rule labels only "
               "the episodes an import adds (import into a new store to label them all with it)", file=sys.stderr)
     return MinariImport(imported=n, skipped=len(metas) - n - len(invalid), invalid=tuple(invalid))
-
-
-def _kept(n: int, store_root: str | os.PathLike) -> str:
-    return f"{n} earlier episode(s) stay imported in {store_root}" if n else "nothing was imported"
-
-
-@contextlib.contextmanager
-def _import_lock(root: str) -> Iterator[None]:
-    """Hold the store's import lock (a flock on its directory); wait while another import holds it."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for another import into {root} to finish", file=sys.stderr)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _json_safe(kwargs: dict[str, Any]) -> dict[str, Any]:
