@@ -177,6 +177,19 @@ def _store_import_lerobot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store_view(args: argparse.Namespace) -> int:
+    from robo_post.store import Store
+    from robo_post.store.view import default_path, find_episode, write_recording
+
+    store = Store.open(args.store)
+    snap = store.snapshot(record=False)  # looking must not write into the store
+    episode = find_episode(snap, args.episode)
+    path = write_recording(snap, episode, args.out or default_path(store.root, episode))
+    print(f"wrote {path}: episode {episode.key} ({episode.length} steps, task {episode.task_id or '(none)'})")
+    print(f"open it with: rerun {path}")
+    return 0
+
+
 def _store_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="robo-post store", description="Inspect, check, convert a trajectory store.")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -239,6 +252,12 @@ def _store_main(argv: list[str]) -> int:
                    help="import the other episodes when one fails validation (NaN, an action out of bounds), "
                    "listing each skipped one; by default it stops the import")
     p.set_defaults(fn=_store_import_lerobot)
+    p = sub.add_parser("view", help="write one episode as a Rerun recording (.rrd) to open with `rerun FILE`")
+    p.add_argument("store")
+    p.add_argument("episode", nargs="?",
+                   help="its key SHARD/N, or an index into the store's episodes (-1: the last); default: the newest")
+    p.add_argument("--out", metavar="FILE.rrd", help="where to write it (default: STORE-episode-SHARD-N.rrd here)")
+    p.set_defaults(fn=_store_view)
     args = parser.parse_args(argv)
     return args.fn(args)
 
@@ -371,8 +390,8 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
               _hydra_job("steer", _steer)),
     "steer-eval": ("steering grid vs the frozen actor: HELP / FROZEN / HURT, selector vs oracle, heat maps",
                    _hydra_job("steer-eval", _steer_eval)),
-    "store": ("info | validate | repair | export-minari | import-minari | export-lerobot | import-lerobot: inspect, "
-              "check, repair, convert a store", _store_main),
+    "store": ("info | validate | repair | view | export-minari | import-minari | export-lerobot | import-lerobot: "
+              "inspect, check, repair, view, convert a store", _store_main),
     "fleet": ("ros2-bridge | ros2-sim | ros2-status: ROS 2 bridge to a robot, a simulated robot, bridge liveness",
               _fleet_main),
 }

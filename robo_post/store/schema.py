@@ -82,6 +82,10 @@ class StoreNotFoundError(StoreError, FileNotFoundError):
     """No store exists at the given path."""
 
 
+class EpisodeNotFoundError(StoreError, LookupError):
+    """No committed episode of the given key or index (or none at all) in the store."""
+
+
 class ShardLockedError(StoreError):
     """Another live process already writes to this shard."""
 
