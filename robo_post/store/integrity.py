@@ -18,11 +18,13 @@ from robo_post.store.commit import inspect_commit, write_commit_file
 from robo_post.store.registry import PolicyRegistry, check_policies_folder
 from robo_post.store.schema import (
     ROLES,
+    EpisodeTooLargeError,
     EpisodeValidationError,
     StoreError,
     StoreIntegrityError,
     StoreLayoutError,
     UnsupportedFormatError,
+    check_episode_size,
     validate_array,
 )
 from robo_post.store.store import EpisodeInfo, Snapshot, Store, describe_lost
@@ -137,6 +139,11 @@ def validate_store(root: str) -> tuple[int, list[str]]:
         for ep in eps:
             T, s0, o0 = ep.length, ep.step_start, ep.obs_start
             if data is None:
+                try:
+                    check_episode_size(schema, ep.key, T, "not checked")
+                except EpisodeTooLargeError as e:  # damaged, or written on a larger machine: not for this one to judge
+                    problems.append(str(e))
+                    continue
                 ranges = {f"obs/{k}": (o0, o0 + T + 1) for k in schema.observations}
                 ranges.update(action=(s0, s0 + T), step=(s0, s0 + T))
                 ranges.update({f"extras/{k}": (s0, s0 + T) for k in schema.extras})

@@ -37,6 +37,7 @@ from robo_post.store.schema import (
     StoreLayoutError,
     StoreNotFoundError,
     StoreSchema,
+    check_episode_size,
     check_folder,
     check_name,
     infer_role,
@@ -512,9 +513,14 @@ class Snapshot:
         the schema declares none), one (T,) array per step column (``reward``,
         ``terminated``, ``truncated``, ``policy_version``, ``intervention``,
         ``timestamp``, ``behavior_logprob``) and ``info``.
+
+        Raises:
+            EpisodeTooLargeError: its record declares more steps than fit ``episode_byte_limit()``;
+                nothing is read.
         """
         shard, T, s0, o0 = episode.client_id, episode.length, episode.step_start, episode.obs_start
         schema = self.store.schema
+        check_episode_size(schema, episode.key, T, "not read")  # a damaged record may declare any length
         ranges = {f"obs/{k}": (o0, o0 + T + 1) for k in schema.observations}
         ranges.update({"action": (s0, s0 + T), "step": (s0, s0 + T)})
         ranges.update({f"extras/{k}": (s0, s0 + T) for k in schema.extras})
@@ -551,8 +557,11 @@ class Snapshot:
 
     def load_shard(self, shard: str) -> dict[str, Any]:
         """Every committed row of a shard in one read: ``obs``, ``action``, ``step`` table,
-        ``extras`` (name -> rows; empty when the schema declares none)."""
+        ``extras`` (name -> rows; empty when the schema declares none). ``EpisodeTooLargeError``
+        before any read when one of its episodes declares more steps than fit ``episode_byte_limit()``."""
         self._shard_arrays(shard)  # typed error for a shard outside the snapshot
+        for ep in self._by_shard[shard]:
+            check_episode_size(self.store.schema, ep.key, ep.length, "not read")
         c = self.counts[shard]
         n_obs, schema = c["steps"] + c["episodes"], self.store.schema
         ranges = {f"obs/{k}": (0, n_obs) for k in schema.observations}

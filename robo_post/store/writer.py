@@ -53,6 +53,7 @@ from robo_post.store.schema import (
     ShardLockedError,
     StoreIntegrityError,
     UnsupportedFormatError,
+    check_episode_size,
     check_name,
     check_role,
     stack_field,
@@ -320,6 +321,7 @@ class ShardWriter:
         steps, self._steps = self._steps, []
         if not steps:
             raise EpisodeValidationError("steps", "episode is empty")
+        self._check_size(len(steps))  # stacking the steps would copy them all
         obs_keys = set(self.schema.observations)
         for i, s in enumerate(steps):
             if set(s["obs"]) != obs_keys:
@@ -379,11 +381,15 @@ class ShardWriter:
 
         Raises:
             EpisodeValidationError: naming the field and step; nothing is written.
+            EpisodeTooLargeError: its arrays would take more than ``episode_byte_limit()``
+                (a quarter of this machine's memory); refused before any copy of them.
         """
         actions = np.asarray(actions)
         T = len(actions) if actions.ndim else 0
         if T == 0:
             raise EpisodeValidationError("action", "episode is empty")
+        # Before the first copy: broadcast or memory-mapped arrays can declare more rows than memory holds.
+        self._check_size(T)
         if table is None:
             table = self._build_table(
                 T, rewards, terminated, truncated, policy_versions, interventions, timestamps, behavior_logprobs
@@ -438,6 +444,10 @@ class ShardWriter:
             self._columns[name].advance(tail)
         self._commit.sync()
         return index
+
+    def _check_size(self, T: int) -> None:
+        """``EpisodeTooLargeError`` for an episode of ``T`` steps too large to write and read back here."""
+        check_episode_size(self.schema, f"{self.client_id}/{self.n_episodes}", T, "not written")
 
     @staticmethod
     def _build_table(T, rewards, terminated, truncated, policy_versions, interventions, timestamps, logprobs):
