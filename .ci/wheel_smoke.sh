@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the wheel, installs it into a fresh venv (no checkout on the path) and runs the
 # main commands from there: --version, a 2-episode collect, a 10-update train, an eval and a
-# Minari round trip. Catches packages or data files missing from the wheel, which an
+# Minari and a LeRobot round trip. Catches packages or data files missing from the wheel, which an
 # editable install hides.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,4 +35,7 @@ PY
 "$RP" store export-minari s smoke/point-mass-v0
 "$RP" store import-minari smoke/point-mass-v0 s2 --success-from truncation
 "$RP" store validate s2
+"$RP" store export-lerobot s lerobot
+"$RP" store import-lerobot lerobot s3 --success-from truncation
+"$RP" store validate s3
 echo "wheel smoke test passed"

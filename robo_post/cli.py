@@ -181,6 +181,11 @@ def _store_view(args: argparse.Namespace) -> int:
     from robo_post.store import Store
     from robo_post.store.view import default_path, find_episode, write_recording
 
+    try:
+        import rerun  # noqa: F401
+    except ImportError as e:  # rerun-sdk comes with the optional `view` extra
+        print(f"robo-post store: Rerun is not available ({e}); install robo-post[view]", file=sys.stderr)
+        return 1
     store = Store.open(args.store)
     snap = store.snapshot(record=False)  # looking must not write into the store
     episode = find_episode(snap, args.episode)
