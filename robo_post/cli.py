@@ -195,6 +195,20 @@ def _store_view(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_arguments(p: argparse.ArgumentParser, client: str, task_default: str, key_rule: str) -> None:
+    """The options every dataset import takes (the rule reading a dataset's own key: ``key_rule``)."""
+    p.add_argument("--client", metavar="ID", default=client, help=f"shard to write (default: {client})")
+    p.add_argument("--task", metavar="T", help=f"task id of every episode (default: exported task, else {task_default})")
+    p.add_argument(
+        "--success-from", metavar="RULE",
+        help=f"how each episode's success is decided: termination | truncation | {key_rule} | return>=X | none "
+        "(required for datasets not exported by robo-post; default for those: the exported success)",
+    )
+    p.add_argument("--skip-invalid", action="store_true",
+                   help="import the other episodes when one fails validation (NaN, an action out of bounds), "
+                   "listing each skipped one; by default it stops the import")
+
+
 def _store_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="robo-post store", description="Inspect, check, convert a trajectory store.")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -221,16 +235,7 @@ def _store_main(argv: list[str]) -> int:
     p.add_argument("dataset_id")
     p.add_argument("store")
     p.add_argument("--minari-root", metavar="DIR", help="datasets directory (default: Minari's)")
-    p.add_argument("--client", metavar="ID", default="minari", help="shard to write (default: minari)")
-    p.add_argument("--task", metavar="T", help="task id of every episode (default: exported task, else the dataset id)")
-    p.add_argument(
-        "--success-from", metavar="RULE",
-        help="how each episode's success is decided: termination | truncation | info:KEY | return>=X | none "
-        "(required for datasets not exported by robo-post; default for those: the exported success)",
-    )
-    p.add_argument("--skip-invalid", action="store_true",
-                   help="import the other episodes when one fails validation (NaN, an action out of bounds), "
-                   "listing each skipped one; by default it stops the import")
+    _import_arguments(p, "minari", "the dataset id", "info:KEY")
     p.set_defaults(fn=_store_import_minari)
     p = sub.add_parser("export-lerobot", help="write a snapshot's episodes as a new LeRobot v3.0 dataset folder")
     p.add_argument("store")
@@ -246,16 +251,7 @@ def _store_main(argv: list[str]) -> int:
     p = sub.add_parser("import-lerobot", help="append a LeRobot v3.0 dataset's episodes to a store (created if absent)")
     p.add_argument("path", help="the dataset folder (meta/info.json, data/, videos/)")
     p.add_argument("store")
-    p.add_argument("--client", metavar="ID", default="lerobot", help="shard to write (default: lerobot)")
-    p.add_argument("--task", metavar="T", help="task id of every episode (default: exported task, else the folder name)")
-    p.add_argument(
-        "--success-from", metavar="RULE",
-        help="how each episode's success is decided: termination | truncation | feature:KEY | return>=X | none "
-        "(required for datasets not exported by robo-post; default for those: the exported success)",
-    )
-    p.add_argument("--skip-invalid", action="store_true",
-                   help="import the other episodes when one fails validation (NaN, an action out of bounds), "
-                   "listing each skipped one; by default it stops the import")
+    _import_arguments(p, "lerobot", "the folder name", "feature:KEY")
     p.set_defaults(fn=_store_import_lerobot)
     p = sub.add_parser("view", help="write one episode as a Rerun recording (.rrd) to open with `rerun FILE`")
     p.add_argument("store")

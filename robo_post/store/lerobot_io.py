@@ -47,7 +47,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import uuid
 from typing import Any, Callable, Sequence
 
@@ -55,7 +54,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from robo_post.store.convert import SOURCE_ATTR, SuccessRuleError, import_lock, kept, remove_dead_exports
+from robo_post.store.convert import (SOURCE_ATTR, SuccessRuleError, episode_import, import_lock,
+                                     remove_dead_exports, warn_relabel)
 from robo_post.store.lerobot_format import (
     CAMERA_DTYPES, CHUNKS_SIZE, CODEBASE_VERSION, DATA_FILES_MB, DATA_PATH, EPISODES_PATH, INDEX_FEATURES, INFO_PATH,
     STATS_PATH, TASKS_PATH, VIDEO_FILES_MB, VIDEO_PATH, DataFiles, DataReader, FeatureMismatchError, LeRobotFileError,
@@ -64,7 +64,7 @@ from robo_post.store.lerobot_format import (
 )
 from robo_post.store.lerobot_video import VideoFiles, VideoReader, from_images, to_images, video_codec, video_info
 from robo_post.store.schema import (
-    OBS_DTYPES, ArraySpec, EpisodeValidationError, InvalidNameError, StoreError, StoreNotFoundError, StoreSchema,
+    OBS_DTYPES, ArraySpec, InvalidNameError, StoreError, StoreNotFoundError, StoreSchema,
     check_name,
 )
 from robo_post.store.store import EpisodeInfo, Snapshot, Store, remove_empty_store
@@ -558,7 +558,7 @@ def import_lerobot(
         writers: dict[str, ShardWriter] = {}
         for row in rows:
             index = row["episode_index"]
-            try:
+            with episode_import(f"LeRobot dataset {root}", index, n, store_root, skip_invalid, invalid):
                 frames = data.frames(row)
                 T = len(frames)
                 record, columns, final = _sidecar_columns(sidecar.get(index), schema, T)
@@ -605,23 +605,7 @@ def import_lerobot(
                     extras={f.name: values[f.feature] for f in fields if f.kind == "extra"},
                     role=record.get("role", "imported"),
                 )
-            except EpisodeValidationError as e:
-                if not skip_invalid:  # the dataset's own episode: importing again stops here again
-                    e.args = (f"LeRobot dataset {root}, episode {index}: {e}; {kept(n, store_root)}; the dataset's "
-                              "episode is invalid: fix it and import again (only the rest is added), or pass "
-                              "--skip-invalid to import the others", *e.args[1:])
-                    raise
-                invalid.append((index, str(e)))
-                continue
-            except StoreError as e:
-                e.args = (f"LeRobot dataset {root}, episode {index}: {e}; {kept(n, store_root)}"
-                          + ("; importing again adds only the rest" if n else ""), *e.args[1:])
-                raise
-            n += 1
-    if relabel:
-        rules = ", ".join(sorted({str(r) for r in relabel}))
-        print(f"warning: {len(relabel)} episodes of {root} already in {store_root} keep the success labels of the rule "
-              f"they were imported with ({rules}), not --success-from {success_from}: the rule labels only the "
-              "episodes an import adds (import into a new store to label them all with it)", file=sys.stderr)
+                n += 1
+    warn_relabel(relabel, root, store_root, success_from)
     return LeRobotImport(imported=n, skipped=len(rows) - n - len(invalid), invalid=tuple(invalid),
                          ignored=tuple(ignored))

@@ -39,7 +39,6 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 import types
 import uuid
 import warnings
@@ -52,12 +51,12 @@ from minari.data_collector import EpisodeBuffer
 from minari.dataset.minari_dataset import parse_dataset_id
 from minari.storage import get_dataset_path
 
-from robo_post.store.convert import SOURCE_ATTR, SuccessRuleError, import_lock, kept, remove_dead_exports
+from robo_post.store.convert import (SOURCE_ATTR, SuccessRuleError, episode_import, import_lock,
+                                     remove_dead_exports, warn_relabel)
 from robo_post.store.schema import (
     BARE_OBS_ATTR,
     BARE_OBS_KEY,
     ArraySpec,
-    EpisodeValidationError,
     StoreError,
     StoreNotFoundError,
     StoreSchema,
@@ -472,7 +471,7 @@ def import_minari(
         episodes = dataset.iterate_episodes()
         for index, meta in zip(dataset.episode_indices, metas, strict=True):
             index = int(index)
-            try:
+            with episode_import(f"Minari dataset {dataset_id!r}", index, n, store_root, skip_invalid, invalid):
                 with _reading(dataset_id, path):
                     episode = next(episodes)
                 if index in held:
@@ -519,26 +518,8 @@ def import_minari(
                     # Exported before roles were recorded: the role its shard's name gave it.
                     role=record.get("role") or (infer_role(record["client_id"]) if "client_id" in record else "imported"),
                 )
-            except EpisodeValidationError as e:
-                if not skip_invalid:  # the dataset's own episode: importing again stops here again
-                    e.args = (f"Minari dataset {dataset_id!r}, episode {index}: {e}; {kept(n, store_root)}; the "
-                              "dataset's episode is invalid: fix it and import again (only the rest is added), or "
-                              "pass --skip-invalid to import the others", *e.args[1:])
-                    raise
-                invalid.append((index, str(e)))
-                continue
-            except StoreError as e:
-                # Same type, with where it stopped: earlier episodes stay committed, and
-                # importing the dataset again skips them.
-                e.args = (f"Minari dataset {dataset_id!r}, episode {index}: {e}; {kept(n, store_root)}"
-                          + ("; importing again adds only the rest" if n else ""), *e.args[1:])
-                raise
-            n += 1
-    if relabel:
-        rules = ", ".join(sorted({str(r) for r in relabel}))
-        print(f"warning: {len(relabel)} episodes of {dataset_id!r} already in {store_root} keep the success labels of "
-              f"the rule they were imported with ({rules}), not --success-from {success_from}: the rule labels only "
-              "the episodes an import adds (import into a new store to label them all with it)", file=sys.stderr)
+                n += 1
+    warn_relabel(relabel, repr(dataset_id), store_root, success_from)
     return MinariImport(imported=n, skipped=len(metas) - n - len(invalid), invalid=tuple(invalid))
 
 
