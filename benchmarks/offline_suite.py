@@ -29,7 +29,8 @@ How, top to bottom:
    ``d3rlpy_bc``, ``d3rlpy_iql``, ``d3rlpy_td3bc`` with their published locomotion
    settings and standardised observations, for as many gradient steps at batch 256 as
    our BC used (our budget is measured from the data: 100 passes, 3000 to 100000).
-5. Evaluation on ``--eval-episodes`` episodes with the eval client's seeds
+5. Evaluation on ``--eval-episodes`` episodes (times the task's ``eval_scale``: 10 for the
+   goal task, whose return is 0 or 1) with the eval client's seeds
    (``robo-post eval ... n_clients=1``; d3rlpy's policies and the random policy in-process
    on the same seeds).
 
@@ -89,6 +90,7 @@ class Task:
     success_from: str         # import-minari --success-from
     episodes: int = 30        # episodes recorded per source
     train_env: str | None = None  # where the SAC agents learn, when not env (a sparse task's dense twin)
+    eval_scale: int = 1           # evaluation episodes per --eval-episodes (a 0/1 outcome needs more)
 
 
 TASKS = {
@@ -98,8 +100,9 @@ TASKS = {
     "ant": Task("Ant-v5", 100_000, 300_000, "truncation"),
     "idp": Task("InvertedDoublePendulum-v5", 20_000, 40_000, "truncation", episodes=10),  # the balance task
     # The sparse goal task; SAC learns on its dense-reward twin (same observations) and records here.
+    # Its return is 0 or 1 (random actions reach the target 30% of the time): 10x the episodes.
     "reacher": Task("robo_post/SparseReacher-v0", 20_000, 100_000, "termination", episodes=100,
-                    train_env="robo_post/Reacher-v0"),
+                    train_env="robo_post/Reacher-v0", eval_scale=10),
 }
 SOURCES = ("expert", "medium", "random")
 DATASETS = {"expert": ("expert",), "medium": ("medium",), "random": ("random",), "mixed": SOURCES}
@@ -371,8 +374,9 @@ def main() -> None:
         if not det:  # the expert acting on its mode: the 100 of the score
             weights, config = load_agent(task, "expert", task_work)
             det = [registry.publish(weights, {**config, "deterministic": True})]
-        hi = float(eval_version(expert_store, spec.env, det[0], args.eval_episodes).mean())
-        lo = float(random_returns(spec.env, args.eval_episodes).mean())
+        eval_episodes = args.eval_episodes * (1 if args.quick else spec.eval_scale)
+        hi = float(eval_version(expert_store, spec.env, det[0], eval_episodes).mean())
+        lo = float(random_returns(spec.env, eval_episodes).mean())
         for dataset in args.datasets:
             if args.finished_only and not os.path.exists(os.path.join(task_work, "data", dataset, "imported")):
                 continue
@@ -383,7 +387,7 @@ def main() -> None:
                     done = os.path.join(task_work, "cells", dataset, method, f"seed{seed}.json")
                     if args.finished_only and not os.path.exists(done):
                         continue
-                    cell = run_cell(task, spec, dataset, store, method, seed, task_work, args.eval_episodes, args.quick,
+                    cell = run_cell(task, spec, dataset, store, method, seed, task_work, eval_episodes, args.quick,
                                     ablations, reference)
                     if cell is not None:
                         scores.append(100 * (np.mean(cell["returns"]) - lo) / (hi - lo))
@@ -393,7 +397,9 @@ def main() -> None:
                         "score": float(s.mean()), "ci95": t_interval(s), "seeds": len(s), "per_seed": s.tolist()}
         table.setdefault("_reference", {})[task] = {"random": lo, "expert": hi}
 
-    print(f"\nnormalised score (0 random, 100 expert), mean over seeds [95% t interval]; {args.eval_episodes} eval episodes")
+    more = ", ".join(f"{t}: {args.eval_episodes * TASKS[t].eval_scale}" for t in args.tasks if TASKS[t].eval_scale > 1)
+    print(f"\nnormalised score (0 random, 100 expert), mean over seeds [95% t interval]; {args.eval_episodes} eval "
+          f"episodes{f' ({more})' if more else ''}")
     methods = args.methods
     print(f"{'dataset':<20}" + "".join(f"{m:>22}" for m in methods))
     for name, row in table.items():
