@@ -177,6 +177,23 @@ def _store_import_lerobot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store_import_rosbag(args: argparse.Namespace) -> int:
+    from robo_post.fleet.rosbag import BagImportConfig, import_rosbag
+    from robo_post.fleet.settings import parse_config
+
+    try:
+        cfg = parse_config(BagImportConfig, args.settings)
+    except ValueError as e:  # a bad setting is a usage error, as in `robo-post fleet`
+        print(f"robo-post store import-rosbag: {e}", file=sys.stderr)
+        return 2
+    done = import_rosbag(args.bag, args.store, cfg)
+    malformed = ", ".join(f"{kind}={n}" for kind, n in sorted(done.malformed.items()))
+    print(f"imported {done.committed} episode{'' if done.committed == 1 else 's'} ({done.steps} steps) from "
+          f"{args.bag} into {args.store} (shard {cfg.client_id}); {done.discard_summary}"
+          + (f"; malformed messages: {malformed}" if malformed else ""))
+    return 0
+
+
 def _store_view(args: argparse.Namespace) -> int:
     from robo_post.store import Store
     from robo_post.store.view import default_path, find_episode, write_recording
@@ -253,6 +270,15 @@ def _store_main(argv: list[str]) -> int:
     p.add_argument("store")
     _import_arguments(p, "lerobot", "the folder name", "feature:KEY")
     p.set_defaults(fn=_store_import_lerobot)
+    p = sub.add_parser("import-rosbag", help="record a robot's rosbag2 recording (MCAP or sqlite3) into a store "
+                       "shard as the ROS 2 bridge would (store created if absent)")
+    p.add_argument("bag", help="the bag folder (metadata.yaml), or one .mcap or .db3 file")
+    p.add_argument("store")
+    p.add_argument("settings", nargs="*", metavar="key=value",
+                   help="the bridge's settings: robot=NAME|PATH.yaml (default tabletop), client_id=ID (shard, default "
+                   "rosbag), namespace=NS (of the robot's topics, default /robot), timeout=S (an open episode's "
+                   "silence, default 5), max_steps=N (0: the description's)")
+    p.set_defaults(fn=_store_import_rosbag)
     p = sub.add_parser("view", help="write one episode as a Rerun recording (.rrd) to open with `rerun FILE`")
     p.add_argument("store")
     p.add_argument("episode", nargs="?",
@@ -391,8 +417,8 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
               _hydra_job("steer", _steer)),
     "steer-eval": ("steering grid vs the frozen actor: HELP / FROZEN / HURT, selector vs oracle, heat maps",
                    _hydra_job("steer-eval", _steer_eval)),
-    "store": ("info | validate | repair | view | export-minari | import-minari | export-lerobot | import-lerobot: "
-              "inspect, check, repair, view, convert a store", _store_main),
+    "store": ("info | validate | repair | view | export-minari | import-minari | export-lerobot | import-lerobot | "
+              "import-rosbag: inspect, check, repair, view, convert a store", _store_main),
     "fleet": ("ros2-bridge | ros2-sim | ros2-status: ROS 2 bridge to a robot, a simulated robot, bridge liveness",
               _fleet_main),
 }
