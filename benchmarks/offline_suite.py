@@ -34,7 +34,8 @@ How, top to bottom:
    (``robo-post eval ... n_clients=1``; d3rlpy's policies and the random policy in-process
    on the same seeds).
 
-The authors' JAX QAM (``qam_authors``) runs in its own interpreter through the worker of
+The authors' JAX QAM (``qam_authors``: their defaults; ``qam_authors_small``: their agent at
+our networks' size, 2 critics and 2 x 256 MLPs) runs in its own interpreter through the worker of
 ``benchmarks/qam_reference.py`` (``--reference-python``, ``--reference-repo``; skipped with one
 line saying why when either is missing): their default settings, one action per decision,
 trained on the same transitions (actions scaled to [-1, 1], time-outs bootstrapped) for the
@@ -108,8 +109,11 @@ SOURCES = ("expert", "medium", "random")
 DATASETS = {"expert": ("expert",), "medium": ("medium",), "random": ("random",), "mixed": SOURCES}
 OURS = ("bc", "bc_filtered", "divl_qam", "iql_qam", "fql")
 D3RLPY = ("d3rlpy_bc", "d3rlpy_iql", "d3rlpy_td3bc")
-AUTHORS = ("qam_authors",)
-METHODS = OURS + D3RLPY + AUTHORS
+# The authors' QAM: their defaults (10 critics, 4 x 512 MLPs: ~1 s an update on a shared core
+# here, ~10x ours) and their agent at our networks' size (2 critics, 2 x 256).
+AUTHORS = {"qam_authors": {},
+           "qam_authors_small": {"num_qs": 2, "actor_hidden_dims": [256, 256], "value_hidden_dims": [256, 256]}}
+METHODS = OURS + D3RLPY + tuple(AUTHORS)
 TRAIN = {"bc": ["algo=bc_flow", "data.success=null"], "bc_filtered": ["algo=bc_flow"],
          "divl_qam": ["algo=divl_qam"], "iql_qam": ["algo=iql_qam"], "fql": ["algo=fql"]}
 
@@ -236,9 +240,9 @@ def random_returns(env_id: str, episodes: int) -> np.ndarray:
 
 # --- one cell ---------------------------------------------------------------------------------
 def run_authors_qam(store: str, paths: tuple[str, str], updates: int, batch: int, gamma: float,
-                    seed: int) -> tuple[OfflineReference, dict]:
-    """The authors' QAM (their default settings, one action per decision) on the store's
-    transitions in its own interpreter; ``paths``: (python, checkout)."""
+                    seed: int, config: dict) -> tuple[OfflineReference, dict]:
+    """The authors' QAM (their default settings updated by ``config``, one action per decision)
+    on the store's transitions in its own interpreter; ``paths``: (python, checkout)."""
     snap = Store.open(store).snapshot()
     (key,) = snap.store.schema.observations
     action = snap.store.schema.action
@@ -248,8 +252,9 @@ def run_authors_qam(store: str, paths: tuple[str, str], updates: int, batch: int
     data = os.path.join(store + "-reference", "transitions.npz")
     os.makedirs(os.path.dirname(data), exist_ok=True)
     transitions = write_reference_dataset(snap, snap.episodes(), key, low, high, data)
-    algo = OfflineReference(*paths, data, updates, batch, gamma, seed, low, high)
-    return algo, {"transitions": transitions, "episodes": len(snap.episodes()), "obs_key": key, **algo.info}
+    algo = OfflineReference(*paths, data, updates, batch, gamma, seed, low, high, config)
+    return algo, {"transitions": transitions, "episodes": len(snap.episodes()), "obs_key": key, "config": config,
+                  **algo.info}
 
 
 def run_cell(task: str, spec: Task, dataset: str, store: str, method: str, seed: int, work: str,
@@ -285,8 +290,9 @@ def run_cell(task: str, spec: Task, dataset: str, store: str, method: str, seed:
             bc_cfg = yaml.safe_load(f)
         updates, batch = bc["final"]["update"], bc_cfg["batch_size"]
         if base in AUTHORS:
-            algo, info = run_authors_qam(store, reference[0], updates, batch, bc_cfg["gamma"], seed)
-            COMMANDS.append(f"(worker) the authors' QAM x {updates} updates at batch {batch}, seed {seed}, on {store}")
+            algo, info = run_authors_qam(store, reference[0], updates, batch, bc_cfg["gamma"], seed, AUTHORS[base])
+            COMMANDS.append(f"(worker) the authors' QAM {AUTHORS[base] or 'defaults'} x {updates} updates at batch "
+                            f"{batch}, seed {seed}, on {store}")
         else:
             algo, info = run_d3rlpy(method, store, updates, batch, bc_cfg["gamma"], seed)
             COMMANDS.append(f"(in-process) d3rlpy {method} x {updates} updates at batch {batch}, seed {seed}, on {store}")

@@ -104,7 +104,7 @@ np.random.seed(spec["seed"])  # their sample_sequence draws from numpy's global 
 data = Dataset.create(**{k: v for k, v in np.load(spec["data"]).items()})
 config = get_config()
 config.update(dict(horizon_length=spec["horizon"], action_chunking=True, batch_size=spec["batch"],
-                   discount=spec["discount"]))
+                   discount=spec["discount"], **spec["config"]))
 example = data.sample(())
 agent = QAMAgent.create(spec["seed"], example["observations"], example["actions"], dict(config))
 t0 = time.perf_counter()
@@ -174,12 +174,14 @@ def write_reference_dataset(snap: Any, episodes: list, key: str, low: np.ndarray
 
 class OfflineReference:
     """The authors' QAM trained offline in a worker process on ``data`` (``write_reference_dataset``)
-    for ``updates`` at ``batch``, one action per decision; then ``predict(obs) -> actions`` in the
-    env's units, like a d3rlpy policy. ``info``: their wall time and last update's metrics."""
+    for ``updates`` at ``batch``, one action per decision, their settings updated by ``config``;
+    then ``predict(obs) -> actions`` in the env's units, like a d3rlpy policy. ``info``: their
+    wall time and last update's metrics."""
 
     def __init__(self, python: str, repo: str, data: str, updates: int, batch: int, discount: float, seed: int,
-                 low: np.ndarray, high: np.ndarray):
-        spec = {"data": data, "updates": updates, "batch": batch, "discount": discount, "seed": seed, "horizon": 1}
+                 low: np.ndarray, high: np.ndarray, config: dict[str, Any]):
+        spec = {"data": data, "updates": updates, "batch": batch, "discount": discount, "seed": seed, "horizon": 1,
+                "config": config}
         self.proc, ready = _worker(python, OFFLINE_WORKER, repo, spec)
         self.info = json.loads(ready)
         self.low, self.high = low, high
