@@ -233,14 +233,16 @@ _ALPHAS = items(number(0, 1, high_open=True), "alphas in [0, 1)", optional=False
 RULES["steer"] = {
     **_STEER_SOURCES, **_FLEET, "store": text(), "episodes": _COUNT, "alpha": number(0, 1),
     "rule": choice("poe", "klreg", "additive", "prior", "frozen"), "klreg_form": choice("tilt", "geometric"),
-    "additive_form": choice("mix", "residual"), "deterministic": boolean, "selector.kl_budget": number(0, optional=True),
-    "selector.alpha_grid": _ALPHAS, "selector.alpha_max": number(0, 1, optional=True), "selector.episodes": _COUNT,
-    "selector.store": text(optional=True),
+    "additive_form": choice("mix", "residual"), "deterministic": boolean, "selector.kind": choice("kl_budget", "bandit"),
+    "selector.kl_budget": number(0, optional=True), "selector.alpha_grid": _ALPHAS,
+    "selector.alpha_max": number(0, 1, optional=True), "selector.episodes": _COUNT, "selector.store": text(optional=True),
+    "selector.bandit_episodes": integer(4), "selector.margin": number(0),
 }
 RULES["steer-eval"] = {
     # one paired difference bootstraps to a zero-width CI: a HELP/HURT label from a single episode
     **_STEER_SOURCES, "episodes": integer(2), "calibration_episodes": _COUNT, "alpha_grid": _ALPHAS,
     "kl_budgets": items(number(0), "KL budgets >= 0", optional=False, unique=True),
+    "bandit_episodes": items(integer(4), "episode budgets >= 4", unique=True), "bandit_margin": number(0),
     "alpha_max": number(0, 1, optional=True),
     "rules": items(choice("poe", "klreg", "additive"), "rules (poe | klreg | additive)", optional=False, unique=True),
     "qualities": items(choice("good", "degraded", "random_honest", "random_overconfident"), "prior qualities",

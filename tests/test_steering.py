@@ -117,8 +117,8 @@ def test_steer_cli_selects_alpha_publishes_and_records_auditable_extras(actor_st
 def test_steer_eval_grid_and_report(actor_store, tmp_path):
     out = str(tmp_path / "grid")
     run_cli("steer-eval", "actor.kind=registry", f"actor.store={actor_store}", "episodes=16",
-             "qualities=[good,random_honest]", "calibration_episodes=4", "stochastic=false", f"out_dir={out}",
-             "show=false")
+             "qualities=[good,random_honest]", "calibration_episodes=4", "bandit_episodes=[18]", "stochastic=false",
+             f"out_dir={out}", "show=false")
     results = json.load(open(os.path.join(out, "steering.json")))["results"]
     good = {(c["arm"], c["alpha"]): c for c in results["good"]["cells"]}
     assert good[("poe", 0.9)]["label"] == "HELP" and good[("prior", 1.0)]["label"] == "HELP"
@@ -127,7 +127,12 @@ def test_steer_eval_grid_and_report(actor_store, tmp_path):
     assert abs(honest[("poe", 0.9)]["diff"]) < 0.25 * abs(honest[("additive", 0.9)]["diff"])
     for res in results.values():
         assert res["deterministic_poe_klreg_gap"] < 1e-4
-        assert {s["kl_budget"] for s in res["selectors"]} == {0.5, 2.0}
+        assert [s["selector"] for s in res["selectors"]] == ["KL budget 0.5", "KL budget 2", "bandit 18 episodes"]
+        assert res["selectors"][2]["episodes_spent"] == 16  # 6 arms x 1, 4 x 1, 3 x 2 episodes
+    # the bandit reaches the new goals with a good prior and keeps the frozen actor with an honest random one
+    bandit = {q: res["selectors"][2] for q, res in results.items()}
+    assert bandit["good"]["alpha"] > 0 and bandit["good"]["label"] == "HELP"
+    assert bandit["random_honest"]["alpha"] == 0.0 and bandit["random_honest"]["label"] == "FROZEN"
     page = open(os.path.join(out, "steering.html")).read()
     assert page.count("data:image/png;base64") == 3 and "Selector vs oracle" in page
 

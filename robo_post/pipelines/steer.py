@@ -1,9 +1,10 @@
 """`robo-post steer` and `robo-post steer-eval`: steer a frozen actor with a goal-conditioned prior.
 
 ``steer`` builds the steered policy (choosing alpha with the KL-budget selector when
-``selector.kl_budget`` is set), publishes it as a registry version of kind
-``steered`` in the deployment store and runs the fleet pinned to that version; every
-step records the actor's, the prior's and the steered mean and std as store extras.
+``selector.kl_budget`` is set, or with the bandit selector when ``selector.kind=bandit``),
+publishes it as a registry version of kind ``steered`` in the deployment store and runs
+the fleet pinned to that version; every step records the actor's, the prior's and the
+steered mean and std as store extras.
 
 ``steer-eval`` runs the evaluation grid (``robo_post.steering.evaluate``) over prior
 qualities, rules and alphas on paired seeds and writes the report page.
@@ -25,8 +26,9 @@ from robo_post.fleet.client import make_env, store_schema
 from robo_post.fleet.collect import client_configs, env_config, make_launcher
 from robo_post.fleet.launcher import raise_unfinished
 from robo_post.learner.drivers import publish_once
+from robo_post.steering.bandit import bandit_arms, halving_plan, select_alpha_bandit
 from robo_post.steering.evaluate import GridConfig, evaluate_prior, format_table, run_episodes, write_report
-from robo_post.steering.poe import Gaussian, kl_diag, select_alpha
+from robo_post.steering.poe import Gaussian, SteeringConfigError, kl_diag, select_alpha
 from robo_post.steering.policy import (SteeredPolicy, SteeringConfig, build_source, extra_specs, resolve_source,
                                        steered_artifact)
 from robo_post.steering.sources import QUALITIES, SteeringSourceError
@@ -97,8 +99,42 @@ def deployed_kl(store: Store, episodes: list) -> float | None:
     return float(torch.cat(kls).mean())
 
 
+def _bandit_play(cfg: DictConfig, env_cfg: dict[str, Any], task: str | None, actor: Any, prior: Any, spec: Any,
+                 bounds: tuple[np.ndarray, np.ndarray]):
+    """``(alpha, seeds) -> rollouts`` of the configured rule at ``alpha``: the bandit's calibration episodes."""
+    def play(alpha: float, seeds: list[int]):
+        policy = SteeredPolicy(actor, prior, SteeringConfig(cfg.rule, alpha, cfg.klreg_form, cfg.additive_form,
+                                                            cfg.deterministic), *bounds)
+        return run_episodes(lambda: make_env(env_cfg, task), policy.act, policy.reset, seeds, spec.success)
+    return play
+
+
+def _check_selector(sel: DictConfig) -> None:
+    """Settings of one selector kind given to the other, and a bandit budget too small for its grid.
+
+    Raises:
+        SteeringConfigError: naming the setting.
+    """
+    if sel.kind == "bandit":
+        for key in ("kl_budget", "store"):
+            if sel[key] is not None:
+                raise SteeringConfigError(f"selector.{key}={sel[key]} is read by selector.kind=kl_budget; "
+                                          "selector.kind=bandit plays episodes (selector.bandit_episodes)")
+        _check_budgets("selector.bandit_episodes", [sel.bandit_episodes], sel.alpha_grid, sel.alpha_max)
+
+
+def _check_budgets(key: str, budgets: list[int], grid: list[float], alpha_max: float | None) -> None:
+    """Each bandit budget covers the arms of ``grid`` (``halving_plan``); raises SteeringConfigError naming ``key``."""
+    for budget in budgets:
+        try:
+            halving_plan(len(bandit_arms(grid, alpha_max)), budget)
+        except SteeringConfigError as e:
+            raise SteeringConfigError(f"{key}={budget}: {e}") from None
+
+
 def steer(cfg: DictConfig) -> dict[str, Any]:
     """Build, publish and deploy a steered policy; returns the deployment summary."""
+    _check_selector(cfg.selector)  # before the sources are loaded and anything is written
     torch.set_num_threads(1)
     env_cfg, tasks = env_config(cfg)
     task = tasks[0] if tasks else None
@@ -110,12 +146,19 @@ def steer(cfg: DictConfig) -> dict[str, Any]:
     finally:
         env.close()
     alpha, selection = float(cfg.alpha), None
-    if cfg.selector.kl_budget is not None:
+    sel = cfg.selector
+    if sel.kind == "bandit":
+        play = _bandit_play(cfg, env_cfg, task, actor, prior, spec, bounds)
+        choice = select_alpha_bandit(play, sel.alpha_grid, sel.bandit_episodes, sel.alpha_max, sel.margin,
+                                     seed=cfg.seed + 8_000_000)
+        alpha, selection = choice.alpha, {"kind": "bandit", "bandit_episodes": sel.bandit_episodes,
+                                          "alpha_grid": list(sel.alpha_grid), **choice.record()}
+    elif sel.kl_budget is not None:
         states = _visited_states(cfg, env_cfg, task, actor, spec, bounds)
         with torch.no_grad():
-            alpha, kls = select_alpha(actor.distribution(states), prior.distribution(states), cfg.selector.alpha_grid,
-                                      cfg.selector.kl_budget, cfg.selector.alpha_max)
-        selection = {"kl_budget": cfg.selector.kl_budget, "alpha_grid": list(cfg.selector.alpha_grid),
+            alpha, kls = select_alpha(actor.distribution(states), prior.distribution(states), sel.alpha_grid,
+                                      sel.kl_budget, sel.alpha_max)
+        selection = {"kind": "kl_budget", "kl_budget": sel.kl_budget, "alpha_grid": list(sel.alpha_grid),
                      "kl_curve": kls, "states": len(next(iter(states.values())))}
     steering = SteeringConfig(cfg.rule, alpha, cfg.klreg_form, cfg.additive_form, cfg.deterministic)
 
@@ -147,11 +190,13 @@ def steer(cfg: DictConfig) -> dict[str, Any]:
 def steer_eval(cfg: DictConfig) -> dict[str, Any]:
     """The evaluation grid for every prior quality in ``qualities``; writes the report page."""
     check_dir_path("out_dir", cfg.out_dir)  # before the grid's minutes of episodes, not after
+    _check_budgets("bandit_episodes", list(cfg.bandit_episodes or []), cfg.alpha_grid, cfg.alpha_max)
     torch.set_num_threads(1)
     env_cfg, tasks = env_config(cfg)
     task = tasks[0] if tasks else None
     spec = env_spec(env_cfg["name"])
     grid = GridConfig(rules=tuple(cfg.rules), alpha_grid=tuple(cfg.alpha_grid), kl_budgets=tuple(cfg.kl_budgets),
+                      bandit_episodes=tuple(cfg.bandit_episodes or ()), bandit_margin=cfg.bandit_margin,
                       alpha_max=cfg.alpha_max, episodes=cfg.episodes, calibration_episodes=cfg.calibration_episodes,
                       stochastic=cfg.stochastic, margin=cfg.margin, seed=cfg.seed)
     base_prior = _container(cfg.prior)

@@ -11,10 +11,13 @@ success-rate difference lies above (below) 0. Otherwise, and where success ties,
 
 with an equivalence ``margin`` (a fraction of |frozen mean return|), the return CI must clear
 +-margin. The oracle alpha is the alpha (0 = frozen, or one of the grid) with the best PoE
-success rate, then mean return; the oracle set adds every alpha that does not compare as
-HURT against it (statistically tied with the best). The KL-budget selector's alpha is
+success rate, then mean return, among those no other alpha compares as HELP against (all
+of them if none is); the oracle set adds every alpha that does not compare as HURT against
+it (statistically tied with the best). The KL-budget selector's alpha is
 chosen from states the frozen actor visits on separate calibration seeds, without
-returns, and scored by its distance in grid steps to the oracle set.
+returns; the bandit selector's from PoE episodes it plays on other calibration seeds
+(``robo_post.steering.bandit``). Both are scored by their distance in grid steps to the
+oracle set.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from robo_post.steering.bandit import rank, select_alpha_bandit
 from robo_post.steering.poe import select_alpha
 from robo_post.steering.policy import SteeredPolicy, SteeringConfig
 from robo_post.steering.sources import Source
@@ -101,9 +105,16 @@ def compare(arm: Rollouts, base: Rollouts, margin: float = 0.0) -> str:
     return label(*paired_bootstrap(arm.returns - base.returns)[1:], margin)
 
 
-def rank(r: Rollouts) -> tuple[float, float]:
-    """Sort key of an arm: success rate (0 where undefined), then mean return."""
-    return (0.0 if r.successes is None else float(r.successes.mean()), float(r.returns.mean()))
+def oracle_set(arms: Mapping[float, Rollouts], margin: float = 0.0) -> tuple[float, list[float]]:
+    """The oracle alpha of PoE ``arms`` (alpha -> rollouts on the same seeds) and the alphas tied with it.
+
+    The oracle is the best by ``rank`` among the alphas no other alpha compares as HELP against
+    (all of them if none is): a success rate higher by one lucky episode does not make an alpha
+    that loses return the oracle. The tied set holds every alpha not HURT against the oracle.
+    """
+    unbeaten = [a for a in arms if not any(compare(arms[b], arms[a], margin) == "HELP" for b in arms if b != a)]
+    oracle = max(unbeaten or arms, key=lambda a: rank(arms[a]))
+    return oracle, sorted(a for a, r in arms.items() if compare(r, arms[oracle], margin) != "HURT")
 
 
 @dataclass
@@ -113,10 +124,12 @@ class GridConfig:
     Attributes:
         rules: composition rules swept over the alpha grid (``prior`` and ``frozen`` run once).
         alpha_grid: alphas of the sweep and of the selector.
-        kl_budgets: selector budgets (one arm each).
+        kl_budgets: KL-budget selector budgets (one arm each).
+        bandit_episodes: bandit selector episode budgets (one arm each).
+        bandit_margin: the bandit's return margin over alpha = 0 (fraction of |frozen return|).
         alpha_max: selector cap (``None``: the largest grid alpha).
         episodes: evaluation episodes per arm (the same seeds for every arm).
-        calibration_episodes: frozen-actor episodes, on other seeds, whose states the selector reads.
+        calibration_episodes: frozen-actor episodes, on other seeds, whose states the KL selector reads.
         stochastic: also run PoE and KL-Reg sampled (seeded) at every alpha.
         margin: equivalence margin of the labels, as a fraction of |frozen mean return| (0: the CI vs 0).
         seed: base seed of the episodes.
@@ -125,6 +138,8 @@ class GridConfig:
     rules: tuple[str, ...] = ("poe", "klreg", "additive")
     alpha_grid: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
     kl_budgets: tuple[float, ...] = (0.5, 2.0)
+    bandit_episodes: tuple[int, ...] = (30, 60)
+    bandit_margin: float = 0.01
     alpha_max: float | None = None
     episodes: int = 200
     calibration_episodes: int = 20
@@ -172,21 +187,32 @@ def evaluate_prior(make_env: Callable[[], Any], actor: Source, prior: Source, lo
                 det_gap = max(det_gap, abs(float(poe[alpha].returns.mean()) - float(r.returns.mean())))
             if grid.stochastic and rule in ("poe", "klreg"):
                 cell(f"{rule}_sampled", rule, alpha, arm(rule, alpha, deterministic=False))
-    # The selector reads states the frozen actor visits on calibration seeds (never the eval seeds).
-    calibration = arm("frozen", 0.0, keep_states=True,
-                      on=[grid.seed + 10 * grid.episodes + i for i in range(grid.calibration_episodes)])
-    with torch.no_grad():
-        actor_d, prior_d = actor.distribution(calibration.states), prior.distribution(calibration.states)
-    oracle = max(poe, key=lambda a: rank(poe[a]))
-    tied = sorted(a for a, r in poe.items() if compare(r, poe[oracle], margin) != "HURT")
+    oracle, tied = oracle_set(poe, margin)
     steps = [0.0, *sorted(grid.alpha_grid)]
     selectors = []
-    for budget in grid.kl_budgets:
-        alpha, kls = select_alpha(actor_d, prior_d, grid.alpha_grid, budget, grid.alpha_max)
-        row = cell(f"selector_{budget:g}", "poe", alpha, arm("poe", alpha) if alpha > 0 else frozen, kl_budget=budget)
-        row |= {"kl_curve": kls, "oracle_alpha": oracle, "oracle_set": tied,
+
+    def selected(name: str, alpha: float, **more: Any) -> None:
+        row = cell(name, "poe", alpha, poe[alpha] if alpha in poe else arm("poe", alpha), **more)
+        row |= {"oracle_alpha": oracle, "oracle_set": tied,
                 "steps_from_oracle": min(abs(steps.index(alpha) - steps.index(a)) for a in tied)}
         selectors.append(row)
+
+    # Calibration seeds follow the evaluation seeds and never overlap them.
+    calibration_seed = grid.seed + 10 * grid.episodes
+    # The KL selector reads states the frozen actor visits on calibration seeds.
+    calibration = arm("frozen", 0.0, keep_states=True,
+                      on=[calibration_seed + i for i in range(grid.calibration_episodes)])
+    with torch.no_grad():
+        actor_d, prior_d = actor.distribution(calibration.states), prior.distribution(calibration.states)
+    for budget in grid.kl_budgets:
+        alpha, kls = select_alpha(actor_d, prior_d, grid.alpha_grid, budget, grid.alpha_max)
+        selected(f"selector_{budget:g}", alpha, selector=f"KL budget {budget:g}", kl_budget=budget, kl_curve=kls)
+    # The bandit plays PoE episodes on the seeds after those.
+    for budget in grid.bandit_episodes:
+        choice = select_alpha_bandit(lambda a, s: arm("poe", a, on=s), grid.alpha_grid, budget, grid.alpha_max,
+                                     grid.bandit_margin, seed=calibration_seed + grid.calibration_episodes)
+        selected(f"bandit_{budget}", choice.alpha, selector=f"bandit {budget} episodes", bandit_episodes=budget,
+                 episodes_spent=choice.episodes, bandit=choice.record())
     return {"cells": cells, "oracle_alpha": oracle, "oracle_set": tied, "margin": margin,
             "deterministic_poe_klreg_gap": det_gap, "selectors": selectors}
 
@@ -225,6 +251,13 @@ def heatmap_png(results: Mapping[str, Mapping[str, Any]], rule: str, grid: Seque
     return buf.getvalue()
 
 
+def _spent(selector: Mapping[str, Any], grid: GridConfig) -> str:
+    """Calibration episodes a selector row used: the bandit's steered ones, or the KL selector's frozen ones."""
+    if "episodes_spent" in selector:
+        return f"{selector['episodes_spent']} steered"
+    return f"{grid.calibration_episodes} frozen"
+
+
 def write_report(results: Mapping[str, Mapping[str, Any]], grid: GridConfig, out_dir: str, title: str) -> str:
     """``steering.json`` and ``steering.html`` (heat map per rule, cell table, selector vs oracle) in ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
@@ -245,12 +278,14 @@ def write_report(results: Mapping[str, Mapping[str, Any]], grid: GridConfig, out
                          f"<td>{succ}</td><td>{c['diff']:+.2f} [{c['ci'][0]:+.2f}, {c['ci'][1]:+.2f}]</td>"
                          f"<td>{c['label']}</td></tr>")
     parts.append("</table><h2>Selector vs oracle</h2><table border=1 cellpadding=3><tr><th>prior</th>"
-                 "<th>KL budget</th><th>selected alpha</th><th>oracle alpha</th><th>tied with the oracle</th>"
-                 "<th>grid steps from the tied set</th></tr>")
+                 "<th>selector</th><th>calibration episodes</th><th>selected alpha</th><th>success</th>"
+                 "<th>oracle alpha</th><th>tied with the oracle</th><th>grid steps from the tied set</th></tr>")
     for quality, res in results.items():
         for s in res["selectors"]:
-            parts.append(f"<tr><td>{quality}</td><td>{s['kl_budget']:g}</td><td>{s['alpha']}</td>"
-                         f"<td>{s['oracle_alpha']}</td><td>{s['oracle_set']}</td><td>{s['steps_from_oracle']}</td></tr>")
+            succ = "" if s["success"] is None else f"{s['success']:.2f}"
+            parts.append(f"<tr><td>{quality}</td><td>{s['selector']}</td><td>{_spent(s, grid)}</td>"
+                         f"<td>{s['alpha']}</td><td>{succ}</td><td>{s['oracle_alpha']}</td><td>{s['oracle_set']}</td>"
+                         f"<td>{s['steps_from_oracle']}</td></tr>")
     parts.append("</table></body></html>")
     path = os.path.join(out_dir, "steering.html")
     with open(path, "w") as f:
@@ -267,7 +302,8 @@ def format_table(results: Mapping[str, Mapping[str, Any]]) -> str:
             lines.append(f"{quality:<22}{c['arm']:<16}{c['alpha']:>6.2g}{c['return']:>10.2f}{succ:>9}{c['diff']:>+9.2f}"
                          f"  [{c['ci'][0]:+.2f}, {c['ci'][1]:+.2f}]".ljust(22) + f" {c['label']}")
         for s in res["selectors"]:
-            lines.append(f"{quality:<22}selector eps={s['kl_budget']:g}: alpha*={s['alpha']:g}, oracle={s['oracle_alpha']:g}"
+            spent = f" after {s['episodes_spent']} calibration episodes" if "episodes_spent" in s else ""
+            lines.append(f"{quality:<22}{s['selector']}: alpha*={s['alpha']:g}{spent}, oracle={s['oracle_alpha']:g}"
                          f" (tied: {s['oracle_set']}), {s['steps_from_oracle']} grid steps from the oracle set")
         lines.append(f"{quality:<22}max |deterministic PoE - KL-Reg| return: {res['deterministic_poe_klreg_gap']:.3g}")
     return "\n".join(lines)
