@@ -1,5 +1,6 @@
 """Export store snapshots as LeRobot datasets (format v3.0) and import LeRobot v3.0 datasets into a
-store, with pyarrow and PyAV only: the ``lerobot`` package is not needed (nor checked against yet).
+store, with pyarrow and PyAV only: the ``lerobot`` package is not needed (``benchmarks/lerobot_compat.py``
+checks both directions against it in its own environment).
 The layout is in ``lerobot_format``, camera frames in ``lerobot_video``.
 
 What maps to what (store <-> LeRobot):
