@@ -1095,3 +1095,53 @@ def test_an_episode_the_robot_left_times_out_on_the_robots_clock(tmp_path):
     finally:
         status = bridge.close()
     assert (status["committed"], status["discarded"]) == (1, {"timeout": 1})
+
+
+def test_a_paused_bridge_records_a_whole_burst_of_long_episodes(tmp_path):
+    """The documented burst end to end, under the case an earlier run lost half of: a robot whose
+    description says ``max_steps: 2000``, a bridge with ``burst_episodes=4`` and a 5 s timeout,
+    SIGSTOPped while the sim sends four 2000-step episodes back to back and for longer than the
+    timeout after the last one. Resumed, the bridge records all four exactly: nothing is lost and
+    nothing is discarded as ``timeout`` (the silence was the bridge's, not the robot's)."""
+    steps, episodes, timeout = 2000, 4, 5.0
+    robot_path = tmp_path / "arm2-long.yaml"
+    robot_path.write_text(yaml.safe_dump({**yaml.safe_load(Path(ARM2_PATH).read_text()), "max_steps": steps}))
+    robot = ros2.RobotDescription.load(str(robot_path))
+    root, dump, domain_id = str(tmp_path / "store"), tmp_path / "sim.npz", fresh_domain()
+    domain = f"domain_id={domain_id}"
+    injector = Injector(domain_id, robot, listen=False)
+    procs = {
+        "bridge": spawn(tmp_path, "bridge", ["ros2-bridge", f"store={root}", f"robot={robot_path}",
+                                             "client_id=arm-4", domain, "exit_on_final=true", f"timeout={timeout}",
+                                             f"burst_episodes={episodes}"]),
+        "sim": spawn(tmp_path, "sim", ["ros2-sim", f"robot={robot_path}", domain, f"episodes={episodes}",
+                                       "rate_hz=0", "policy=random", "task=fold", "subscribers=2",
+                                       f"burst_episodes={episodes}", f"dump={dump}"]),
+    }
+    bridge = procs["bridge"][0]
+    try:
+        stop_bridge_once_matched(injector, bridge, (ros2.JOINT_TOPIC, ros2.EPISODE_TOPIC))
+        paused = time.monotonic()
+        injector.spin_until(lambda: episodes - 1 in injector.ended(), "the last episode to end")
+        sent = time.monotonic() - paused
+        injector.spin_for(timeout + 2.0)  # a wall-clock timeout would fire on resuming
+        os.kill(bridge.pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        status = wait_status(root, "arm-4", lambda s: s["committed"] + sum(s["discarded"].values()) >= episodes,
+                             f"{episodes} closed episodes")
+        drained = time.monotonic() - resumed
+        print(f"burst of {episodes} x {steps} steps: sent in {sent:.1f} s, bridge paused {resumed - paused:.1f} s, "
+              f"drained in {drained:.1f} s; status {status}")
+        assert (status["committed"], status["discarded"], status["lost"], status["malformed"]) == (episodes, {}, {}, {})
+        assert status["max_burst"] == {"episodes": episodes, "max_steps": steps,
+                                       "messages_per_topic": episodes * (steps + 1)}
+        wait_exit(procs)
+    finally:
+        if bridge.poll() is None:
+            os.kill(bridge.pid, signal.SIGCONT)
+        kill_all(procs)
+        injector.close()
+    assert "timeout" not in procs["bridge"][1].read_text()
+    meta = json.loads(str(np.load(dump)["meta"]))
+    assert [m["length"] for m in meta] == [steps] * episodes and all(m["truncated"] for m in meta)
+    assert_store_matches_dump(root, "arm-4", dump, dict.fromkeys(range(episodes), 0), robot=robot)
