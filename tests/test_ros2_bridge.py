@@ -1072,9 +1072,9 @@ def test_episodes_queued_behind_the_bridges_backlog_are_not_timed_out(tmp_path):
                 if t < 20:
                     bridge.node._on_action(ARM2.action_msg(start + t, np.array([0.5, 0.1, 0.5])),
                                            bridge.info(ros2.ACTION_TOPIC))
-                if t % 5 == 0:  # a slow bridge: more than `timeout` passes while the later episodes wait
-                    time.sleep(0.02)
-                    bridge.node.tick()
+                if t % 5 == 0:  # a slow bridge: more than `timeout` passes while the later episodes wait,
+                    bridge.node.tick()  # ticking right after a message: on a loaded machine a sleep before
+                    time.sleep(0.02)  # the tick can outlast `timeout` and read as a robot gone silent
             bridge.event(event="end", episode=i, seed=i, task="fold", length=20, rewards=[0.0] * 20, success=False,
                          terminated=True, truncated=False, aborted=False, stamp=start + 20, final=False)
     finally:
