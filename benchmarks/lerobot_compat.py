@@ -76,6 +76,9 @@ import numpy as np
 from robo_post.store import ArraySpec, Store, StoreSchema
 from robo_post.store.lerobot_io import export_lerobot, import_lerobot
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from test_lerobot import camera_frames  # noqa: E402  (the tests' synthetic camera, at H x W below)
+
 # The per-episode PSNR bound tests/test_lerobot.py asserts for our own video round trip.
 MIN_PSNR_DB = 30.0
 LENGTHS = (5, 12, 3, 9)
@@ -341,18 +344,6 @@ def lerobot_problem(python: str | None, worker: Worker | None) -> tuple[str | No
 
 
 # --- our side: the store and what it should read as -------------------------------------------
-def camera_frames(T: int, rng: np.random.Generator) -> np.ndarray:
-    """Camera-like frames (as tests/test_lerobot.py): a lit gradient, a red disk moving across, sensor noise."""
-    yy, xx = np.mgrid[0:H, 0:W]
-    start = rng.uniform(10, W - 10)
-    frames = np.empty((T, H, W, 3), np.float64)
-    for t in range(T):
-        frames[t, ..., 0], frames[t, ..., 1], frames[t, ..., 2] = 40 + 150 * xx / W, 60 + 120 * yy / H, 90
-        disk = (xx - (start + 3 * t) % W) ** 2 + (yy - H / 2 - 8 * np.sin(t / 3)) ** 2 < 36
-        frames[t][disk] = (230, 40, 30)
-    return np.clip(frames + rng.normal(0, 2, frames.shape), 0, 255).astype(np.uint8)
-
-
 def build_store(root: str) -> Store:
     rng = np.random.default_rng(0)
     store = Store.create(root, SCHEMA)
@@ -360,7 +351,7 @@ def build_store(root: str) -> Store:
     for i, T in enumerate(LENGTHS):
         done, terminated = np.arange(T) == T - 1, i % 2 == 0
         writers[("robot-a", "robot-b")[i % 2]].write_episode(
-            {"state": rng.uniform(-5, 5, (T + 1, 4)), "image": camera_frames(T + 1, rng)},
+            {"state": rng.uniform(-5, 5, (T + 1, 4)), "image": camera_frames(T + 1, rng, H, W)},
             rng.uniform(-1, 1, (T, 2)).astype(np.float32),
             rewards=rng.normal(size=T), terminated=done & terminated, truncated=done & (not terminated),
             task_id=f"task-{i % 2}", instruction=INSTRUCTIONS[i], success=[True, None, False, True][i],
@@ -550,7 +541,7 @@ def reverse_data(path: str) -> dict[str, np.ndarray]:
     data = {"state": rng.normal(size=(n, 4)).astype(np.float32),
             "action": rng.uniform(-1, 1, (n, 2)).astype(np.float32),
             "reward": rng.normal(size=n).astype(np.float32), "done": done, "success": success,
-            "image": np.concatenate([camera_frames(T, rng) for T in REVERSE_LENGTHS])}
+            "image": np.concatenate([camera_frames(T, rng, H, W) for T in REVERSE_LENGTHS])}
     np.savez(path, **data)
     return data
 
