@@ -271,6 +271,14 @@ def wait_status(root: str, client: str, condition: Callable[[dict[str, Any]], bo
         time.sleep(0.1)
 
 
+def release(bridge: subprocess.Popen, procs: dict[str, tuple[subprocess.Popen, Path]], injector: Injector) -> None:
+    """Clean up after a test that may have left the bridge stopped: resume it, then end everything."""
+    if bridge.poll() is None:
+        os.kill(bridge.pid, signal.SIGCONT)
+    kill_all(procs)
+    injector.close()
+
+
 def stop_bridge_once_matched(injector: Injector, bridge: subprocess.Popen, topics: tuple[str, ...]) -> None:
     """SIGSTOP the bridge once it is matched with the sim and us, then let the sim (which
     waits for a second episode subscriber) start: everything it sends queues up."""
@@ -313,10 +321,7 @@ def test_faults_are_blamed_by_stamp_under_queued_traffic(tmp_path):
         bridge.send_signal(signal.SIGTERM)
         wait_exit(procs)
     finally:
-        if bridge.poll() is None:
-            os.kill(bridge.pid, signal.SIGCONT)
-        kill_all(procs)
-        injector.close()
+        release(bridge, procs, injector)
     log = procs["bridge"][1].read_text()
     assert "joint message has 1 names but 2 position values (names ['shoulder'])" in log
     assert "end of episode 99" in log and "never started" in log
@@ -393,10 +398,7 @@ def test_refused_bursts_are_counted_and_a_killed_bridge_reads_dead(tmp_path):
         bridge.kill()
         bridge.wait()
     finally:
-        if bridge.poll() is None:
-            os.kill(bridge.pid, signal.SIGCONT)
-        kill_all(procs)
-        injector.close()
+        release(bridge, procs, injector)
     assert read_status(root, "arm-3")["state"] == "running"  # the file alone cannot tell
     dead = ros2.read_bridge_status(root, "arm-3")
     assert dead["state"] == "dead" and dead["dead_reason"] == f"process {bridge.pid} is gone"
@@ -1137,10 +1139,7 @@ def test_a_paused_bridge_records_a_whole_burst_of_long_episodes(tmp_path):
                                        "messages_per_topic": episodes * (steps + 1)}
         wait_exit(procs)
     finally:
-        if bridge.poll() is None:
-            os.kill(bridge.pid, signal.SIGCONT)
-        kill_all(procs)
-        injector.close()
+        release(bridge, procs, injector)
     assert "timeout" not in procs["bridge"][1].read_text()
     meta = json.loads(str(np.load(dump)["meta"]))
     assert [m["length"] for m in meta] == [steps] * episodes and all(m["truncated"] for m in meta)
