@@ -114,7 +114,6 @@ import socket
 import sys
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,7 +136,7 @@ from std_msgs.msg import String
 from robo_post.fleet.client import episode_seed, make_env
 from robo_post.fleet.policies import Policy, build_policy
 from robo_post.fleet.recorder import (ACTION_TOPIC, EPISODE_TOPIC, IMAGE_TOPIC, INSTRUCTION_TOPIC, JOINT_TOPIC,
-                                      EpisodeRecorder, OpenEpisode, stamp_ns)
+                                      EpisodeRecorder, stamp_ns)
 from robo_post.fleet.robot import (DEFAULT_ROBOT, MalformedMessage, RobotDescription, RobotDescriptionError,
                                    image_msg)
 from robo_post.fleet.robot import joint_msg  # noqa: F401  (re-exported: the message builders live beside the topics)
@@ -626,26 +625,6 @@ class BridgeNode(Node):
 
     # --- the recorder's state ---------------------------------------------------------
     @property
-    def malformed(self) -> Counter[str]:
-        return self.recorder.malformed
-
-    @property
-    def discarded(self) -> Counter[str]:
-        return self.recorder.discarded
-
-    @property
-    def lost(self) -> Counter[str]:
-        return self.recorder.lost
-
-    @property
-    def committed(self) -> int:
-        return self.recorder.committed
-
-    @property
-    def _open(self) -> list[OpenEpisode]:
-        return self.recorder.open_episodes
-
-    @property
     def done(self) -> bool:
         """With ``exit_on_final``: the final episode is committed or discarded, and none is open."""
         return self.cfg.exit_on_final and self.recorder.final_seen and not self.recorder.open_episodes
@@ -736,8 +715,8 @@ class BridgeNode(Node):
             "client_id": self.cfg.client_id, "kind": "ros2-bridge", "state": state, "pid": os.getpid(),
             "host": socket.gethostname(), "started": self._started, "heartbeat": time.time(),
             "robot": self.robot.name, "episodes": self.writer.n_episodes, "steps": self.writer.n_steps,
-            "committed": self.committed, "malformed": dict(self.malformed), "discarded": dict(self.discarded),
-            "lost": dict(self.lost), "wrong_type": self.wrong_type, "other_bridges": self.other_bridges,
+            "committed": self.recorder.committed, "malformed": dict(self.recorder.malformed),
+            "discarded": dict(self.recorder.discarded), "lost": dict(self.recorder.lost), "wrong_type": self.wrong_type, "other_bridges": self.other_bridges,
             "policy_version": self.policy_version,
             "max_burst": {"episodes": self.cfg.burst_episodes, "max_steps": self.max_steps,
                           "messages_per_topic": self.depth},
@@ -753,7 +732,7 @@ class BridgeNode(Node):
     def close(self) -> dict[str, Any]:
         """Discard the episodes still open, release the shard and write the final status."""
         self.recorder.shutdown()
-        self.get_logger().info(f"stopping: committed={self.committed} to shard {self.cfg.client_id}; "
+        self.get_logger().info(f"stopping: committed={self.recorder.committed} to shard {self.cfg.client_id}; "
                                f"{self.recorder.discard_summary()}")
         status = self.write_status("stopped")
         self.writer.close()

@@ -640,7 +640,7 @@ def test_end_without_stamp_discards_its_episode_and_loses_nothing(tmp_path):
     bridge = LocalBridge(root)
     try:
         bridge.episode(0, 1_000, 3, stamp=None)
-        assert (bridge.node.discarded, bridge.node.malformed) == ({"malformed": 1}, {"event": 1})
+        assert (bridge.node.recorder.discarded, bridge.node.recorder.malformed) == ({"malformed": 1}, {"event": 1})
         bridge.episode(1, 2_000, 3)
     finally:
         status = bridge.close()
@@ -1093,7 +1093,7 @@ def test_an_episode_the_robot_left_times_out_on_the_robots_clock(tmp_path):
         bridge.episode(0, 1_000, 3, end=False)
         bridge.episode(1, 1_000 + 10 * 10**9, 3)  # 10 s later on the robot's clock; timeout is 5 s
         bridge.node.tick()  # milliseconds of wall time since the last message
-        assert [ep.index for ep in bridge.node._open] == []
+        assert [ep.index for ep in bridge.node.recorder.open_episodes] == []
     finally:
         status = bridge.close()
     assert (status["committed"], status["discarded"]) == (1, {"timeout": 1})
