@@ -22,6 +22,7 @@ from robo_post.algos.qam import (
     adjoint_step,
     am_loss,
     am_target,
+    cap_path_kl,
     lean_adjoint,
     policy_velocity,
     sample_path,
@@ -281,6 +282,35 @@ def test_heads_that_disagree_more_than_the_policy_spreads_set_the_temperature(ba
     resolution = 2**0.5 * d  # the heads' spread: root of their (unbiased) variance
     assert metrics["q_scale"].item() == pytest.approx(resolution, rel=1e-4)
     assert sample_moments(qam.fine)[0] == pytest.approx(m0 + 0.5 * s0**2 * c / resolution, abs=0.02)
+
+
+def test_the_trust_region_caps_each_states_target_kl_and_leaves_the_rest_alone():
+    """Samples whose target control costs more than ``max_kl`` are scaled down to exactly it;
+    the others are untouched (the cap is a per-state temperature, not a batch one)."""
+    grid = time_grid(10)
+    sigma = grid.sigma.view(-1, 1, 1, 1)
+    adjs = torch.randn(10, 6, 4, 2) * torch.tensor([0.01, 0.1, 1.0, 3.0, 10.0, 30.0]).view(1, 6, 1, 1)
+    capped, kl = cap_path_kl(adjs, sigma, grid.h, 0.5)
+    after = (0.5 * grid.h * sigma[:-1] ** 2 * capped[:-1].pow(2)).flatten(2).sum(-1).sum(0)
+    assert torch.allclose(after, kl.clamp(max=0.5), rtol=1e-5)
+    keep = kl <= 0.5
+    assert 0 < keep.sum() < 6 and torch.equal(capped[:, keep], adjs[:, keep])
+
+
+def test_a_critic_steep_against_its_unit_moves_the_policy_by_the_budget_only(base_policy):
+    """A linear critic 40x steeper than the pinned unit asks for a tilt of ~(kappa s0 c)^2 / 2
+    nats; a budget of kappa^2 / 2 (the default with a measured unit) holds the fine policy's path
+    KL at it, and the policy moves by kappa s0, the shift that KL buys. A pinned unit is uncapped."""
+    m0, s0 = sample_moments(base_policy)
+    steep = lambda obs, a: 40.0 * a.flatten(1).sum(-1)[None]  # noqa: E731
+    assert QAM(base_policy, QAMConfig(q_scale=1.0)).max_kl == math.inf
+    assert QAM(base_policy, QAMConfig(inv_temp=0.5)).max_kl == 0.125
+    free, m_free = run_qam(base_policy, steep, inv_temp=0.5)
+    capped, m_capped = run_qam(base_policy, steep, inv_temp=0.5, max_kl=0.125)
+    assert m_free["kl_path"] > 10 * 0.125 and m_free["capped"] == 0.0 and m_capped["capped"] == 1.0
+    assert m_capped["kl_path"] == pytest.approx(0.125, abs=0.03)
+    shift = sample_moments(capped.fine)[0] - m0
+    assert shift == pytest.approx(0.5 * s0, abs=0.03) and shift < sample_moments(free.fine)[0] - m0 - 0.2
 
 
 # --- 15. path source ------------------------------------------------------------------------

@@ -197,6 +197,21 @@ def lean_adjoint(v_base: Velocity, xs: torch.Tensor, adj_terminal: torch.Tensor,
     return torch.stack(adjs[::-1])
 
 
+def cap_path_kl(adjs: torch.Tensor, sigma: torch.Tensor, h: float, max_kl: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(adjoints, target KL) with each sample's adjoints scaled so the control of its regression
+    target costs at most ``max_kl`` nats along its path (docs/methods.md, "QAM: trust region").
+
+    The target's control is u = -sigma * adj, so its path KL is sum_i h sigma_i^2 ||adj_i||^2 / 2
+    over the SDE steps (the last, deterministic step excluded, as in ``control_cost``). The lean
+    adjoint ODE is linear, so scaling the terminal adjoint scales every adj_i: this is a
+    per-state temperature, lowered only where the critic's gradient would buy more than the budget.
+    Returns the uncapped target KL (B,) for the logs.
+    """
+    kl = (0.5 * h * sigma[:-1] ** 2 * adjs[:-1].pow(2)).flatten(2).sum(-1).sum(0)
+    scale = (max_kl / kl.clamp_min(1e-12)).sqrt().clamp(max=1.0)
+    return adjs * scale.view(1, -1, *([1] * (adjs.dim() - 2))), kl
+
+
 def am_target(v_base: torch.Tensor, adj: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     """Velocity target v_beta - (sigma^2 / 2) * adjoint (docs/methods.md, "QAM: adjoint-matching loss")."""
     return v_base - 0.5 * sigma**2 * adj
@@ -233,6 +248,11 @@ class QAMConfig:
 
     Attributes:
         inv_temp: kappa of the tilt pi_beta * exp(kappa Q / q_scale).
+        max_kl: per-state cap on the regression target's path KL from pi_beta, in nats
+            (``cap_path_kl``). ``None`` (default): inv_temp^2 / 2 when ``q_scale`` is measured,
+            what the measured unit promises (a kappa-tilt of a Gaussian costs that), binding
+            only where the critic's action gradient is steep against the spread it was measured
+            by; no cap when ``q_scale`` is pinned (the user chose the absolute temperature).
         q_scale: Q units per unit of ``inv_temp``. ``None`` (default) measures it on every batch
             as the spread of Q over the reference's own chunks at the batch's states
             (``q_spread``), so kappa is in units of the advantages the policy can reach on any
@@ -263,6 +283,7 @@ class QAMConfig:
     """
 
     inv_temp: float = 0.5
+    max_kl: float | None = None
     q_scale: float | None = None
     path_source: str = "fine"
     q_net: str = "target"
@@ -315,6 +336,9 @@ class QAM:
         self.scheduler = None if steps <= 0 else torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, steps) / steps)))
         self.q_scale = pinned_q_scale(cfg.q_scale, self.device)
+        if cfg.max_kl is not None and not cfg.max_kl > 0:
+            raise ValueError(f"max_kl must be > 0 or None (inv_temp^2 / 2), got {cfg.max_kl}")
+        self.max_kl = cfg.max_kl if cfg.max_kl is not None else math.inf if cfg.q_scale is not None else 0.5 * cfg.inv_temp**2
         self.grid = time_grid(self.fine.config.flow_steps, cfg.time_grid, cfg.eps)
         # The regression's times and noise scales, on the device once (not copied every update).
         self.grid_t = self.grid.t.to(self.device, torch.float32)
@@ -358,6 +382,10 @@ class QAM:
                                 ref.normalize_actions(batch["actions"].to(self.device)))
         adj1, q1 = terminal_adjoint(critic_fn, obs, xs[-1], cfg.inv_temp / q_scale, cfg.clip_adj, cfg.q_agg)
         adjs = lean_adjoint(policy_velocity(ref, z_ref), xs, adj1, grid)
+        # A critic steep against the spread it was measured by asks for tens of nats (measured
+        # 23 on a sparse goal task's expert data, where the policy lost a third of its successes).
+        sigma = self.grid_sigma.view(N, 1, 1, 1)
+        adjs, kl_target = cap_path_kl(adjs, sigma, grid.h, self.max_kl)
 
         # 3. Regress v_theta onto the AM target, all N steps in one batched forward.
         x_flat = xs[:-1].flatten(0, 1)
@@ -365,7 +393,7 @@ class QAM:
         v_fine = fine.velocity(z_fine.repeat(N, 1), x_flat, t_flat).view(N, B, H, A)
         with torch.no_grad():
             v_base = ref.velocity(z_ref.repeat(N, 1), x_flat, t_flat).view(N, B, H, A)
-        sigma = self.grid_sigma.to(x_flat.dtype).view(N, 1, 1, 1)
+        sigma = sigma.to(x_flat.dtype)
         loss_am = am_loss(v_fine, v_base, adjs, sigma).sum(0).mean() * (grid.h if cfg.quadrature == "dw" else 1.0)
         loss = loss_am
         metrics: dict[str, torch.Tensor] = {}
@@ -389,7 +417,8 @@ class QAM:
         self.steps += 1
         kl = control_cost(v_fine.detach(), v_base, sigma, grid.h).mean()
         return {"loss_am": loss_am.detach(), "q_endpoint": q1.mean().detach(), "adj_terminal_abs": adj1.abs().mean().detach(),
-                "adj0_abs": adjs[0].abs().mean().detach(), "kl_path": kl.detach(), "grad_norm": grad_norm.detach(),
+                "adj0_abs": adjs[0].abs().mean().detach(), "kl_path": kl.detach(),
+                "kl_target": kl_target.mean(), "capped": (kl_target > self.max_kl).float().mean(), "grad_norm": grad_norm.detach(),
                 "q_scale": q_scale.detach(), **metrics}
 
     def act(self, obs: dict[str, Any], seed: int | None = None) -> torch.Tensor:
