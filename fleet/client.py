@@ -29,7 +29,7 @@ from gymnasium import spaces
 from robo_post.envs.registry import EnvRegistryError, EnvSpec, env_spec
 from robo_post.fleet.policies import ExpertPolicy, build_policy, policy_extras, recorded_extras
 from robo_post.store import EpisodeValidationError, PolicyRegistry, Store, StoreSchema
-from robo_post.store.writer import write_json_atomic
+from robo_post.utils.io import write_json_atomic
 
 
 MAX_REJECTED_IN_A_ROW = 3
@@ -95,6 +95,29 @@ def store_schema(env_cfg: dict[str, Any], task: str | None) -> StoreSchema:
         return StoreSchema.from_spaces(env.observation_space, env.action_space, env=env_spec(env_cfg["name"]).key)
     finally:
         env.close()
+
+
+def recorded_env_kwargs(policy_store: str, spec: EnvSpec) -> dict[str, Any] | None:
+    """The env kwargs the store's episodes were collected with, when the store records ``spec``'s
+    env: those every episode agrees on. A kwarg the episodes set to different values (or only
+    some set) is left at the env's default and named on stderr. ``None``: another env's store,
+    or episodes that record no kwargs (older stores); the env's defaults apply. The
+    instruction split stays the eval's own choice."""
+    store = Store.open(policy_store)
+    recorded_in = store.schema.attrs.get("env")
+    # "module:Env-v0" names the env Minari recorded as "Env-v0" (the module only registers it)
+    if recorded_in is None or recorded_in.rpartition(":")[2] != spec.key.rpartition(":")[2]:
+        return None
+    # each episode's "env_kwargs" attr, as run_client (or an import) recorded it
+    recorded = [e.attrs.get("env_kwargs") for e in store.snapshot().episodes()]
+    if not recorded or any(kwargs is None for kwargs in recorded):
+        return None
+    keys = set().union(*recorded) - {spec.split_kwarg}
+    agreed = {k: recorded[0][k] for k in sorted(keys) if all(k in r and r[k] == recorded[0][k] for r in recorded)}
+    if mixed := sorted(keys - set(agreed)):
+        print(f"the episodes of {policy_store} were recorded with different values of env kwargs {mixed}; "
+              "the env's defaults apply to them unless given", file=sys.stderr)
+    return agreed
 
 
 class InvalidActionError(ValueError):

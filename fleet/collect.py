@@ -12,13 +12,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from robo_post.envs.registry import EnvSpec, NoExpertError, UnknownExpertModeError, env_spec
-from robo_post.eval.rollout import recorded_env_kwargs
-from robo_post.fleet.client import ClientConfig, Overseer, store_schema
+from robo_post.fleet.client import ClientConfig, Overseer, recorded_env_kwargs, store_schema
 from robo_post.fleet.launcher import LocalLauncher, RayLauncher, raise_unfinished
 from robo_post.store import PolicyNotFoundError, PolicyRegistry, ShardLockedError, Store, StoreError
 from robo_post.store.integrity import warn_lost_shards
 from robo_post.store.schema import BARE_OBS_ATTR, infer_role
-from robo_post.store.writer import lock_shard, try_lock
+from robo_post.store.writer import lock_shard
+from robo_post.utils.io import try_lock
 
 
 def env_config(cfg: DictConfig) -> tuple[dict[str, Any], list[str]]:

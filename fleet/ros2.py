@@ -142,7 +142,7 @@ from robo_post.fleet.robot import (DEFAULT_ROBOT, MalformedMessage, RobotDescrip
 from robo_post.fleet.robot import joint_msg  # noqa: F401  (re-exported: the message builders live beside the topics)
 from robo_post.fleet.settings import parse_config
 from robo_post.store import PolicyRegistry, ShardLockedError, Store, StoreNotFoundError
-from robo_post.store.writer import try_lock, write_json_atomic
+from robo_post.utils.io import try_lock, write_json_atomic
 
 STATUS_TOPIC = "bridge/status"
 HEARTBEAT_S = 0.25  # bridge status topic period

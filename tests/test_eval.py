@@ -24,12 +24,12 @@ from robo_post.envs.tabletop import PROPRIO_DIM
 from robo_post.eval import EVAL_SEED, evaluate, load_results, wilson_interval, write_report
 from robo_post.envs import env_spec
 from robo_post.eval import report as report_mod
-from robo_post.eval.rollout import _save_result, _step_limit, _summarise, format_mean, mean_interval, recorded_env_kwargs
-from robo_post.learner.loop import read_metrics
-from robo_post.fleet.client import episode_seed, store_schema
+from robo_post.eval.rollout import _save_result, _step_limit, _summarise, format_mean, mean_interval
+from robo_post.fleet.client import episode_seed, recorded_env_kwargs, store_schema
 from robo_post.models.features import state_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
 from robo_post.store import ArraySpec, EpisodeInfo, PolicyRegistry, Store, StoreSchema
+from robo_post.utils.io import read_metrics
 
 ENV: dict[str, Any] = {"name": "tabletop", "render_images": False}
 TASKS = ["reach", "push"]

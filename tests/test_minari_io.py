@@ -18,7 +18,7 @@ from minari.data_collector import EpisodeBuffer
 
 from robo_post.cli import main
 from robo_post.envs.registry import env_spec
-from robo_post.eval.rollout import recorded_env_kwargs
+from robo_post.fleet.client import recorded_env_kwargs
 from robo_post.store import ArraySpec, EpisodeValidationError, PolicyRegistry, Store, StoreError, StoreSchema
 from robo_post.store.integrity import validate_store
 from robo_post.store.minari_io import (SuccessRuleError, UnsupportedSpaceError, export_minari, import_minari,

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from robo_post.models.gaussian import Gaussian
 from robo_post.steering.evaluate import Rollouts, compare, label, paired_bootstrap, rank
-from robo_post.steering.poe import Gaussian, SteeringConfigError, compose, kl_curve, kl_diag, select_alpha
+from robo_post.steering.poe import SteeringConfigError, compose, kl_curve, kl_diag, select_alpha
 from robo_post.steering.sources import QUALITIES, ScriptedPrior, SteeringSourceError, squashed_gaussian
 
 GRID = (0.1, 0.3, 0.5, 0.7, 0.9)

@@ -11,7 +11,8 @@ import torch
 
 from robo_post.envs.registry import env_spec
 from robo_post.fleet.policies import MissingExtrasError, build_policy, policy_extras, recorded_extras
-from robo_post.steering.poe import Gaussian, compose, select_alpha
+from robo_post.models.gaussian import Gaussian
+from robo_post.steering.poe import compose, select_alpha
 from robo_post.steering.policy import SteeredPolicy, SteeringConfig, build_source, resolve_source
 from robo_post.steering.sources import SB3Actor, SteeringSourceError
 from robo_post.store.schema import StoreNotFoundError

@@ -35,10 +35,10 @@ from matplotlib.ticker import PercentFormatter
 
 from robo_post.config import check_dir_path
 from robo_post.envs.registry import EnvMakeError, env_spec
-from robo_post.learner.loop import read_metrics
 from robo_post.eval.rollout import (format_mean, format_metric, format_rate, load_results, pct as _pct,
                                    read_json_object, read_result)
 from robo_post.store import EpisodeInfo, Snapshot, Store
+from robo_post.utils.io import read_metrics
 
 N_FRAMES = 8
 SUCCESS_COLOR, FAILURE_COLOR = "#1a7f37", "#cf222e"

@@ -23,7 +23,6 @@ import hashlib
 import json
 import math
 import os
-import sys
 import time
 from typing import Any, Iterable, Literal, Mapping
 
@@ -31,10 +30,11 @@ import numpy as np
 import safetensors.torch
 
 from robo_post.envs.registry import EnvSpec, NoExpertError, env_spec
-from robo_post.fleet.client import ClientConfig, store_schema
+from robo_post.fleet.client import ClientConfig, recorded_env_kwargs, store_schema
 from robo_post.fleet.launcher import LocalLauncher, raise_unfinished
 from robo_post.store import EpisodeInfo, PolicyNotFoundError, PolicyRegistry, Store
-from robo_post.store.writer import write_json_atomic
+from robo_post.utils.device import resolve_device
+from robo_post.utils.io import write_json_atomic
 
 Split = Literal["train", "heldout"]
 
@@ -348,8 +348,6 @@ def eval_from_config(cfg: Any) -> list[dict[str, Any]]:
     from omegaconf import OmegaConf
     from rich.table import Table
 
-    from robo_post.learner.loop import resolve_device
-
     versions = cfg.version if OmegaConf.is_list(cfg.version) else [cfg.version]
     splits = cfg.split if OmegaConf.is_list(cfg.split) else [cfg.split]
     store = Store.open(cfg.store)
@@ -443,28 +441,6 @@ def _env_of_tasks(tasks: list[str]) -> EnvSpec:
         if set(tasks) <= set(spec.default_tasks()):
             return spec
     raise ValueError(f"no registered env has the tasks {tasks}; pass env=")
-
-
-def recorded_env_kwargs(policy_store: str, spec: EnvSpec) -> dict[str, Any] | None:
-    """The env kwargs the store's episodes were collected with, when the store records ``spec``'s
-    env: those every episode agrees on. A kwarg the episodes set to different values (or only
-    some set) is left at the env's default and named on stderr. ``None``: another env's store,
-    or episodes that record no kwargs (older stores); the env's defaults apply. The
-    instruction split stays the eval's own choice."""
-    store = Store.open(policy_store)
-    recorded_in = store.schema.attrs.get("env")
-    # "module:Env-v0" names the env Minari recorded as "Env-v0" (the module only registers it)
-    if recorded_in is None or recorded_in.rpartition(":")[2] != spec.key.rpartition(":")[2]:
-        return None
-    recorded = [e.attrs.get("env_kwargs") for e in store.snapshot().episodes()]
-    if not recorded or any(kwargs is None for kwargs in recorded):
-        return None
-    keys = set().union(*recorded) - {spec.split_kwarg}
-    agreed = {k: recorded[0][k] for k in sorted(keys) if all(k in r and r[k] == recorded[0][k] for r in recorded)}
-    if mixed := sorted(keys - set(agreed)):
-        print(f"the episodes of {policy_store} were recorded with different values of env kwargs {mixed}; "
-              "the env's defaults apply to them unless given", file=sys.stderr)
-    return agreed
 
 
 class EnvMismatchError(ValueError):

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from safetensors.torch import load, save
 
-from robo_post.store.writer import naming
+from robo_post.utils.io import naming
 
 TENSORS, STATE = "tensors.safetensors", "state.json"
 

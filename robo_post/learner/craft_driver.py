@@ -53,10 +53,11 @@ from robo_post.algos.craft import (PROXY_NORMS, CraftConfig, CraftConfigError, S
                                    veto_targets)
 from robo_post.algos.registry import MethodSpec
 from robo_post.envs.registry import env_spec
-from robo_post.eval.rollout import check_observations, recorded_env_kwargs
+from robo_post.eval.rollout import check_observations
+from robo_post.fleet.client import ClientConfig, recorded_env_kwargs, store_schema
 from robo_post.learner.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from robo_post.learner.drivers import (begin_run, check_resume, finished_run, publish_once, register_driver,
-                                       resolve_device, select_episodes)
+                                       select_episodes)
 from robo_post.learner.loop import truncate_log
 from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyConfig
 from robo_post.models.features import infer_features, state_keys
@@ -66,7 +67,8 @@ from robo_post.store.registry import PolicyArtifactError, PolicyRegistry
 from robo_post.store.sampler import WindowSampler
 from robo_post.store.schema import ArraySpec, StoreSchema
 from robo_post.store.store import EpisodeInfo, Snapshot, Store
-from robo_post.store.writer import write_json_atomic
+from robo_post.utils.device import resolve_device
+from robo_post.utils.io import write_json_atomic
 
 EXTRAS = ("logits", "chosen", "proxy_scores", "events")
 CLIENT_PREFIX = "craft"  # the fleet clients' ids in the online store: craft-0, craft-1, ...
@@ -227,8 +229,6 @@ def online_store(root: str, env: str, env_kwargs: dict[str, Any], k: int, oracle
     """The store the fleet records on-policy episodes into, with the candidate extras
     (and the oracle's scores of every candidate with ``oracle``; a proposal policy's
     sampled ``candidates`` (K, *candidate_shape) with ``candidate_shape``)."""
-    from robo_post.fleet.client import store_schema
-
     spec = env_spec(env)
     schema = store_schema({"name": env, **env_kwargs}, task)
     extras = {"logits": ArraySpec("float32", (k,)), "chosen": ArraySpec("int64", ()),
@@ -418,7 +418,6 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
 
 
 def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dict[str, Any]:
-    from robo_post.fleet.client import ClientConfig
     from robo_post.fleet.collect import lock_client_ids
     from robo_post.fleet.launcher import LocalLauncher, raise_unfinished
 
@@ -450,8 +449,6 @@ def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dic
                              f"episodes to act in algo.env={config.env!r}: leave algo.env unset, or use a store "
                              "recorded in that env")
     if config.reference_version is None and env_spec(env).key == recorded_in:
-        from robo_post.fleet.client import store_schema
-
         # pretraining learns from the store's episodes: the fleet's env must observe and act as they did
         check_observations(store.schema, store_schema({"name": env, **scene}, None),
                            {"name": env_spec(env).key, **scene}, {},
@@ -460,8 +457,6 @@ def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dic
         vocabulary = _vocabulary(env)
         k, candidate_shape = len(vocabulary), None
     else:
-        from robo_post.fleet.client import store_schema
-
         if env_spec(env).task_kwarg is not None:  # the tasks (e.g. driving scenarios) the demonstrations ran
             tasks = sorted({e.task_id for e in snap.episodes()})
         action = proposal_action(store_schema({"name": env, **scene}, tasks[0] if tasks else None), store.schema, env)

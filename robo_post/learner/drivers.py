@@ -34,7 +34,7 @@ from robo_post.learner.checkpoint import (CheckpointError, checkpoint_state, has
                                          save_checkpoint)
 from robo_post.learner.critic_report import critic_diagnostics, held_out
 from robo_post.learner.critic_report import describe as describe_diagnostics
-from robo_post.learner.loop import read_metrics, resolve_device, train_loop, truncate_log
+from robo_post.learner.loop import train_loop, truncate_log
 from robo_post.learner.tracking import Tracker, tracking_settings
 from robo_post.learner.value_report import write_value_report
 from robo_post.models.features import infer_features, state_keys
@@ -42,7 +42,8 @@ from robo_post.models.flow import FlowPolicy
 from robo_post.store import (EpisodeInfo, ImitationSampler, PolicyArtifactError, PolicyNotFoundError, PolicyRegistry,
                              Snapshot, Store, StoreSchema, WindowSampler)
 from robo_post.store.store import remove_empty_store
-from robo_post.store.writer import try_lock, write_json_atomic
+from robo_post.utils.device import resolve_device
+from robo_post.utils.io import read_metrics, try_lock, write_json_atomic
 
 # Chunking for data of an env the environment registry does not know: a reactive
 # controller that decides one action per step (an open-loop chunk cannot balance a
@@ -697,7 +698,8 @@ def off_policy(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     evaluate = None
     if cfg.eval.every:
         from robo_post.envs.registry import env_spec
-        from robo_post.eval.rollout import in_process_success, recorded_env_kwargs
+        from robo_post.eval.rollout import in_process_success
+        from robo_post.fleet.client import recorded_env_kwargs
 
         tasks = sorted({e.task_id for e in episodes})
         env = store.schema.attrs.get("env")
@@ -752,7 +754,7 @@ def _open_or_create_store(root: str, config: Any) -> Store:
     agents in that env, so the agent trains in it. An existing store must have been recorded
     in the agent's env (the same schema, as ``collect`` checks)."""
     from robo_post.envs.registry import env_spec
-    from robo_post.eval.rollout import recorded_env_kwargs
+    from robo_post.fleet.client import recorded_env_kwargs
     from robo_post.store import StoreNotFoundError
 
     store = None

@@ -2,7 +2,8 @@
 
 The loop is method-agnostic: a method exposes ``modules``, ``optimizers`` and
 ``update(batch) -> metrics``. The loop logs metric windows to
-``RUN/metrics.jsonl`` (with a wall-clock ``time``) and to the experiment trackers
+``RUN/metrics.jsonl`` (with a wall-clock ``time``; ``robo_post.utils.io.read_metrics`` reads
+it back) and to the experiment trackers
 (``robo_post.learner.tracking``: TensorBoard in ``RUN/tensorboard/`` by default),
 saves ``RUN/run_metadata.json``, checkpoints to ``RUN/checkpoint`` (resume continues
 bit-for-bit) and shows progress; drivers (``robo_post.learner.drivers``) publish.
@@ -27,13 +28,6 @@ import torch
 from robo_post.learner.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from robo_post.learner.prefetch import Prefetcher
 from robo_post.learner.tracking import Tracker
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> cuda when available, else cpu."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 # Packages whose versions are saved with every run (what a result depends on).
@@ -90,25 +84,6 @@ def truncate_log(path: str, last_update: int) -> None:
                 continue
     with open(path, "w") as f:
         f.writelines(keep)
-
-
-def read_metrics(path: str) -> list[dict[str, Any]]:
-    """The rows of a ``metrics.jsonl`` (none when it is missing), without a last row a killed
-    (or still running) trainer had not finished writing.
-
-    Raises:
-        ValueError: a row is not JSON, naming the file.
-    """
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        lines = f.readlines()
-    if lines and not lines[-1].endswith("\n"):
-        lines.pop()
-    try:
-        return [json.loads(line) for line in lines if line.strip()]
-    except ValueError as e:
-        raise ValueError(f"{path} is not a metrics log ({e})") from e
 
 
 def train_loop(

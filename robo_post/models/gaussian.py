@@ -1,8 +1,9 @@
 """A diagonal-Gaussian actor: observation features -> N(mean, diag std^2) over one action.
 
-The policy kind that steering composes exactly (``robo_post.steering``), and the form
-of a learned goal-conditioned prior whose variance is honest: trained by maximum
-likelihood, its std is the spread of the data's actions at a state, not a constant.
+The policy kind that steering composes exactly (``robo_post.steering``, whose rules take
+and return the ``Gaussian`` defined here), and the form of a learned goal-conditioned
+prior whose variance is honest: trained by maximum likelihood, its std is the spread of
+the data's actions at a state, not a constant.
 Means and stds are in env action units; the network works in actions mapped to
 [-1, 1] by the bounds (saved with the weights).
 """
@@ -19,9 +20,24 @@ from torch import nn
 
 from robo_post.models.encoders import BoundedActions, ObservationEncoder, PublishedModel, SeededRunner, mlp, obs_batch
 from robo_post.models.features import Feature, FeatureConfigJSON
-from robo_post.steering.poe import Gaussian
 
 ARTIFACT_KIND = "gaussian"
+
+
+@dataclass(frozen=True)
+class Gaussian:
+    """A diagonal Gaussian over actions: ``mean`` and ``log_std`` (..., A)."""
+
+    mean: torch.Tensor
+    log_std: torch.Tensor
+
+    @property
+    def std(self) -> torch.Tensor:
+        return self.log_std.exp()
+
+    @property
+    def precision(self) -> torch.Tensor:
+        return torch.exp(-2.0 * self.log_std)
 
 
 @dataclass

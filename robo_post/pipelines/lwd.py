@@ -25,11 +25,12 @@ from robo_post.algos.registry import method_spec
 from robo_post.config import compose
 from robo_post.learner.drivers import (add_imitation, imitation_sampler, load_reference, measure, off_policy,
                                        warn_value_edges)
-from robo_post.learner.loop import resolve_device, train_loop
+from robo_post.learner.loop import train_loop
 from robo_post.learner.value_report import write_value_report
 from robo_post.store import (EpisodeInfo, FreshPERConfig, MixedSampler, PolicyRegistry, PrioritizedSampler, Store,
                              WindowSampler)
-from robo_post.store.writer import write_json_atomic
+from robo_post.utils.device import resolve_device
+from robo_post.utils.io import write_json_atomic
 
 def _method_values(cfg: DictConfig, n_step: int) -> dict[str, Any]:
     """The method's own settings among ``lwd.*`` (``algo.*`` of `robo-post train`), with this phase's ``n_step``."""

@@ -33,7 +33,7 @@ from omegaconf.errors import ConfigKeyError
 from robo_post.config import absolute_paths, changed_settings, check_dir_path, compose, describe_changes
 from robo_post.pipelines import lwd
 from robo_post.store import PolicyRegistry, Store
-from robo_post.store.writer import write_json_atomic
+from robo_post.utils.io import write_json_atomic
 
 
 def _compose(name: str, values: dict[str, Any], overrides: list[str] | None = None) -> DictConfig:

@@ -26,15 +26,16 @@ from robo_post.fleet.client import make_env, store_schema
 from robo_post.fleet.collect import client_configs, env_config, make_launcher
 from robo_post.fleet.launcher import raise_unfinished
 from robo_post.learner.drivers import publish_once
+from robo_post.models.gaussian import Gaussian
 from robo_post.steering.bandit import bandit_arms, halving_plan, select_alpha_bandit
 from robo_post.steering.evaluate import GridConfig, evaluate_prior, format_table, run_episodes, write_report
-from robo_post.steering.poe import Gaussian, SteeringConfigError, kl_diag, select_alpha
+from robo_post.steering.poe import SteeringConfigError, kl_diag, select_alpha
 from robo_post.steering.policy import (SteeredPolicy, SteeringConfig, build_source, extra_specs, resolve_source,
                                        steered_artifact)
 from robo_post.steering.sources import QUALITIES, SteeringSourceError
 from robo_post.store.registry import PolicyRegistry
 from robo_post.store.store import Store
-from robo_post.store.writer import write_json_atomic
+from robo_post.utils.io import write_json_atomic
 
 
 def _container(node: Any) -> dict[str, Any]:

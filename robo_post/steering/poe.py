@@ -23,10 +23,11 @@ feasible alphas are a prefix of the sorted grid.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from robo_post.models.gaussian import Gaussian
 
 RULES = ("frozen", "poe", "klreg", "additive", "prior")
 KLREG_FORMS = ("tilt", "geometric")
@@ -35,22 +36,6 @@ ADDITIVE_FORMS = ("mix", "residual")
 
 class SteeringConfigError(ValueError):
     """A steering setting outside what the rules define."""
-
-
-@dataclass(frozen=True)
-class Gaussian:
-    """A diagonal Gaussian over actions: ``mean`` and ``log_std`` (..., A)."""
-
-    mean: torch.Tensor
-    log_std: torch.Tensor
-
-    @property
-    def std(self) -> torch.Tensor:
-        return self.log_std.exp()
-
-    @property
-    def precision(self) -> torch.Tensor:
-        return torch.exp(-2.0 * self.log_std)
 
 
 def check_rule(rule: str, alpha: float, klreg_form: str = "tilt", additive_form: str = "mix") -> None:

@@ -17,7 +17,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from robo_post.steering.poe import Gaussian, check_rule, compose
+from robo_post.models.gaussian import Gaussian
+from robo_post.steering.poe import check_rule, compose
 from robo_post.steering.sources import (OwnActor, SB3Actor, ScriptedPrior, Source, SteeringSourceError,
                                         load_sb3_zip, prior_settings, sha256_file)
 from robo_post.store.schema import ArraySpec

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
-from robo_post.steering.poe import Gaussian
+from robo_post.models.gaussian import Gaussian
 
 
 class SteeringSourceError(ValueError):

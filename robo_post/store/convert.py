@@ -12,7 +12,7 @@ import sys
 from typing import Any, Iterator
 
 from robo_post.store.schema import EpisodeValidationError, StoreError
-from robo_post.store.writer import try_lock
+from robo_post.utils.io import try_lock
 
 # Per imported episode: {"dataset": the dataset's id or folder, "episode": its index there}.
 SOURCE_ATTR = "imported_from"

@@ -69,7 +69,8 @@ from robo_post.store.schema import (
     check_name,
 )
 from robo_post.store.store import EpisodeInfo, Snapshot, Store, remove_empty_store
-from robo_post.store.writer import ShardWriter, try_lock
+from robo_post.store.writer import ShardWriter
+from robo_post.utils.io import try_lock
 
 DEFAULT_FPS = 30
 OBS_PREFIX = "observation."

@@ -63,7 +63,8 @@ from robo_post.store.schema import (
     infer_role,
 )
 from robo_post.store.store import EpisodeInfo, Snapshot, Store, remove_empty_store
-from robo_post.store.writer import ShardWriter, try_lock
+from robo_post.store.writer import ShardWriter
+from robo_post.utils.io import try_lock
 
 # Step columns carried in infos["robo_post"]; the other three are Minari arrays.
 INFO_COLUMNS = {

@@ -21,7 +21,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from robo_post.store.schema import StoreError, check_folder
-from robo_post.store.writer import naming, write_json_atomic
+from robo_post.utils.io import naming, write_json_atomic
 
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 WEIGHTS_FILE = "model.safetensors"

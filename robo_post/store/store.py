@@ -44,7 +44,8 @@ from robo_post.store.schema import (
 )
 from robo_post.store.chunks import read_rows
 from robo_post.store.commit import read_commit
-from robo_post.store.writer import ShardWriter, decode_record, episode_checksum, write_json_atomic
+from robo_post.store.writer import ShardWriter, decode_record, episode_checksum
+from robo_post.utils.io import write_json_atomic
 
 # Errors of a write refused for want of permission or on a read-only file system.
 _READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)

@@ -30,13 +30,11 @@ them as failing their checksum.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import os
-import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import crc32c
 import numpy as np
@@ -59,6 +57,7 @@ from robo_post.store.schema import (
     stack_field,
     validate_array,
 )
+from robo_post.utils.io import try_lock
 
 if TYPE_CHECKING:
     from robo_post.store.store import Store
@@ -69,35 +68,6 @@ if TYPE_CHECKING:
 CHUNK_BYTES = 1 << 19
 _COL = {name: i for i, name in enumerate(STEP_COLUMNS)}
 _FLAG_COLS = [_COL[name] for name in ("terminated", "truncated", "intervention")]  # 0 or 1
-
-
-@contextlib.contextmanager
-def naming(path: str) -> Iterator[None]:
-    """Re-raise an ``OSError`` that names no file (a write or close on a full disk or past a
-    file-size limit) as one naming ``path``, so the user learns where."""
-    try:
-        yield
-    except OSError as e:
-        if e.filename is not None:
-            raise
-        raise OSError(e.errno, e.strerror, path) from None
-
-
-def write_json_atomic(path: str, obj: Any, fsync: bool = True, indent: int | None = None,
-                      default: Callable[[Any], Any] | None = None) -> None:
-    """Write JSON to ``path`` so readers (and a rerun after a kill) see the old or the new file, never a mix."""
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # unique per writer thread too
-    try:
-        with naming(path), open(tmp, "w") as f:
-            json.dump(obj, f, indent=indent, default=default)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):  # a full disk would otherwise leave one per attempt
-            os.remove(tmp)
-        raise
 
 
 # An episode record (one line of episodes.jsonl) ends with this key and the CRC32C of
@@ -138,24 +108,6 @@ def episode_checksum(arrays: Mapping[str, np.ndarray]) -> int:
     for key in sorted(arrays):
         crc = crc32c.crc32c(np.ascontiguousarray(arrays[key]).reshape(-1).view(np.uint8), crc)
     return crc
-
-
-def try_lock(path: str, refused: Callable[[], Exception]) -> int:
-    """Take an exclusive flock on ``path`` (a directory, or a lock file created if missing)
-    without waiting; returns the descriptor that holds it (closing it releases the lock, as
-    does the process dying).
-
-    Raises:
-        ``refused()``: another process holds it.
-    """
-    flags = os.O_RDONLY | os.O_DIRECTORY if os.path.isdir(path) else os.O_CREAT | os.O_RDWR
-    fd = os.open(path, flags, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise refused() from None
-    return fd
 
 
 def lock_shard(path: str, shard: str) -> int:
