@@ -1,123 +1,87 @@
-"""Package layout: no import cycles inside robo_post, and the layers point one way.
+"""Package layout: the layers point one way and no imports form a cycle, as the
+import-linter contracts in pyproject.toml (``[tool.importlinter]``) state them.
 
-Imports are read from the source (module level and inside functions alike: a lazy
-import hides a cycle from Python, not from the design).
+import-linter reads imports from the source, module level and inside functions alike (a
+lazy import hides a cycle from Python, not from the design); annotations-only imports
+never run and are left out. robo_post.envs and robo_post.fleet install from envs/ and
+fleet/ (setup.py), a mapping import-linter cannot follow, so it lints a copy of the
+layout as installed.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import shutil
+import subprocess
+import sys
+import tomllib
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Source folder of each installed package (pyproject's package-dir).
-PACKAGE_DIRS = {"robo_post": "robo_post", "robo_post.envs": "envs", "robo_post.fleet": "fleet"}
+PYPROJECT = os.path.join(ROOT, "pyproject.toml")
+LINT_IMPORTS = os.path.join(os.path.dirname(sys.executable), "lint-imports")  # the venv's
 
 
-def _modules() -> dict[str, str]:
-    """Module name -> file path for every module of robo_post (envs and fleet included)."""
-    out = {}
-    for package, folder in PACKAGE_DIRS.items():
-        for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, folder)):
-            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
-            rel = os.path.relpath(dirpath, os.path.join(ROOT, folder))
-            prefix = package if rel == "." else f"{package}.{rel.replace(os.sep, '.')}"
-            for name in filenames:
-                if name.endswith(".py"):
-                    out[prefix if name == "__init__.py" else f"{prefix}.{name[:-3]}"] = os.path.join(dirpath, name)
-    return out
+def _installed_layout() -> dict[str, str]:
+    """Package -> source folder, as setup.py installs them: robo_post/, and each of its
+    TOP_LEVEL folders under robo_post's namespace."""
+    with open(os.path.join(ROOT, "setup.py")) as f:
+        tree = ast.parse(f.read())
+    top_level = next(ast.literal_eval(node.value) for node in tree.body
+                     if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "TOP_LEVEL")
+    return {"robo_post": "robo_post", **{f"robo_post.{folder}": folder for folder in top_level}}
 
 
-def _imports(path: str, module: str, known: set[str]) -> set[str]:
-    """robo_post modules imported by ``path`` (``from pkg import name`` counts ``pkg.name`` when it is a module)."""
-    tree = ast.parse(open(path).read())
-    is_package = path.endswith("__init__.py")
-    for node in ast.walk(tree):  # annotations-only imports never run
-        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
-            node.body = []
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = module.split(".")[: len(module.split(".")) - node.level + is_package]
-                base = ".".join(parts + ([base] if base else []))
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
-        else:
-            continue
-        found |= {n for n in names if n in known and n != module}
-    return found
+def _stage(dest: os.PathLike) -> str:
+    """The Python files of every installed package, copied under ``dest`` where they install."""
+    def code_only(folder: str, names: list[str]) -> list[str]:
+        return [n for n in names
+                if n == "__pycache__" or not (n.endswith(".py") or os.path.isdir(os.path.join(folder, n)))]
+
+    for package, folder in _installed_layout().items():
+        shutil.copytree(os.path.join(ROOT, folder), os.path.join(dest, *package.split(".")), ignore=code_only,
+                        dirs_exist_ok=True)
+    return str(dest)
 
 
-def _graph() -> dict[str, set[str]]:
-    modules = _modules()
-    known = set(modules)
-    return {m: _imports(p, m, known) for m, p in modules.items()}
+def _lint(staged: str, *contracts: str) -> subprocess.CompletedProcess:
+    """The contracts (default: all) checked on ``staged``: lint-imports imports robo_post from
+    its working directory, ahead of the editable install."""
+    args = [LINT_IMPORTS, PYPROJECT, "--no-cache", "--no-logo", *(f"--contract={c}" for c in contracts)]
+    return subprocess.run(args, cwd=staged, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "200"})  # no wrapped lines to match against
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan)."""
-    index, low, stack, on_stack, out = {}, {}, [], set(), []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                out.append(sorted(component))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return out
+def test_import_contracts_are_kept(tmp_path):
+    with open(PYPROJECT, "rb") as f:
+        contracts = tomllib.load(f)["tool"]["importlinter"]["contracts"]
+    result = _lint(_stage(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"Contracts: {len(contracts)} kept, 0 broken." in result.stdout
 
 
-def test_the_module_list_covers_the_layers():
-    graph = _graph()
-    for module in ("robo_post.cli", "robo_post.models.flow", "robo_post.algos.registry", "robo_post.learner.drivers",
-                   "robo_post.pipelines.run", "robo_post.store.store", "robo_post.envs.registry", "robo_post.fleet.client"):
-        assert module in graph
-    assert "robo_post.models.features" in graph["robo_post.models.encoders"]
-
-
-def test_no_import_cycles():
-    assert _cycles(_graph()) == []
-
-
-def test_cycle_detection_finds_a_planted_cycle():
-    graph = _graph()
-    graph["robo_post.store.schema"] = graph["robo_post.store.schema"] | {"robo_post.cli"}
-    assert any("robo_post.cli" in c and "robo_post.store.schema" in c for c in _cycles(graph))
-
-
-@pytest.mark.parametrize("lower, upper", [
-    ("robo_post.models", "robo_post.algos"),
-    ("robo_post.models", "robo_post.learner"),
-    ("robo_post.store", "robo_post.models"),
-    ("robo_post.store", "robo_post.learner"),
-    ("robo_post.algos", "robo_post.learner"),
-    ("robo_post.learner", "robo_post.pipelines"),
-    ("robo_post.algos", "robo_post.pipelines"),
+@pytest.mark.parametrize("contract, module, planted, broken", [
+    # the two package cycles the layers removed, back
+    ("layers", "robo_post/models/gaussian.py", "from robo_post.steering.poe import compose",
+     "robo_post.models is not allowed to import robo_post.steering"),
+    ("layers", "robo_post/fleet/collect.py", "from robo_post.eval.rollout import evaluate",
+     "robo_post.fleet is not allowed to import robo_post.eval"),
+    ("layers", "robo_post/eval/report.py", "def planted():\n    from robo_post.learner.loop import train_loop",
+     "robo_post.eval is not allowed to import robo_post.learner"),  # a lazy import counts
+    ("layers", "robo_post/unlisted/__init__.py", "", "- robo_post.unlisted"),  # a package in no layer
+    ("acyclic", "robo_post/store/schema.py", "import robo_post.store.writer",
+     "No cycles are allowed in robo_post.store."),
+    ("benchmark-peers", "robo_post/algos/sb3_agent.py", "import gym", "robo_post.algos.sb3_agent -> gym"),
+    ("extras", "robo_post/fleet/collect.py", "import ray", "robo_post.fleet.collect -> ray"),
 ])
-def test_layers_point_one_way(lower, upper):
-    bad = {m: sorted(d for d in deps if d == upper or d.startswith(upper + "."))
-           for m, deps in _graph().items() if m == lower or m.startswith(lower + ".")}
-    assert {m: d for m, d in bad.items() if d} == {}
+def test_a_planted_import_breaks_its_contract(tmp_path, contract, module, planted, broken):
+    staged = _stage(tmp_path)
+    path = os.path.join(staged, module)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(f"\n{planted}\n")
+    result = _lint(staged, contract)
+    assert result.returncode == 1 and broken in result.stdout, result.stdout + result.stderr
+    assert "Contracts: 0 kept, 1 broken." in result.stdout
