@@ -46,7 +46,7 @@ Measured (results/foreign_dataset.json, 12 min on 2 shared cores; command in the
 Eval return (30 episodes): BC all data 606, filtered BC 1708, DIVL+QAM 596, IQL+QAM 559, FQL
 687, BC all data at 4000 updates 814, d3rlpy IQL 203, expert 986. FQL beats BC on all data
 (intervals overlap), every critic method beats d3rlpy's IQL (disjoint); filtered BC (6
-episodes) beats every method (docs/results.md has the figures under earlier defaults).
+episodes) beats every method (docs/notes/offline-learning.md has the figures under earlier defaults).
 With PPO at learning rate 1e-3 and target_kl 0.05 the published 300k-step agent had collapsed
 (episodes of 8-16 steps while its training log read ~1700): the published version is the last
 policy, so a stabler setting (target_kl 0.02) is the default.

@@ -5,8 +5,8 @@ builds the window sampler, measures what the method is sized from (``DataSpec``:
 feature spec, normalisers, value range), builds the method through the registry,
 runs ``train_loop`` (logging, checkpoint/resume) and publishes the result to the
 store's policy registry with its provenance. Methods that need another loop
-(on-policy rollouts, steering, an SB3 agent) register their own driver with
-``register_driver``.
+(on-policy rollouts, steering, an SB3 agent) name their own driver; the table of
+drivers is ``robo_post.learner.train.DRIVERS``.
 """
 
 from __future__ import annotations
@@ -60,21 +60,6 @@ EDGE_MASS_WARN = 0.25
 # converged: its actor followed a moving target.
 Q_DRIFT_WARN = 0.05
 TD_RISE_WARN = 0.2
-
-Driver = Callable[[DictConfig, MethodSpec], dict[str, Any]]
-EnvCheck = Callable[[Any, str], None]
-DRIVERS: dict[str, Driver] = {}
-ENV_CHECKS: dict[str, EnvCheck] = {}
-
-
-def register_driver(name: str, driver: Driver, check_env: EnvCheck | None = None) -> None:
-    """Make ``driver(cfg, spec) -> summary`` available to methods registered with ``driver=name``.
-    ``check_env(config, env)`` raises when the driver cannot train a method's typed config in
-    ``env`` (the key a store records); `robo-post run` calls it before it records any data."""
-    DRIVERS[name] = driver
-    if check_env is not None:
-        ENV_CHECKS[name] = check_env
-
 
 # --- data -----------------------------------------------------------------------------
 class NoEpisodesError(ValueError):
@@ -634,7 +619,7 @@ def resolve_updates(cfg: DictConfig, spec: MethodSpec) -> Snapshot | None:
     the snapshot it measured, for the run to train on (None when ``updates`` is set). A budget
     fixed in updates under-trains large datasets and over-trains small ones: flow BC of 20
     expert episodes (20,000 steps) kept 14% of their return at 3000 updates of 64 windows
-    (10 passes) and all of it at 77 passes (docs/results.md)."""
+    (10 passes) and all of it at 77 passes (docs/notes/offline-learning.md)."""
     if cfg.updates is not None:
         return None
     snap = Store.open(cfg.store).snapshot(cfg.data.snapshot or _resumed_snapshot(cfg.run_dir))
@@ -878,6 +863,3 @@ def sb3(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     write_json_atomic(os.path.join(run_dir, "summary.json"), summary, indent=1)
     return summary
 
-
-register_driver("off_policy", off_policy)
-register_driver("sb3", sb3)

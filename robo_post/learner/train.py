@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from robo_post.algos.registry import method_spec
-from robo_post.learner import craft_driver  # noqa: F401  (registers the `craft` driver)
-from robo_post.learner.drivers import DRIVERS, ENV_CHECKS, run_lock
+from robo_post.algos.registry import MethodSpec, method_spec
+from robo_post.learner import craft_driver
+from robo_post.learner.drivers import off_policy, run_lock, sb3
 from robo_post.store.integrity import warn_lost_shards
 from robo_post.store.registry import PolicyRegistry
+
+# The loops methods run in, by the name a method's spec gives (``MethodSpec.driver``).
+DRIVERS: dict[str, Callable[[DictConfig, MethodSpec], dict[str, Any]]] = {
+    "off_policy": off_policy, "sb3": sb3, "craft": craft_driver.craft}
+# check(config, env) raises when a driver cannot train a method's typed config in ``env`` (the key
+# a store records); `robo-post run` calls it before it records any data.
+ENV_CHECKS: dict[str, Callable[[Any, str], None]] = {"craft": craft_driver.check_env}
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
