@@ -30,7 +30,8 @@ How, top to bottom:
    settings and standardised observations, for as many gradient steps at batch 256 as
    our BC used (our budget is measured from the data: 100 passes, 3000 to 100000).
 5. Evaluation on ``--eval-episodes`` episodes (times the task's ``eval_scale``: 10 for the
-   goal task, whose return is 0 or 1) with the eval client's seeds
+   goal task, whose return is 0 or 1, 5 for the dense reacher, whose return varies with its
+   random target) with the eval client's seeds
    (``robo-post eval ... n_clients=1``; d3rlpy's policies and the random policy in-process
    on the same seeds).
 
@@ -96,10 +97,13 @@ class Task:
 
 TASKS = {
     "hopper": Task("Hopper-v5", 50_000, 200_000, "truncation"),
-    "walker2d": Task("Walker2d-v5", 100_000, 300_000, "truncation"),
-    "halfcheetah": Task("HalfCheetah-v5", 50_000, 300_000, "truncation"),
+    "walker2d": Task("Walker2d-v5", 50_000, 200_000, "truncation"),
+    "halfcheetah": Task("HalfCheetah-v5", 50_000, 150_000, "truncation"),
     "ant": Task("Ant-v5", 100_000, 300_000, "truncation"),
     "idp": Task("InvertedDoublePendulum-v5", 20_000, 40_000, "truncation", episodes=10),  # the balance task
+    # Every episode ends at its 50-step time limit: 200 episodes (10,000 steps) per source, and
+    # its return varies with the random target: 5x the evaluation episodes.
+    "reacher_dense": Task("Reacher-v5", 10_000, 50_000, "truncation", episodes=200, eval_scale=5),
     # The sparse goal task; SAC learns on its dense-reward twin (same observations) and records here.
     # Its return is 0 or 1 (random actions reach the target 30% of the time): 10x the episodes.
     "reacher": Task("robo_post/SparseReacher-v0", 20_000, 100_000, "termination", episodes=100,
