@@ -338,7 +338,10 @@ class QAM:
         self.q_scale = pinned_q_scale(cfg.q_scale, self.device)
         if cfg.max_kl is not None and not cfg.max_kl > 0:
             raise ValueError(f"max_kl must be > 0 or None (inv_temp^2 / 2), got {cfg.max_kl}")
-        self.max_kl = cfg.max_kl if cfg.max_kl is not None else math.inf if cfg.q_scale is not None else 0.5 * cfg.inv_temp**2
+        if cfg.max_kl is not None:
+            self.max_kl = cfg.max_kl
+        else:  # what a measured unit promises; a pinned unit is the user's absolute temperature
+            self.max_kl = math.inf if cfg.q_scale is not None else 0.5 * cfg.inv_temp**2
         self.grid = time_grid(self.fine.config.flow_steps, cfg.time_grid, cfg.eps)
         # The regression's times and noise scales, on the device once (not copied every update).
         self.grid_t = self.grid.t.to(self.device, torch.float32)
