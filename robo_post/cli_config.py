@@ -182,7 +182,7 @@ _TRAIN = {
     "data.success": choice(True, False, optional=True), "data.roles": items(choice(*ROLES), "roles"),
     "data.clients": items(text(), "client-id prefixes"), "data.holdout": number(0, 0.5), "model.horizon": integer(1, optional=True),
     "model.execute_steps": integer(1, optional=True), "model.use_text": choice("auto", True, False),
-    "model.embed_dim": _COUNT, "model.hidden_dim": _COUNT, "model.flow_steps": _COUNT, "model.deterministic": boolean,
+    "model.embed_dim": _COUNT, "model.hidden_dim": _COUNT, "model.flow_steps": _COUNT, "model.deterministic": boolean, "model.mode_draws": _COUNT,
     "model.predicts": choice("chunk", "velocity"),
     "algo.name": method, "algo.lr": number(0, low_open=True), "algo.critic_warmup": integer(0, optional=True), "algo.best_of_n": _COUNT,
     "algo.n_step": integer(1, optional=True), "algo.reference_version": integer(1, optional=True), "algo.timesteps": _COUNT,

@@ -16,7 +16,7 @@ from robo_post.learner.checkpoint import CheckpointError
 from robo_post.learner.drivers import NoEpisodesError, NonFiniteWeightsError, RunResumeError, publish_once
 from robo_post.learner.train import train
 from robo_post.models.features import Feature, state_features
-from robo_post.models.flow import FlowPolicy, FlowPolicyConfig, FlowPolicyRunner
+from robo_post.models.flow import FlowPolicy, FlowPolicyConfig, FlowPolicyRunner, densest
 from robo_post.store import ArraySpec, PolicyRegistry, Store, StoreSchema
 from test_store import tree_hash
 
@@ -416,11 +416,11 @@ def test_in_process_success_reports_each_episode_outcome_in_order():
 
 
 def test_deterministic_flow_acts_from_the_noise_centre():
-    """deterministic=True starts every chunk from x_0 = 0: the exact Gaussian field then lands on
-    the target's mean (its central action); artifacts without the key stay stochastic."""
+    """deterministic=True with one draw starts every chunk from x_0 = 0: the exact Gaussian field then
+    lands on the target's mean (its central action); artifacts without the key stay stochastic."""
     torch.manual_seed(0)
     config = FlowPolicyConfig(features=state_features(2), action_dim=1, horizon=1, use_text=False, flow_steps=200,
-                              deterministic=True)
+                              deterministic=True, mode_draws=1)
     policy = FlowPolicy(config).eval()
     policy.velocity = lambda z, x, w: exact_velocity(x, w[:, None, None])  # the N(MU, S^2) target's field
     obs = {"state": torch.randn(4, 2)}
@@ -432,3 +432,47 @@ def test_deterministic_flow_acts_from_the_noise_centre():
     assert drawn.std().item() > 0.1 and not torch.equal(drawn, first)
     legacy = {k: v for k, v in config.to_json().items() if k != "deterministic"}
     assert FlowPolicyConfig.from_json(legacy).deterministic is False
+
+
+def mixture_velocity(x, w, weights, means, s):
+    """The velocity of the linear path from N(0,1) to a mixture of N(mean_k, s_k^2): each
+    component's velocity weighted by its posterior at (x, w)."""
+    post, vel = [], []
+    for p, mu, sk in zip(weights, means, s):
+        var = (1 - w) ** 2 + w**2 * sk**2
+        post.append(p * torch.exp(-0.5 * (x - w * mu) ** 2 / var) / var.sqrt())
+        vel.append(exact_velocity(x, w, mu, sk))
+    post = torch.stack(post)
+    return (post * torch.stack(vel)).sum(0) / post.sum(0)
+
+
+def test_a_deterministic_flow_acts_at_a_mode_where_the_centre_falls_between_modes():
+    """Two behaviours and a diffuse third (expert, weak and random actions in one dataset): the
+    noise's centre maps between the modes, to an action neither behaviour takes; the densest of
+    the fixed draws is one of them. Old artifacts (no ``mode_draws``) keep acting from the centre."""
+    weights, means, s = (0.4, 0.15, 0.45), (-0.6, 0.0, 0.6), (0.05, 0.3, 0.05)
+    config = FlowPolicyConfig(features=state_features(2), action_dim=1, horizon=1, use_text=False, flow_steps=200,
+                              deterministic=True)
+    assert config.mode_draws == 16
+    policy = FlowPolicy(config).eval()
+    policy.velocity = lambda z, x, w: mixture_velocity(x, w[:, None, None], weights, means, s)
+    obs = {"state": torch.randn(3, 2)}
+    mode = policy.sample(obs)[:, 0, 0]
+    assert torch.equal(mode, policy.sample(obs)[:, 0, 0])  # deterministic: fixed draws
+    assert mode.abs().min().item() > 0.45 and mode.abs().max().item() < 0.65
+    policy.config.mode_draws = 1
+    assert policy.sample(obs)[:, 0, 0].abs().max().item() < 0.35  # the centre: between the modes
+    weights_, artifact = FlowPolicy(config).artifact()
+    del artifact["model"]["mode_draws"]
+    assert FlowPolicy.from_artifact(weights_, artifact).config.mode_draws == 1
+    with pytest.raises(ValueError, match="mode_draws must be >= 1"):
+        FlowPolicyConfig(features=state_features(2), action_dim=1, mode_draws=0)
+
+
+def test_densest_finds_the_dense_cluster_among_scattered_samples():
+    g = torch.Generator().manual_seed(0)
+    cluster = torch.tensor([0.7, -0.2, 0.1]) + 0.02 * torch.randn(10, 3, generator=g)
+    scattered = torch.rand(6, 3, generator=g) * 2 - 1
+    x = torch.cat([scattered, cluster])[None]
+    assert torch.allclose(densest(x)[0], torch.tensor([0.7, -0.2, 0.1]), atol=0.05)
+    assert torch.equal(densest(x[:, :1])[0], x[0, 0])  # one sample: itself

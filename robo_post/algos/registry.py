@@ -105,7 +105,7 @@ class MethodSpec:
     driver: str = "off_policy"
     needs_reference: bool = False
     description: str = ""
-    model_keys: tuple[str, ...] = ("embed_dim", "hidden_dim", "flow_steps", "deterministic", "predicts")  # train's model.* keys it takes
+    model_keys: tuple[str, ...] = ("embed_dim", "hidden_dim", "flow_steps", "deterministic", "mode_draws", "predicts")  # train's model.* keys it takes
 
     def make_config(self, values: dict[str, Any]) -> Any:
         """The typed config from ``algo.*`` values; unknown keys, and values of another type than

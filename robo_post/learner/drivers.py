@@ -594,7 +594,7 @@ def _warn_unread_model_settings(cfg: DictConfig, spec: MethodSpec) -> None:
     accepted, recorded in config.yaml and ignored): a policy that acts one action at a time
     has no chunks or flow steps, and a method that starts from a reference keeps its chunks."""
     flow = "flow_steps" in spec.model_keys
-    unread = (([] if flow and not spec.needs_reference else ["horizon", "execute_steps", "deterministic", "predicts"])
+    unread = (([] if flow and not spec.needs_reference else ["horizon", "execute_steps", "deterministic", "mode_draws", "predicts"])
               + ([] if flow else ["flow_steps"]))
     default = compose("train", []).model  # the model group is train's own (a plugin has no algo/ config file)
     for key in unread:

@@ -41,8 +41,12 @@ class FlowPolicyConfig(FeatureConfigJSON):
         flow_steps: N Euler steps when sampling.
         action_low / action_high: env action bounds, mapped to [-1, 1].
         execute_steps: actions of a chunk executed open-loop before re-planning.
-        deterministic: act from the noise distribution's centre (x_0 = 0) instead of a
-            random draw: one action per state, the flow's central one. Training is unchanged.
+        deterministic: one action per state instead of a random draw: the densest of
+            ``mode_draws`` chunks drawn from a fixed set of noises (``densest``). Training is unchanged.
+        mode_draws: K fixed noises a deterministic policy integrates, the first the noise's
+            centre (x_0 = 0); 1 acts from the centre alone. The centre is a point between
+            the data's modes where they differ (expert, weak and random behaviour in one
+            dataset): there it acts like none of them.
         predicts: what the network outputs: ``chunk`` (x_1; its regression target has no
             noise term, so BC converges several times faster on near-deterministic
             demonstrations) or ``velocity`` (x_1 - x_0, the form of models published before).
@@ -59,11 +63,14 @@ class FlowPolicyConfig(FeatureConfigJSON):
     action_high: list[float] = field(default_factory=list)
     execute_steps: int | None = None
     deterministic: bool = False
+    mode_draws: int = 16
     predicts: str = "chunk"
 
     def __post_init__(self):
         if self.predicts not in PREDICTS:
             raise ValueError(f"FlowPolicyConfig.predicts must be one of {PREDICTS}, got {self.predicts!r}")
+        if self.mode_draws < 1:
+            raise ValueError(f"FlowPolicyConfig.mode_draws must be >= 1, got {self.mode_draws}")
 
 
 PREDICTS = ("chunk", "velocity")
@@ -139,13 +146,17 @@ class FlowPolicy(BoundedActions, nn.Module):
         """Sample action chunks (B, H, A) in env units by N Euler steps.
 
         Pass ``noise`` (B, H, A) or a ``seed`` for deterministic samples; a ``deterministic``
-        policy starts every chunk from x_0 = 0 when given no noise.
+        policy given no noise acts at the densest of its ``mode_draws`` fixed draws.
         """
         z = self.encode(obs)
         shape = (z.shape[0], self.config.horizon, self.config.action_dim)
         if noise is None and self.config.deterministic:
-            noise = torch.zeros(shape, device=self.device)
-        elif noise is None:
+            k = self.config.mode_draws
+            fixed = torch.randn((k, *shape[1:]), generator=torch.Generator().manual_seed(0))
+            fixed[0] = 0.0  # the centre is always a candidate
+            chunks = self.integrate(z.repeat_interleave(k, 0), fixed.to(self.device).repeat(shape[0], 1, 1))
+            return self.unnormalize_actions(densest(chunks.view(shape[0], k, -1)).view(shape))
+        if noise is None:
             gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
             noise = torch.randn(shape, generator=gen, device=self.device)
         return self.unnormalize_actions(self.integrate(z, noise))
@@ -169,10 +180,32 @@ class FlowPolicy(BoundedActions, nn.Module):
     @classmethod
     def from_artifact(cls, weights: dict[str, torch.Tensor], config: dict[str, Any], device: str = "cpu") -> "FlowPolicy":
         model_json, weights = upgrade_artifact(config["model"], weights)
-        model_json = {"predicts": "velocity", **model_json}  # published before chunk prediction existed
+        # Published before chunk prediction / before mode draws existed: act as they did.
+        model_json = {"predicts": "velocity", "mode_draws": 1, **model_json}
         model = cls(FlowPolicyConfig.from_json(model_json))
         model.load_state_dict(weights)
         return model.to(device).eval()
+
+
+def densest(x: torch.Tensor, iters: int = 10) -> torch.Tensor:
+    """The mode of each row's K samples ``x`` (B, K, D) -> (B, D), by mean shift.
+
+    A Gaussian kernel with Silverman's per-coordinate bandwidth; the shift starts at the
+    sample of highest kernel density. With one sample it returns it.
+    """
+    b, k, d = x.shape
+    if k == 1:
+        return x[:, 0]
+    h = (x.std(1, keepdim=True) * (4.0 / ((d + 2) * k)) ** (1.0 / (d + 4))).clamp_min(1e-3)  # (B, 1, D)
+
+    def weights(y: torch.Tensor) -> torch.Tensor:  # (B, M, D) -> kernel weights (B, M, K)
+        return torch.exp(-0.5 * (((y[:, :, None] - x[:, None]) / h[:, None]) ** 2).sum(-1))
+
+    y = x.gather(1, weights(x).sum(-1).argmax(1)[:, None, None].expand(b, 1, d))  # (B, 1, D)
+    for _ in range(iters):
+        w = weights(y)  # (B, 1, K)
+        y = (w @ x) / w.sum(-1, keepdim=True)
+    return y[:, 0]
 
 
 def upgrade_artifact(model: dict[str, Any], weights: dict[str, torch.Tensor],
