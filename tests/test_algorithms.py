@@ -80,22 +80,23 @@ def test_the_critic_trains_alone_for_half_the_budget_by_default(bc_store, tmp_pa
     summary = train(_cfg(bc_store, str(tmp_path / "half"), "divl_qam", 8, warmup=None))
     rows = [json.loads(x) for x in (tmp_path / "half" / "metrics.jsonl").read_text().splitlines()]
     assert [("loss_am" in r) for r in rows] == [False, False, True, True]  # updates 2, 4 | 6, 8
-    # 4 warm-up updates complete no target backup, so one backup spans the whole discount horizon (or episode)
+    # 4 warm-up updates complete no target backup, so one backup spans the whole horizon (or episode)
     backup = summary["backup"]
-    assert backup["critic_warmup"] == 4 and backup["n_step"] > 1 and 8 * (backup["n_step"] - 1) < 100
+    assert backup["critic_warmup"] == 4 and backup["n_step"] > 1 and 8 * (backup["n_step"] - 1) < 300
 
 
 def test_backups_are_sized_so_the_value_travels_within_the_critic_budget():
     """One-step backups on 1000-step locomotion left DIVL's critic at a fifth of the data's returns
-    after 4649 warm-up updates; the measured n spans ~4 steps per backup there."""
+    after 4649 warm-up updates; backups sized to carry 95% of the discounted return (three
+    horizons) in the target's lags span 13 steps there."""
     config = ActorCriticConfig(critic_warmup=4649)
-    lengths = [1000] * 7 + [150] * 23  # mean 348 steps, so D = 1 / (1 - 0.99) = 100
-    assert backup_chunks("divl_qam", config, lengths, 1, 0.99, 9298) == 5  # 4649 * 0.005 = 23 backups: 100 / 23 -> 5
-    assert backup_chunks("divl_qam", config, lengths, 4, 0.99, 9298) == 2  # counted in chunks of 4
+    lengths = [1000] * 7 + [150] * 23  # mean 348 steps, so D = 3 / (1 - 0.99) = 300
+    assert backup_chunks("divl_qam", config, lengths, 1, 0.99, 9298) == 13  # 4649 * 0.005 = 23 lags: 300 / 23 -> 13
+    assert backup_chunks("divl_qam", config, lengths, 4, 0.99, 9298) == 4  # counted in chunks of 4
     assert backup_chunks("divl_qam", config, [20] * 5, 1, 0.99, 9298) == 1  # short episodes: D = 20 < 23
-    slow = ActorCriticConfig(critic_warmup=4649, value={"ema_rate": 0.001})  # a slower target: 4.6 backups
-    assert backup_chunks("divl_qam", slow, lengths, 1, 0.99, 9298) == 22
-    assert backup_chunks("iql_qam", ActorCriticConfig(critic_warmup=10), lengths, 1, 0.99, 20) == 100  # at most D
+    slow = ActorCriticConfig(critic_warmup=4649, value={"ema_rate": 0.001})  # a slower target: 4.6 lags
+    assert backup_chunks("divl_qam", slow, lengths, 1, 0.99, 9298) == 65
+    assert backup_chunks("iql_qam", ActorCriticConfig(critic_warmup=10), lengths, 1, 0.99, 20) == 300  # at most D
     assert backup_chunks("fql", ActorCriticConfig(critic_warmup=10), lengths, 1, 0.99, 20) == 1  # it values its own actions
     assert backup_chunks("iql_qam", ActorCriticConfig(critic_warmup=0), lengths, 1, 1.0, 9298) == 8  # no warm-up: the run; D = 348
 
