@@ -50,7 +50,7 @@ def cli(*args: str) -> None:
 
 def point_mass(work: str, episodes: int, quick: bool) -> dict:
     store = os.path.join(work, "point_mass_old")
-    if not os.path.exists(os.path.join(store, "registry")):
+    if not os.path.exists(os.path.join(store, "policies")):  # the actor is built once, then reused
         cli("collect", "env=point_mass", "+env.kwargs.goal=[0.5,0.5]", "policy.noise=0.3",
             f"episodes={40 if quick else 200}", f"store={store}", "show=false")
         cli("train", "algo=gaussian_bc", f"store={store}", f"run_dir={store}-bc", f"updates={1500 if quick else 5000}",
