@@ -189,7 +189,9 @@ def summarise(name: str, results: dict) -> dict:
     for kind in ("KL budget", "bandit"):
         near = [v["steps_from_oracle_set"] <= 1 for s in summary.values() for k, v in s["selectors"].items()
                 if k.startswith(kind)]
-        print(f"{kind} selector within one grid step of the oracle set: {sum(near)}/{len(near)} cells")
+        hurt = [v["label"] == "HURT" for s in summary.values() for k, v in s["selectors"].items() if k.startswith(kind)]
+        print(f"{kind} selector within one grid step of the oracle set: {sum(near)}/{len(near)} cells, "
+              f"HURT in {sum(hurt)}")
     print(f"max |deterministic PoE - KL-Reg| return: {max(s['deterministic_poe_klreg_gap'] for s in summary.values()):.2e}")
     return summary
 
