@@ -8,6 +8,8 @@
    SB3's loader; steered toward each episode's target by the Jacobian-transpose prior.
 3. Reacher at new fixed targets (``--only new_targets``): the same SAC agent, every episode
    at one of four targets it was not trained for, with the good and the honest random prior.
+4. Deployment at those targets (``--only deploy``): ``robo-post steer`` with
+   ``selector.kind=auto`` (good and honest random prior) and with the KL budget alone.
 
 For each, ``robo-post steer-eval`` runs the grid: prior qualities (good, degraded,
 honest random, overconfident random) x rules (PoE, KL-Reg, additive) x alpha, plus
@@ -20,7 +22,7 @@ next to the oracle's (scored against the alphas tied with the oracle within the 
 margin) with the calibration episodes it spent, and the largest deterministic PoE -
 KL-Reg return difference.
 
-    python benchmarks/poe_steering.py                     # all three parts, full grid
+    python benchmarks/poe_steering.py                     # all four parts, full grid
     python benchmarks/poe_steering.py --quick             # small grid (smoke test)
     python benchmarks/poe_steering.py --only point_mass
 """
@@ -50,7 +52,7 @@ def cli(*args: str) -> None:
 
 def point_mass(work: str, episodes: int, quick: bool) -> dict:
     store = os.path.join(work, "point_mass_old")
-    if not os.path.exists(os.path.join(store, "registry")):
+    if not os.path.exists(os.path.join(store, "policies")):  # the actor is built once, then reused
         cli("collect", "env=point_mass", "+env.kwargs.goal=[0.5,0.5]", "policy.noise=0.3",
             f"episodes={40 if quick else 200}", f"store={store}", "show=false")
         cli("train", "algo=gaussian_bc", f"store={store}", f"run_dir={store}-bc", f"updates={1500 if quick else 5000}",
@@ -122,6 +124,36 @@ def new_targets(work: str, episodes: int, sac_steps: int) -> dict:
     return report
 
 
+def deploy(work: str, episodes: int, sac_steps: int) -> dict:
+    """``robo-post steer`` at each new target: ``selector.kind=auto`` (KL fallback eps 2) with the good and
+    the honest random prior, and the KL budget (eps 2) alone; success of the deployed episodes."""
+    zip_path = reacher_zip(work, sac_steps)
+    runs = {"auto, good prior": ["selector.kind=auto", "prior.quality=good"],
+            "auto, honest random prior": ["selector.kind=auto", "prior.quality=random_honest"],
+            "KL budget, good prior": ["prior.quality=good"]}
+    report = {}
+    for target in NEW_TARGETS:
+        name = f"{target[0]:g},{target[1]:g}"
+        report[name] = {}
+        for run, overrides in runs.items():
+            store = os.path.join(work, "deploy", f"{target[0]:g}_{target[1]:g}_{len(report[name])}")
+            out = subprocess.run([sys.executable, "-m", "robo_post.cli", "steer", "env=reacher",
+                                  f"+env.kwargs.target=[{name}]", "actor.kind=sb3", f"actor.path={zip_path}",
+                                  "actor.algo=SAC", "selector.kl_budget=2", *overrides, f"episodes={episodes}",
+                                  "fleet.n_clients=1", f"store={store}", "show=false"],
+                                 check=True, capture_output=True, text=True).stdout
+            summary = json.loads(out)
+            report[name][run] = {"selector": summary["selection"]["kind"], "alpha": summary["steering"]["alpha"],
+                                 "success": summary["success"], "episodes": summary["episodes"],
+                                 "calibration_episodes": summary["selection"].get("episodes"),
+                                 "mean_return": summary["mean_return"]}
+    print(f"\n=== robo-post steer at new Reacher targets ({episodes} deployed episodes each) ===")
+    for name, by_run in report.items():
+        print(f"{name:<12}" + "; ".join(f"{run}: {r['selector']} alpha {r['alpha']:g}, success {r['success']:.2f}"
+                                        for run, r in by_run.items()))
+    return report
+
+
 def label_vs_zero(cell: dict) -> str:
     """A cell's label without the equivalence margin: success first where defined, then return (as steer-eval)."""
     by_success = label(*cell["success_ci"]) if "success_ci" in cell else "FROZEN"
@@ -157,7 +189,9 @@ def summarise(name: str, results: dict) -> dict:
     for kind in ("KL budget", "bandit"):
         near = [v["steps_from_oracle_set"] <= 1 for s in summary.values() for k, v in s["selectors"].items()
                 if k.startswith(kind)]
-        print(f"{kind} selector within one grid step of the oracle set: {sum(near)}/{len(near)} cells")
+        hurt = [v["label"] == "HURT" for s in summary.values() for k, v in s["selectors"].items() if k.startswith(kind)]
+        print(f"{kind} selector within one grid step of the oracle set: {sum(near)}/{len(near)} cells, "
+              f"HURT in {sum(hurt)}")
     print(f"max |deterministic PoE - KL-Reg| return: {max(s['deterministic_poe_klreg_gap'] for s in summary.values()):.2e}")
     return summary
 
@@ -165,7 +199,7 @@ def summarise(name: str, results: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small grid (40 episodes per arm)")
-    parser.add_argument("--only", choices=["point_mass", "reacher", "new_targets"])
+    parser.add_argument("--only", choices=["point_mass", "reacher", "new_targets", "deploy"])
     parser.add_argument("--sac-steps", type=int, default=20_000)
     parser.add_argument("--work", default="runs/bench_steering")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "poe_steering.json"))
@@ -182,6 +216,8 @@ def main() -> None:
                                               5000 if args.quick else args.sac_steps))
     if args.only in (None, "new_targets"):
         report["new_targets"] = new_targets(args.work, 10 if args.quick else 30, 5000 if args.quick else args.sac_steps)
+    if args.only in (None, "deploy"):
+        report["deploy"] = deploy(args.work, 10 if args.quick else 30, 5000 if args.quick else args.sac_steps)
     report["wall_s"] = time.perf_counter() - t0
     print(f"\nwall {report['wall_s']:.0f} s")
     if not args.quick:

@@ -233,7 +233,8 @@ _ALPHAS = items(number(0, 1, high_open=True), "alphas in [0, 1)", optional=False
 RULES["steer"] = {
     **_STEER_SOURCES, **_FLEET, "store": text(), "episodes": _COUNT, "alpha": number(0, 1),
     "rule": choice("poe", "klreg", "additive", "prior", "frozen"), "klreg_form": choice("tilt", "geometric"),
-    "additive_form": choice("mix", "residual"), "deterministic": boolean, "selector.kind": choice("kl_budget", "bandit"),
+    "additive_form": choice("mix", "residual"), "deterministic": boolean,
+    "selector.kind": choice("kl_budget", "bandit", "auto"),
     "selector.kl_budget": number(0, optional=True), "selector.alpha_grid": _ALPHAS,
     "selector.alpha_max": number(0, 1, optional=True), "selector.episodes": _COUNT, "selector.store": text(optional=True),
     "selector.bandit_episodes": integer(4), "selector.margin": number(0),

@@ -132,7 +132,9 @@ def test_steer_eval_grid_and_report(actor_store, tmp_path):
         assert res["selectors"][2]["episodes_spent"] == 16  # 6 arms x 1, 4 x 1, 3 x 2 episodes
     # the bandit reaches the new goals with a good prior and keeps the frozen actor with an honest random one
     bandit = {q: res["selectors"][2] for q, res in results.items()}
-    assert bandit["good"]["alpha"] > 0 and bandit["good"]["label"] == "HELP"
+    assert bandit["good"]["alpha"] > 0 and bandit["good"]["label"] == "HELP" and bandit["good"]["success"] >= 0.9
+    assert results["good"]["cells"][0]["success"] <= 0.1  # the frozen actor misses the new goals
+    assert {res["auto_selector"] for res in results.values()} == {"bandit"}  # the point mass reports success
     assert bandit["random_honest"]["alpha"] == 0.0 and bandit["random_honest"]["label"] == "FROZEN"
     page = open(os.path.join(out, "steering.html")).read()
     assert page.count("data:image/png;base64") == 3 and "Selector vs oracle" in page

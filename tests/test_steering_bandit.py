@@ -7,11 +7,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+import torch
+
 from robo_post.envs.point_mass import goal_pd
-from robo_post.envs.registry import env_spec
+from robo_post.envs.registry import env_spec, make_prior
+from robo_post.models.gaussian import Gaussian
+from robo_post.steering.auto import select_alpha_auto
 from robo_post.steering.bandit import halving_plan, select_alpha_bandit
 from robo_post.steering.evaluate import Rollouts, oracle_set, run_episodes
-from robo_post.steering.poe import SteeringConfigError
+from robo_post.steering.poe import SteeringConfigError, select_alpha
 from robo_post.steering.policy import SteeredPolicy, SteeringConfig
 from robo_post.steering.sources import QUALITIES, ScriptedPrior
 from robo_post.store.registry import PolicyRegistry
@@ -109,6 +113,86 @@ def test_on_point_mass_episodes_the_bandit_reaches_new_goals_and_keeps_the_actor
     assert honest.lcb_success <= 0 and honest.lcb_return <= honest.threshold
 
 
+class Fixed:
+    """A source with the same Gaussian at every state."""
+
+    def __init__(self, mean, std):
+        self.mean, self.std = mean, std
+
+    def reset(self, seed):
+        pass
+
+    def distribution(self, obs):
+        n = len(obs["x"])
+        return Gaussian(torch.full((n, 1), self.mean), torch.full((n, 1), float(np.log(self.std))))
+
+
+def test_auto_reads_success_where_the_env_reports_it_and_the_kl_budget_elsewhere():
+    states = {"x": np.zeros((40, 1), np.float32)}
+    actor, prior = Fixed(0.0, 0.3), Fixed(1.0, 0.3)
+    played = []
+
+    def play(alpha, seeds):
+        played.append(alpha)
+        return synthetic(lambda a: 0.95 if a == 0.7 else 0.05)(alpha, seeds)
+
+    # no success in the frozen calibration episodes: the KL budget on their states, no steered episode
+    alpha, record = select_alpha_auto(Rollouts(np.zeros(4), None, states), actor, prior, play, GRID, 2.0, 60)
+    expected, kls = select_alpha(actor.distribution(states), prior.distribution(states), GRID, 2.0)
+    assert (alpha, record["kind"], record["kl_curve"]) == (expected, "kl_budget", kls) and played == []
+    assert 0 < alpha < 0.9 and record["states"] == 40
+    # success reported: the bandit, which finds the alpha that reaches the goal whatever its KL
+    alpha, record = select_alpha_auto(Rollouts(np.zeros(4), np.zeros(4), states), actor, prior, play, GRID, 2.0, 60,
+                                      seed=100)
+    assert alpha == 0.7 > expected and record["kind"] == "bandit" and record["episodes"] == 56
+    assert record["frozen_calibration_success"] == 0.0 and set(played) == {0.0, *GRID}
+
+
+OLD_TARGET = np.array([0.1, 0.1])
+NEW_TARGET = [-0.1, -0.1]
+
+
+def reacher_at_new_target(quality):
+    """Reacher with every target at NEW_TARGET; the frozen actor is the env's Jacobian-transpose controller
+    aimed at OLD_TARGET (std 0.3), so it never reaches the new one; the prior aims at the observed target."""
+    spec = env_spec("reacher")
+    make = lambda: spec.make(None, target=NEW_TARGET)  # noqa: E731
+    env = make()
+    low, high = env.action_space.low, env.action_space.high
+    controller = make_prior(spec, None, env)
+
+    def old_target(obs):
+        o = np.array(obs["observation"], np.float64)
+        o[:, 8:10] += o[:, 4:6] - OLD_TARGET  # fingertip - target, for the old target
+        o[:, 4:6] = OLD_TARGET
+        return controller({"observation": o.astype(np.float32)})
+
+    actor = ScriptedPrior(old_target, low, high, std=0.3)
+    prior = ScriptedPrior(controller, low, high, seed=1, **QUALITIES[quality])
+
+    def episodes(alpha, seeds, keep_states=False):
+        policy = SteeredPolicy(actor, prior, SteeringConfig("poe", alpha), low, high)
+        return run_episodes(make, policy.act, policy.reset, seeds, spec.success, keep_states)
+    return actor, prior, episodes
+
+
+@pytest.mark.parametrize("quality", ["good", "random_honest"])
+def test_auto_steers_a_frozen_actor_to_a_new_reacher_target_and_keeps_it_with_a_random_prior(quality):
+    actor, prior, episodes = reacher_at_new_target(quality)
+    frozen = episodes(0.0, range(900, 910), keep_states=True)
+    alpha, record = select_alpha_auto(frozen, actor, prior, episodes, GRID, 2.0, 18, seed=500)
+    assert record["kind"] == "bandit" and frozen.successes.sum() == 0
+    evaluation = range(40)  # seeds apart from the calibration's
+    reached = episodes(alpha, evaluation).successes.mean()
+    if quality == "good":
+        assert alpha >= 0.5 and reached >= 0.9  # 0.5 reaches it in 40 of 40 (0.3: none)
+        # the KL budget stays near the actor, which misses the new target (KL at 0.5: 3.8 nats)
+        kl_alpha, _ = select_alpha(actor.distribution(frozen.states), prior.distribution(frozen.states), GRID, 2.0)
+        assert kl_alpha < alpha and episodes(kl_alpha, evaluation).successes.mean() == 0.0
+    else:  # the frozen actor itself: never HURT
+        assert alpha == 0.0 and reached == 0.0
+
+
 def _point_mass_actor(root):
     """An untrained Gaussian actor for the point mass (position and velocity), published in ``root``."""
     from robo_post.models.features import Feature
@@ -135,6 +219,20 @@ def test_steer_with_the_bandit_records_its_choice_and_spent_episodes(tmp_path):
     assert config["steering"]["alpha"] == selection["alpha"] and config["selection"]["kind"] == "bandit"
 
 
+def test_steer_with_auto_plays_the_bandit_on_an_env_that_reports_success(tmp_path):
+    actor = _point_mass_actor(str(tmp_path / "actor"))
+    out = str(tmp_path / "deploy")
+    summary = json.loads(run_cli("steer", "actor.kind=registry", f"actor.store={actor}", "selector.kind=auto",
+                                 "selector.kl_budget=0.5", "selector.episodes=2", "selector.bandit_episodes=18",
+                                 "episodes=2", "fleet.n_clients=1", f"store={out}", "show=false").stdout)
+    selection = summary["selection"]
+    assert selection["selector"] == "auto" and selection["kind"] == "bandit" and selection["episodes"] == 16
+    assert selection["frozen_calibration_success"] == 0.0  # an untrained actor never reaches the goal
+    assert summary["steering"]["alpha"] == selection["alpha"] > 0
+    _, config = PolicyRegistry(out).load(summary["version"])
+    assert config["selection"]["selector"] == "auto" and config["steering"]["alpha"] == selection["alpha"]
+
+
 @pytest.mark.parametrize("command, overrides, names", [
     ("steer", ["selector.kind=ucb"], ["selector.kind='ucb'", "'kl_budget' | 'bandit'"]),
     ("steer", ["selector.kind=bandit", "selector.bandit_episodes=3"], ["selector.bandit_episodes=3", "integer >= 4"]),
@@ -155,6 +253,10 @@ def test_bad_bandit_settings_are_one_line_config_errors(tmp_path, command, overr
     (["selector.kind=bandit", "selector.bandit_episodes=10"],
      "selector.bandit_episodes=10: a bandit budget of 10 episodes is too small for 5 grid alphas .* at least 18"),
     (["selector.kind=bandit", "selector.alpha_max=0.05"], "selector.bandit_episodes=60: .*at least one grid alpha"),
+    (["selector.kind=auto"], "selector.kind=auto needs selector.kl_budget"),
+    (["selector.kind=auto", "selector.kl_budget=0.5", "selector.store=x"], "selector.store=x is read by "),
+    (["selector.kind=auto", "selector.kl_budget=0.5", "selector.bandit_episodes=10"],
+     "selector.bandit_episodes=10: a bandit budget of 10 episodes is too small"),
 ])
 def test_bandit_settings_that_do_not_fit_together_fail_before_anything_is_written(tmp_path, overrides, message):
     from robo_post.config import compose as compose_config

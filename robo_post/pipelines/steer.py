@@ -1,7 +1,8 @@
 """`robo-post steer` and `robo-post steer-eval`: steer a frozen actor with a goal-conditioned prior.
 
 ``steer`` builds the steered policy (choosing alpha with the KL-budget selector when
-``selector.kl_budget`` is set, or with the bandit selector when ``selector.kind=bandit``),
+``selector.kl_budget`` is set, with the bandit selector when ``selector.kind=bandit``, or with
+the bandit where the env reports success and the KL budget elsewhere when ``selector.kind=auto``),
 publishes it as a registry version of kind ``steered`` in the deployment store and runs
 the fleet pinned to that version; every step records the actor's, the prior's and the
 steered mean and std as store extras.
@@ -27,6 +28,7 @@ from robo_post.fleet.collect import client_configs, env_config, make_launcher
 from robo_post.fleet.launcher import raise_unfinished
 from robo_post.learner.drivers import publish_once
 from robo_post.models.gaussian import Gaussian
+from robo_post.steering.auto import select_alpha_auto
 from robo_post.steering.bandit import bandit_arms, halving_plan, select_alpha_bandit
 from robo_post.steering.evaluate import GridConfig, evaluate_prior, format_table, run_episodes, write_report
 from robo_post.steering.poe import SteeringConfigError, kl_diag, select_alpha
@@ -60,10 +62,19 @@ def _sources(cfg: DictConfig, env: Any, prior_cfg: dict[str, Any] | None = None)
     return actor_art, prior_art, actor, prior
 
 
+def _frozen_calibration(cfg: DictConfig, env_cfg: dict[str, Any], task: str | None, actor: Any, spec: Any,
+                        bounds: tuple[np.ndarray, np.ndarray]):
+    """The frozen actor's ``selector.episodes`` calibration episodes (seeds apart from the fleet's), with their states."""
+    frozen = SteeredPolicy(actor, actor, SteeringConfig("frozen", 0.0), *bounds)
+    seeds = [cfg.seed + 7_000_000 + i for i in range(cfg.selector.episodes)]
+    return run_episodes(lambda: make_env(env_cfg, task), frozen.act, frozen.reset, seeds, spec.success,
+                        keep_states=True)
+
+
 def _visited_states(cfg: DictConfig, env_cfg: dict[str, Any], task: str | None, actor: Any, spec: Any,
                     bounds: tuple[np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
-    """States the selector reads: the observations of ``selector.store``'s episodes, else those the
-    frozen actor visits in ``selector.episodes`` calibration episodes (seeds apart from the fleet's)."""
+    """States the KL selector reads: the observations of ``selector.store``'s episodes, else those the
+    frozen actor visits in its calibration episodes."""
     if cfg.selector.store:
         store = Store.open(cfg.selector.store)
         # the sources read the env's observations; another env's store fails inside their networks
@@ -79,10 +90,7 @@ def _visited_states(cfg: DictConfig, env_cfg: dict[str, Any], task: str | None, 
             raise SteeringSourceError(f"selector.store {cfg.selector.store} has no episodes to read states from")
         loaded = [snap.load(e)["obs"] for e in episodes]
         return {k: np.concatenate([o[k] for o in loaded]) for k in loaded[0]}
-    frozen = SteeredPolicy(actor, actor, SteeringConfig("frozen", 0.0), *bounds)
-    seeds = [cfg.seed + 7_000_000 + i for i in range(cfg.selector.episodes)]
-    return run_episodes(lambda: make_env(env_cfg, task), frozen.act, frozen.reset, seeds, spec.success,
-                        keep_states=True).states
+    return _frozen_calibration(cfg, env_cfg, task, actor, spec, bounds).states
 
 
 def deployed_kl(store: Store, episodes: list) -> float | None:
@@ -121,6 +129,14 @@ def _check_selector(sel: DictConfig) -> None:
             if sel[key] is not None:
                 raise SteeringConfigError(f"selector.{key}={sel[key]} is read by selector.kind=kl_budget; "
                                           "selector.kind=bandit plays episodes (selector.bandit_episodes)")
+    if sel.kind == "auto":
+        if sel.kl_budget is None:
+            raise SteeringConfigError("selector.kind=auto needs selector.kl_budget (its selector where the env "
+                                      "reports no success), e.g. selector.kl_budget=0.5")
+        if sel.store is not None:
+            raise SteeringConfigError(f"selector.store={sel.store} is read by selector.kind=kl_budget; "
+                                      "selector.kind=auto plays frozen calibration episodes (selector.episodes)")
+    if sel.kind in ("bandit", "auto"):
         _check_budgets("selector.bandit_episodes", [sel.bandit_episodes], sel.alpha_grid, sel.alpha_max)
 
 
@@ -148,7 +164,13 @@ def steer(cfg: DictConfig) -> dict[str, Any]:
         env.close()
     alpha, selection = float(cfg.alpha), None
     sel = cfg.selector
-    if sel.kind == "bandit":
+    if sel.kind == "auto":
+        alpha, selection = select_alpha_auto(
+            _frozen_calibration(cfg, env_cfg, task, actor, spec, bounds), actor, prior,
+            _bandit_play(cfg, env_cfg, task, actor, prior, spec, bounds), sel.alpha_grid, sel.kl_budget,
+            sel.bandit_episodes, sel.alpha_max, sel.margin, seed=cfg.seed + 8_000_000)
+        selection = {**selection, "selector": "auto", "alpha_grid": list(sel.alpha_grid)}
+    elif sel.kind == "bandit":
         play = _bandit_play(cfg, env_cfg, task, actor, prior, spec, bounds)
         choice = select_alpha_bandit(play, sel.alpha_grid, sel.bandit_episodes, sel.alpha_max, sel.margin,
                                      seed=cfg.seed + 8_000_000)

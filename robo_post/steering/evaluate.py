@@ -17,7 +17,7 @@ it (statistically tied with the best). The KL-budget selector's alpha is
 chosen from states the frozen actor visits on separate calibration seeds, without
 returns; the bandit selector's from PoE episodes it plays on other calibration seeds
 (``robo_post.steering.bandit``). Both are scored by their distance in grid steps to the
-oracle set.
+oracle set; ``auto_selector`` names the one ``selector.kind=auto`` runs on this env.
 """
 
 from __future__ import annotations
@@ -213,8 +213,10 @@ def evaluate_prior(make_env: Callable[[], Any], actor: Source, prior: Source, lo
                                      grid.bandit_margin, seed=calibration_seed + grid.calibration_episodes)
         selected(f"bandit_{budget}", choice.alpha, selector=f"bandit {budget} episodes", bandit_episodes=budget,
                  episodes_spent=choice.episodes, bandit=choice.record())
+    # what `steer selector.kind=auto` would run here (robo_post.steering.auto): its rows above are that selector's
+    auto = "kl_budget" if calibration.successes is None else "bandit"
     return {"cells": cells, "oracle_alpha": oracle, "oracle_set": tied, "margin": margin,
-            "deterministic_poe_klreg_gap": det_gap, "selectors": selectors}
+            "deterministic_poe_klreg_gap": det_gap, "selectors": selectors, "auto_selector": auto}
 
 
 def heatmap_png(results: Mapping[str, Mapping[str, Any]], rule: str, grid: Sequence[float], title: str) -> bytes:
@@ -264,8 +266,9 @@ def write_report(results: Mapping[str, Mapping[str, Any]], grid: GridConfig, out
     with open(os.path.join(out_dir, "steering.json"), "w") as f:
         json.dump({"title": title, "results": results}, f, indent=1)
     parts = [f"<html><head><meta charset='utf-8'><title>{title}</title></head><body><h1>{title}</h1>",
-             "<p>H = HELP, F = FROZEN (tie), X = HURT: paired-bootstrap 95% CI of the return difference "
-             f"against the frozen actor on the same {grid.episodes} seeds.</p>"]
+             "<p>H = HELP, F = FROZEN (tie), X = HURT: paired-bootstrap 95% CI of the success-rate difference "
+             "against the frozen actor where the env defines success and it clears 0, else of the return "
+             f"difference, on the same {grid.episodes} seeds. Colours: the return difference.</p>"]
     for rule in grid.rules:
         png = base64.b64encode(heatmap_png(results, rule, grid.alpha_grid, f"{rule}: return - frozen")).decode()
         parts.append(f"<h2>{rule}</h2><img src='data:image/png;base64,{png}'>")
@@ -286,7 +289,9 @@ def write_report(results: Mapping[str, Mapping[str, Any]], grid: GridConfig, out
             parts.append(f"<tr><td>{quality}</td><td>{s['selector']}</td><td>{_spent(s, grid)}</td>"
                          f"<td>{s['alpha']}</td><td>{succ}</td><td>{s['oracle_alpha']}</td><td>{s['oracle_set']}</td>"
                          f"<td>{s['steps_from_oracle']}</td></tr>")
-    parts.append("</table></body></html>")
+    autos = sorted({res["auto_selector"] for res in results.values()})
+    parts.append(f"</table><p>selector.kind=auto runs the {' / '.join(autos)} selector here: the bandit where the "
+                 "frozen calibration episodes report success, else the KL budget.</p></body></html>")
     path = os.path.join(out_dir, "steering.html")
     with open(path, "w") as f:
         f.write("\n".join(parts))
@@ -305,5 +310,7 @@ def format_table(results: Mapping[str, Mapping[str, Any]]) -> str:
             spent = f" after {s['episodes_spent']} calibration episodes" if "episodes_spent" in s else ""
             lines.append(f"{quality:<22}{s['selector']}: alpha*={s['alpha']:g}{spent}, oracle={s['oracle_alpha']:g}"
                          f" (tied: {s['oracle_set']}), {s['steps_from_oracle']} grid steps from the oracle set")
+        why = "report success" if res["auto_selector"] == "bandit" else "report no success"
+        lines.append(f"{quality:<22}selector.kind=auto runs {res['auto_selector']} (the frozen calibration episodes {why})")
         lines.append(f"{quality:<22}max |deterministic PoE - KL-Reg| return: {res['deterministic_poe_klreg_gap']:.3g}")
     return "\n".join(lines)
