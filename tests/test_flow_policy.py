@@ -416,11 +416,11 @@ def test_in_process_success_reports_each_episode_outcome_in_order():
 
 
 def test_deterministic_flow_acts_from_the_noise_centre():
-    """deterministic=True with one draw starts every chunk from x_0 = 0: the exact Gaussian field then
-    lands on the target's mean (its central action); artifacts without the key stay stochastic."""
+    """deterministic=True starts every chunk from x_0 = 0: the exact Gaussian field then lands on the
+    target's mean (its central action); artifacts without the key stay stochastic."""
     torch.manual_seed(0)
     config = FlowPolicyConfig(features=state_features(2), action_dim=1, horizon=1, use_text=False, flow_steps=200,
-                              deterministic=True, mode_draws=1)
+                              deterministic=True)
     policy = FlowPolicy(config).eval()
     policy.velocity = lambda z, x, w: exact_velocity(x, w[:, None, None])  # the N(MU, S^2) target's field
     obs = {"state": torch.randn(4, 2)}
@@ -446,14 +446,13 @@ def mixture_velocity(x, w, weights, means, s):
     return (post * torch.stack(vel)).sum(0) / post.sum(0)
 
 
-def test_a_deterministic_flow_acts_at_a_mode_where_the_centre_falls_between_modes():
+def test_mode_draws_act_at_a_mode_where_the_centre_falls_between_modes():
     """Two behaviours and a diffuse third (expert, weak and random actions in one dataset): the
     noise's centre maps between the modes, to an action neither behaviour takes; the densest of
-    the fixed draws is one of them. Old artifacts (no ``mode_draws``) keep acting from the centre."""
+    the fixed draws is one of them. Old artifacts (no ``mode_draws``) act from the centre, the default."""
     weights, means, s = (0.4, 0.15, 0.45), (-0.6, 0.0, 0.6), (0.05, 0.3, 0.05)
     config = FlowPolicyConfig(features=state_features(2), action_dim=1, horizon=1, use_text=False, flow_steps=200,
-                              deterministic=True)
-    assert config.mode_draws == 16
+                              deterministic=True, mode_draws=16)
     policy = FlowPolicy(config).eval()
     policy.velocity = lambda z, x, w: mixture_velocity(x, w[:, None, None], weights, means, s)
     obs = {"state": torch.randn(3, 2)}
@@ -462,6 +461,7 @@ def test_a_deterministic_flow_acts_at_a_mode_where_the_centre_falls_between_mode
     assert mode.abs().min().item() > 0.45 and mode.abs().max().item() < 0.65
     policy.config.mode_draws = 1
     assert policy.sample(obs)[:, 0, 0].abs().max().item() < 0.35  # the centre: between the modes
+    assert FlowPolicyConfig(features=state_features(2), action_dim=1).mode_draws == 1
     weights_, artifact = FlowPolicy(config).artifact()
     del artifact["model"]["mode_draws"]
     assert FlowPolicy.from_artifact(weights_, artifact).config.mode_draws == 1

@@ -41,12 +41,12 @@ class FlowPolicyConfig(FeatureConfigJSON):
         flow_steps: N Euler steps when sampling.
         action_low / action_high: env action bounds, mapped to [-1, 1].
         execute_steps: actions of a chunk executed open-loop before re-planning.
-        deterministic: one action per state instead of a random draw: the densest of
-            ``mode_draws`` chunks drawn from a fixed set of noises (``densest``). Training is unchanged.
-        mode_draws: K fixed noises a deterministic policy integrates, the first the noise's
-            centre (x_0 = 0); 1 acts from the centre alone. The centre is a point between
-            the data's modes where they differ (expert, weak and random behaviour in one
-            dataset): there it acts like none of them.
+        deterministic: one action per state instead of a random draw: the chunk integrated
+            from the noise's centre (x_0 = 0), or with ``mode_draws`` > 1 the densest of that many
+            chunks from a fixed set of noises (``densest``). Training is unchanged.
+        mode_draws: K fixed noises a deterministic policy integrates (the first the centre).
+            The centre is a point between the data's modes where behaviours differ and acts
+            like none of them; the mode of K draws is a noisier estimate where they agree.
         predicts: what the network outputs: ``chunk`` (x_1; its regression target has no
             noise term, so BC converges several times faster on near-deterministic
             demonstrations) or ``velocity`` (x_1 - x_0, the form of models published before).
@@ -63,7 +63,7 @@ class FlowPolicyConfig(FeatureConfigJSON):
     action_high: list[float] = field(default_factory=list)
     execute_steps: int | None = None
     deterministic: bool = False
-    mode_draws: int = 16
+    mode_draws: int = 1
     predicts: str = "chunk"
 
     def __post_init__(self):
@@ -146,14 +146,14 @@ class FlowPolicy(BoundedActions, nn.Module):
         """Sample action chunks (B, H, A) in env units by N Euler steps.
 
         Pass ``noise`` (B, H, A) or a ``seed`` for deterministic samples; a ``deterministic``
-        policy given no noise acts at the densest of its ``mode_draws`` fixed draws.
+        policy given no noise starts from x_0 = 0, or acts at the densest of its ``mode_draws`` fixed draws.
         """
         z = self.encode(obs)
         shape = (z.shape[0], self.config.horizon, self.config.action_dim)
         if noise is None and self.config.deterministic:
             k = self.config.mode_draws
             fixed = torch.randn((k, *shape[1:]), generator=torch.Generator().manual_seed(0))
-            fixed[0] = 0.0  # the centre is always a candidate
+            fixed[0] = 0.0  # the centre: the only draw when k = 1
             chunks = self.integrate(z.repeat_interleave(k, 0), fixed.to(self.device).repeat(shape[0], 1, 1))
             return self.unnormalize_actions(densest(chunks.view(shape[0], k, -1)).view(shape))
         if noise is None:
@@ -180,8 +180,7 @@ class FlowPolicy(BoundedActions, nn.Module):
     @classmethod
     def from_artifact(cls, weights: dict[str, torch.Tensor], config: dict[str, Any], device: str = "cpu") -> "FlowPolicy":
         model_json, weights = upgrade_artifact(config["model"], weights)
-        # Published before chunk prediction / before mode draws existed: act as they did.
-        model_json = {"predicts": "velocity", "mode_draws": 1, **model_json}
+        model_json = {"predicts": "velocity", **model_json}  # published before chunk prediction existed
         model = cls(FlowPolicyConfig.from_json(model_json))
         model.load_state_dict(weights)
         return model.to(device).eval()
