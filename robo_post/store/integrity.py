@@ -25,6 +25,7 @@ from robo_post.store.schema import (
     StoreLayoutError,
     UnsupportedFormatError,
     check_episode_size,
+    is_object_url,
     validate_array,
 )
 from robo_post.store.store import EpisodeInfo, Snapshot, Store, describe_lost
@@ -85,6 +86,10 @@ def validate_store(root: str) -> tuple[int, list[str]]:
     or fails its checksum is reported as an ``EpisodeDataError`` (naming shard and
     episode index, and whether the shard's trailing episodes all fail).
     """
+    if is_object_url(root):  # the same checks, on the layout of object storage
+        from robo_post.store.bucket import validate_bucket
+
+        return validate_bucket(root)
     try:
         store = Store.open(root, verify=False)
     except (StoreError, OSError, ValueError, KeyError) as e:
@@ -275,6 +280,10 @@ def lost_since_snapshots(store: Store) -> list[str]:
     """``validate``'s check that no shard lost episodes a recorded snapshot saw (a shard folder
     deleted whole), alone: it reads commit and snapshot records only, no episode data, so the
     commands that read or add to a store can say so before they use what is left."""
+    if is_object_url(store.root):
+        from robo_post.store.bucket import lost_since_snapshots as lost_in_bucket
+
+        return lost_in_bucket(store)
     committed: dict[str, tuple[int, int] | None] = {}
     for shard in store.shards(strict=False):
         status = inspect_commit(os.path.join(store.root, "shards", shard))
@@ -414,6 +423,10 @@ def repair_store(root: str, apply: bool = False) -> list[str]:
     snapshot records only reopen earlier snapshots and reveal lost episodes, and no episode is
     in them.
     """
+    if is_object_url(root):  # the same repairs, on the layout of object storage
+        from robo_post.store.bucket import repair_bucket
+
+        return repair_bucket(root, apply)
     store = Store.open(root, verify=False)
     actions: list[str] = []
     snapshots = os.path.join(store.root, "snapshots")

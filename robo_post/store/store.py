@@ -41,6 +41,7 @@ from robo_post.store.schema import (
     check_folder,
     check_name,
     infer_role,
+    is_object_url,
 )
 from robo_post.store.chunks import read_rows
 from robo_post.store.commit import read_commit
@@ -168,6 +169,10 @@ class Store:
             StoreError: ``root`` is empty, holds a NUL byte, lies under a file, or cannot be
                 written (a read-only or special file system), naming it; nothing is left there.
         """
+        if is_object_url(root):
+            from robo_post.store.bucket import BucketStore
+
+            return BucketStore.create(root, schema, exist_ok)
         _check_root(root)
         path = os.path.join(root, "store.json")
         _refuse_lost_schema(root)
@@ -211,24 +216,17 @@ class Store:
             verify: check each episode's checksum when snapshots read its data (the
                 default); False skips that for trusted local data.
         """
+        if is_object_url(root):
+            from robo_post.store.bucket import BucketStore
+
+            return BucketStore.open(root, verify)
         path = os.path.join(root, "store.json")
         _refuse_lost_schema(root)
         if not os.path.exists(path):
             what = f"{root} is a file, not a robo-post store" if os.path.isfile(root) else f"no robo-post store at {root}"
             raise StoreNotFoundError(f"{what} (missing store.json)")
-        try:
-            with open(path, "rb") as f:
-                meta = json.loads(f.read())
-            crc = meta.pop("crc32c", None) if isinstance(meta, dict) else None  # absent in stores of earlier releases
-            schema = StoreSchema.from_json(meta)  # first: a newer version's file is its to check
-            if crc is not None and crc != _schema_crc(meta):
-                raise ValueError("its content fails its checksum")
-        except SchemaVersionError:
-            raise
-        except (StoreError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise StoreIntegrityError(f"{path}: damaged or not a store schema: {e} (it holds only the store's schema: "
-                                      "the store.json of a store collected from the same env and env kwargs can "
-                                      "replace it; the episodes are untouched)") from None
+        with open(path, "rb") as f:
+            schema = parse_schema(f.read(), path)
         return cls(root, schema, verify)
 
     # --- writing -----------------------------------------------------------------
@@ -614,6 +612,34 @@ def describe_lost(lost: dict[str, list[str]]) -> str:
         return "is a file, not a folder" if os.path.isfile(path) else "is not a folder"
 
     return "; ".join(f"{path} {what(path)}: the rows of {', '.join(names)} are gone" for path, names in lost.items())
+
+
+def parse_schema(data: bytes, path: str) -> StoreSchema:
+    """The schema in the bytes of a ``store.json`` (read from ``path``, named in errors).
+
+    Raises:
+        SchemaVersionError: written by a newer version.
+        StoreIntegrityError: damaged or not a store schema.
+    """
+    try:
+        meta = json.loads(data)
+        crc = meta.pop("crc32c", None) if isinstance(meta, dict) else None  # absent in stores of earlier releases
+        schema = StoreSchema.from_json(meta)  # first: a newer version's file is its to check
+        if crc is not None and crc != _schema_crc(meta):
+            raise ValueError("its content fails its checksum")
+    except SchemaVersionError:
+        raise
+    except (StoreError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise StoreIntegrityError(f"{path}: damaged or not a store schema: {e} (it holds only the store's schema: "
+                                  "the store.json of a store collected from the same env and env kwargs can "
+                                  "replace it; the episodes are untouched)") from None
+    return schema
+
+
+def schema_bytes(schema: StoreSchema) -> bytes:
+    """A ``store.json``'s bytes: the schema and the CRC32C that ``parse_schema`` checks."""
+    meta = schema.to_json()
+    return json.dumps({**meta, "crc32c": _schema_crc(meta)}).encode()
 
 
 def _schema_crc(meta: dict[str, Any]) -> int:
