@@ -66,7 +66,7 @@ from typing import Any, Iterable
 import numpy as np
 import obstore
 import zarr
-from obstore.exceptions import AlreadyExistsError, NotFoundError, PermissionDeniedError, UnauthenticatedError
+from obstore.exceptions import AlreadyExistsError, PermissionDeniedError, UnauthenticatedError
 from zarr.codecs import BloscCodec
 from zarr.storage import ObjectStore
 
@@ -132,7 +132,13 @@ def open_location(url: str, create: bool = False) -> Any:
     bucket = parts.netloc
     if not bucket:
         raise StoreURLError(f"store URL {url!r} names no bucket: give {scheme}://BUCKET/prefix")
-    options = {"prefix": prefix or None, "client_options": _CLIENT, "retry_config": _RETRY}
+    client = dict(_CLIENT)
+    # Client options given in code replace obstore's from the environment: keep its plain-HTTP
+    # switch (a local S3 compatible such as MinIO or a test server).
+    allow_http = os.environ.get({"s3": "AWS_ALLOW_HTTP", "az": "AZURE_ALLOW_HTTP"}.get(scheme, ""), "")
+    if allow_http.lower() in ("1", "true"):
+        client["allow_http"] = True
+    options = {"prefix": prefix or None, "client_options": client, "retry_config": _RETRY}
     try:
         if scheme == "s3":
             if not (3 <= len(bucket) <= 63 and set(bucket) <= _S3_BUCKET and bucket[0].isalnum()):
@@ -185,7 +191,7 @@ class _Objects:
         """The object's bytes, or None when there is none."""
         try:
             return obstore.get(self.store, key).bytes().to_bytes()
-        except NotFoundError as e:
+        except FileNotFoundError as e:  # what obstore raises for a missing object
             if "NoSuchBucket" in str(e):
                 raise _error(e, self.url, f"read {key}") from None
             return None
