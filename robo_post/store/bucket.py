@@ -88,7 +88,10 @@ from robo_post.store.writer import EpisodeWriter, decode_record, encode_record, 
 LEASE_S = 30.0
 """Default writer lease, seconds: how long a shard stays taken after its writer was killed."""
 _WIDTH = 9  # digits of episode indices and lease generations in object names
-_POOL = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="robo-post-bucket")  # objects in flight
+# Requests in flight at once. Tasks on _POOL make requests and never wait on other tasks; tasks
+# on _EPISODES (one episode each) wait on _POOL's: one pool for both could deadlock.
+_POOL = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="robo-post-objects")
+_EPISODES = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="robo-post-episodes")
 # Deadlines of every request (the store talks over a network): a dead endpoint fails in
 # seconds, not after obstore's default three minutes of retries.
 _CLIENT = {"connect_timeout": "5s", "timeout": "60s"}
@@ -431,7 +434,7 @@ class BucketSnapshot(Snapshot):
         episodes = self._by_shard[shard]
         for ep in episodes:
             check_episode_size(self.store.schema, ep.key, ep.length, "not read")
-        per_episode = list(_POOL.map(self._episode, episodes))
+        per_episode = list(_EPISODES.map(self._episode, episodes))
         names = array_names(self.store.schema)
         arrays = {name: np.concatenate([a[name] for a in per_episode]) for name in names}
         out = _unpack(self.store.schema, arrays)
@@ -613,7 +616,7 @@ def _scan_shard(store: BucketStore, shard: str) -> tuple[int, list[int], dict[in
     leading run of episodes that verify and follow one another."""
     n, later = store.commit_listing(shard)
     indices = list(range(n)) + later
-    results = dict(zip(indices, _POOL.map(lambda i: _verify_episode(store, shard, i), indices)))
+    results = dict(zip(indices, _EPISODES.map(lambda i: _verify_episode(store, shard, i), indices)))
     bad = {i: why for i, (_, why) in results.items() if why is not None}
     good, steps = [], 0
     for i in range(n):
