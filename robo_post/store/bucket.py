@@ -82,7 +82,16 @@ from robo_post.store.schema import (
     check_episode_size,
     check_name,
 )
-from robo_post.store.store import EpisodeInfo, Snapshot, Store, _split_table, parse_schema, schema_bytes
+from robo_post.store.records import (
+    LOST_SUFFIX,
+    SALVAGE_SUFFIX,
+    EpisodeInfo,
+    Snapshot,
+    index_ranges,
+    parse_schema,
+    schema_bytes,
+    split_table,
+)
 from robo_post.store.writer import EpisodeWriter, decode_record, encode_record, episode_checksum, time_chunk
 
 LEASE_S = 30.0
@@ -244,7 +253,7 @@ def _parse_index(name: str) -> int | None:
 
 
 # --- the store --------------------------------------------------------------------------
-class BucketStore(Store):
+class BucketStore:
     """A trajectory store on object storage, with the interface and guarantees of ``Store``
     (see the module docstring for the layout). ``Store.open`` / ``Store.create`` return one
     for a URL; ``root`` is that URL.
@@ -423,7 +432,7 @@ class BucketSnapshot(Snapshot):
         check_episode_size(self.store.schema, episode.key, episode.length, "not read")
         arrays = self._episode(episode)
         out = _unpack(self.store.schema, arrays)
-        out.update(_split_table(arrays["step"]))
+        out.update(split_table(arrays["step"]))
         out["info"] = episode
         return out
 
@@ -658,7 +667,7 @@ def validate_bucket(root: str) -> tuple[int, list[str]]:
         committed[shard] = n
         checked += len(good)
         if later:
-            problems.append(f"shard {shard}: the record of episode {n} is missing, yet records {_ranges(later)} "
+            problems.append(f"shard {shard}: the record of episode {n} is missing, yet records {index_ranges(later)} "
                             "exist: those episodes are hidden (`robo-post store repair --apply` keeps the ones that "
                             "verify)")
         for i, why in sorted(bad.items()):
@@ -692,8 +701,6 @@ def repair_bucket(root: str, apply: bool = False) -> list[str]:
     groups that no record names (a killed writer's episode in flight) are deleted; snapshot
     records that are damaged, or saw episodes no longer committed, are set aside
     (``<id>.json.damaged``, ``<id>.json.saw-lost-episodes``). Without ``apply`` nothing changes."""
-    from robo_post.store.integrity import LOST_SUFFIX, SALVAGE_SUFFIX
-
     store = BucketStore.open(root, verify=False)
     verb = (lambda done, would: done) if apply else (lambda done, would: would)
     actions, committed = [], {}
@@ -714,7 +721,7 @@ def repair_bucket(root: str, apply: bool = False) -> list[str]:
                          f" {verb('cut', 'would cut')} the shard back to {len(good)} episodes")
                 if keep:
                     line += f"; {verb('copied', 'would copy')} {len(keep)} later episodes that verify " \
-                            f"({_ranges(keep)}) into shard {shard}{SALVAGE_SUFFIX}"
+                            f"({index_ranges(keep)}) into shard {shard}{SALVAGE_SUFFIX}"
                 if apply:
                     _salvage(store, shard, keep, shard + SALVAGE_SUFFIX)
                     store.objects.delete([f"shards/{shard}/commits/{_index_key(i)}.json" for i in cut])
@@ -774,9 +781,3 @@ def _salvage(store: BucketStore, shard: str, indices: Iterable[int], target: str
                 start_time=ep.start_time, end_time=ep.end_time, attrs={**ep.attrs, "salvaged_from": ep.key},
                 role=ep.role,
             )
-
-
-def _ranges(indices: list[int]) -> str:
-    from robo_post.store.integrity import _ranges as ranges
-
-    return ranges(indices)

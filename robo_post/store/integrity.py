@@ -28,6 +28,7 @@ from robo_post.store.schema import (
     is_object_url,
     validate_array,
 )
+from robo_post.store.records import LOST_SUFFIX, SALVAGE_SUFFIX, index_ranges
 from robo_post.store.store import EpisodeInfo, Snapshot, Store, describe_lost
 from robo_post.store.writer import decode_record, episode_checksum, lock_shard
 
@@ -247,10 +248,6 @@ class LostEpisodes:
     records: list[str]
 
 
-LOST_SUFFIX = ".saw-lost-episodes"
-"""``store repair`` sets a snapshot record that saw episodes lost since aside as ``<id>.json`` + this."""
-
-
 def _lost_since_snapshots(root: str, committed: dict[str, tuple[int, int] | None]) -> list[LostEpisodes]:
     """Shards that lost episodes a recorded snapshot saw: a shard deleted whole, or with its
     commit record and index, leaves nothing else to notice. Every commit raises the record's
@@ -390,10 +387,6 @@ def scan_index(store: Store, shard: str, limit: int | None = None) -> IndexScan:
     return IndexScan(good, stopped, later, len(lines))
 
 
-SALVAGE_SUFFIX = "-salvaged"
-"""``store repair`` copies the intact episodes past a shard's damage into shard ``<shard>-salvaged``."""
-
-
 class Unrepairable(str):
     """A line of ``repair_store``'s answer about damage it cannot repair: it says why and what
     the user can do instead."""
@@ -498,7 +491,7 @@ def repair_store(root: str, apply: bool = False) -> list[str]:
                     which = ("the later episode that verifies on its own" if len(scan.later) == 1 else
                              f"the {len(scan.later)} later episodes that verify on their own")
                     line += (f"; {'copied' if apply else 'would copy'} {which} "
-                             f"({_ranges([ep.episode for ep in scan.later])}) into shard {target}")
+                             f"({index_ranges([ep.episode for ep in scan.later])}) into shard {target}")
                     if apply and copied < len(scan.later):
                         line += f" ({len(scan.later) - copied} of them were there from an earlier repair)"
                 lost = scan.records - len(good) - len(scan.later)
@@ -592,17 +585,6 @@ def _salvage(store: Store, shard: str, episodes: list[EpisodeInfo], target: str)
             )
             copied += 1
     return copied
-
-
-def _ranges(indices: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0..2, 5"``."""
-    runs: list[list[int]] = []
-    for i in indices:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
 
 
 @contextlib.contextmanager
