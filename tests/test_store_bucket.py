@@ -90,7 +90,7 @@ def test_lease_refuses_a_second_writer_and_fences_a_late_one(url):
         _write(w, rng, 1)
     with pytest.raises(ShardLockedError, match="took it after this writer's lease expired"):
         _write(stale["a"], rng, 1)  # its renewal finds the newer lease
-    stale["b"]._renew_at = float("inf")  # a writer whose clock lags renews nothing: the commit record fences it
+    stale["b"].lease.renew_at = float("inf")  # a writer whose clock lags renews nothing: the commit record fences it
     with pytest.raises(ShardLockedError, match="committed episode 1 first .* not committed"):
         _write(stale["b"], rng, 1)
     for w in fresh.values():
@@ -151,6 +151,22 @@ def test_validate_and_repair_find_and_cut_damage(url):
     with Store.open(url).writer("a") as w:  # the cut shard takes new episodes after its intact ones
         _write(w, np.random.default_rng(4), 1)
     assert validate_bucket(url)[0] == 5
+
+
+def test_repair_waits_for_a_live_writer_and_cuts_a_damaged_record(url):
+    store = Store.create(url, SCHEMA)
+    w = store.writer("a")
+    _write(w, np.random.default_rng(6), 3)
+    key = "shards/a/commits/000000001.json"
+    record = store.objects.get(key)
+    obstore.put(store.objects.store, key, record.replace(b'"task_id": "t"', b'"task_id": "x"'))
+    assert "a/1: " in "\n".join(validate_bucket(url)[1]) and "record fails its checksum" in "\n".join(validate_bucket(url)[1])
+    r = run_cli("store", "repair", url, "--apply", ok=False)
+    assert r.returncode == 1 and "cannot repair shard a now" in r.stdout, r.stdout
+    w.close()
+    (line,) = repair_store(url, apply=True)
+    assert "cut the shard back to 1 episodes; copied 1 later episodes that verify (2)" in line, line
+    assert validate_bucket(url) == (2, [])
 
 
 # A writer process: episodes forever, announcing each commit before and after it.

@@ -87,6 +87,7 @@ from robo_post.store.records import (
     SALVAGE_SUFFIX,
     EpisodeInfo,
     Snapshot,
+    Unrepairable,
     index_ranges,
     parse_schema,
     schema_bytes,
@@ -475,6 +476,74 @@ def _unpack(schema: StoreSchema, arrays: dict[str, np.ndarray]) -> dict[str, Any
 
 
 # --- the writer -------------------------------------------------------------------------
+class ShardLease:
+    """The writer lease of one shard: a chain of create-only objects ``lease/<G>.json``, each
+    ``{owner, token, expires, released}`` (see the module docstring).
+
+    Args:
+        objects: the store's objects.
+        shard: the shard.
+        token: the holder's id, written into each generation.
+        lease_s: how long a generation lasts.
+    """
+
+    def __init__(self, objects: _Objects, shard: str, token: str, lease_s: float):
+        if not lease_s > 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s!r}")
+        self.objects, self.shard, self.token, self.lease_s = objects, shard, token, float(lease_s)
+        self.generation: int | None = None  # the one this holder created last; None: not held
+        self.renew_at = 0.0
+
+    def _key(self, generation: int) -> str:
+        return f"shards/{self.shard}/lease/{_index_key(generation)}.json"
+
+    def take(self) -> None:
+        """Take the shard: ``ShardLockedError`` while another holder's lease lasts."""
+        leases = sorted(g for m in self.objects.list(f"shards/{self.shard}/lease/")
+                        if (g := _parse_index(m["path"].rsplit("/", 1)[-1])) is not None)
+        if leases:
+            data = self.objects.get(self._key(leases[-1]))
+            held = json.loads(data) if data else {}
+            if not held.get("released") and held.get("expires", 0) > time.time():
+                raise ShardLockedError(
+                    f"shard {self.shard!r} is already open for writing by {held.get('owner', 'another writer')} "
+                    f"(its lease lasts {held['expires'] - time.time():.0f} s more unless renewed; a writer killed "
+                    "without closing holds it that long)")
+        self.generation = leases[-1] if leases else -1
+        self._next(released=False, taking=True)
+        self.objects.delete([self._key(g) for g in leases])  # earlier generations: no one reads them
+
+    def renew_if_due(self) -> None:
+        """Renew once half the lease has passed: ``ShardLockedError`` when another holder took it."""
+        if self.generation is None:
+            raise ShardLockedError(f"shard {self.shard!r}: this writer is closed or lost its lease")
+        if time.time() >= self.renew_at:
+            self._next(released=False)
+
+    def release(self) -> None:
+        """Let the next holder take the shard at once (nothing to do if another took it)."""
+        if self.generation is not None:
+            try:
+                self._next(released=True)
+            except ShardLockedError:
+                pass
+            self.generation = None
+
+    def _next(self, released: bool, taking: bool = False) -> None:
+        """Create the next generation: ``ShardLockedError`` when another holder created it first."""
+        generation = self.generation + 1
+        now = time.time()
+        body = {"owner": f"{socket.gethostname()}:{os.getpid()}", "token": self.token,
+                "expires": now + self.lease_s, "released": released}
+        if not self.objects.create(self._key(generation), json.dumps(body).encode()):
+            self.generation = None
+            raise ShardLockedError(f"shard {self.shard!r}: another writer " + (
+                "took it at the same moment" if taking else "took it after this writer's lease expired"))
+        if not taking:
+            self.objects.delete([self._key(self.generation)])
+        self.generation, self.renew_at = generation, now + self.lease_s / 2
+
+
 class BucketShardWriter(EpisodeWriter):
     """Appends episodes to one shard of a ``BucketStore`` (see the module docstring for the
     commit protocol and the lease).
@@ -491,16 +560,13 @@ class BucketShardWriter(EpisodeWriter):
 
     def __init__(self, store: BucketStore, client_id: str, lease_s: float = LEASE_S):
         super().__init__(store, client_id, fsync=True)
-        if not lease_s > 0:
-            raise ValueError(f"lease_s must be positive, got {lease_s!r}")
         self.objects = store.objects
-        self.lease_s = float(lease_s)
         self.token = uuid.uuid4().hex[:16]  # names this writer's data groups and lease
         self._prefix = f"shards/{self.client_id}"
         self._specs = {**{f"obs/{k}": s for k, s in self.schema.observations.items()}, "action": self.schema.action,
                        **{f"extras/{k}": s for k, s in self.schema.extras.items()}}
-        self._generation: int | None = None
-        self._take_lease()
+        self.lease = ShardLease(self.objects, self.client_id, self.token, lease_s)
+        self.lease.take()
         try:
             counts = store.read_commit(self.client_id)
             store.shard_episodes(self.client_id, counts)  # damaged records: refuse before adding to them
@@ -509,54 +575,16 @@ class BucketShardWriter(EpisodeWriter):
             raise
         self.n_episodes, self.n_steps = counts["episodes"], counts["steps"]
 
-    # --- lease ---------------------------------------------------------------------
-    def _lease_key(self, generation: int) -> str:
-        return f"{self._prefix}/lease/{_index_key(generation)}.json"
-
-    def _take_lease(self) -> None:
-        leases = sorted(g for m in self.objects.list(f"{self._prefix}/lease/")
-                        if (g := _parse_index(m["path"].rsplit("/", 1)[-1])) is not None)
-        newest = leases[-1] if leases else -1
-        if leases:
-            data = self.objects.get(self._lease_key(newest))
-            held = json.loads(data) if data else {}
-            if not held.get("released") and held.get("expires", 0) > time.time():
-                raise ShardLockedError(
-                    f"shard {self.client_id!r} is already open for writing by {held.get('owner', 'another writer')} "
-                    f"(its lease lasts {held['expires'] - time.time():.0f} s more unless renewed; a writer killed "
-                    "without closing holds it that long)")
-        self._generation = newest
-        self._next_lease(released=False, taking=True)
-        self.objects.delete([self._lease_key(g) for g in leases])  # earlier generations: no one reads them
-
-    def _next_lease(self, released: bool, taking: bool = False) -> None:
-        """Create the next lease generation (renewing or releasing ours): ``ShardLockedError``
-        when another writer created it first."""
-        generation = self._generation + 1
-        now = time.time()
-        body = {"owner": f"{socket.gethostname()}:{os.getpid()}", "token": self.token,
-                "expires": now + self.lease_s, "released": released}
-        if not self.objects.create(self._lease_key(generation), json.dumps(body).encode()):
-            self._generation = None
-            raise ShardLockedError(f"shard {self.client_id!r}: another writer " + (
-                "took it at the same moment" if taking else "took it after this writer's lease expired"))
-        if not taking:
-            self.objects.delete([self._lease_key(self._generation)])
-        self._generation, self._renew_at = generation, now + self.lease_s / 2
-
     # --- committing ----------------------------------------------------------------
     def _append(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
-        if self._generation is None:
-            raise ShardLockedError(f"shard {self.client_id!r}: this writer is closed or lost its lease")
+        self.lease.renew_if_due()  # before the upload: a writer that lost the shard writes nothing
         index = self.n_episodes
         name = f"{_index_key(index)}-{self.token}"
         group = f"{self._prefix}/episodes/{name}"
         self._write_group(group, arrays)
-        if time.time() >= self._renew_at:
-            self._next_lease(released=False)
         record = encode_record({**meta, "data": name})
         if not self.objects.create(f"{self._prefix}/commits/{_index_key(index)}.json", record):
-            self._generation = None
+            self.lease.generation = None
             raise ShardLockedError(f"shard {self.client_id!r}: another writer committed episode {index} first (this "
                                    "writer's lease had expired); this episode was not committed")
         self.n_episodes, self.n_steps = index + 1, self.n_steps + meta["length"]
@@ -585,12 +613,7 @@ class BucketShardWriter(EpisodeWriter):
 
     def close(self) -> None:
         """Release the shard (its lease) for the next writer."""
-        if self._generation is not None:
-            try:
-                self._next_lease(released=True)
-            except ShardLockedError:
-                pass  # already another writer's: nothing of ours to release
-            self._generation = None
+        self.lease.release()
 
 
 # --- validate and repair ----------------------------------------------------------------
@@ -711,17 +734,25 @@ def repair_bucket(root: str, apply: bool = False) -> list[str]:
         orphans = _unnamed(store, shard, named)
         if not bad and not later and not orphans:
             continue
-        writer = BucketShardWriter(store, shard) if apply else None  # the shard's lease: no writer may be live
+        lease = ShardLease(store.objects, shard, f"repair-{uuid.uuid4().hex[:8]}", LEASE_S)
+        if apply:
+            try:
+                lease.take()  # no writer may append while the shard is cut back
+            except ShardLockedError as e:
+                actions.append(Unrepairable(f"cannot repair shard {shard} now: {e}; run it again once that writer "
+                                            "has closed"))
+                continue
         try:
             line = f"shard {shard}:"
             if bad or later:
-                keep = [i for i in range(len(good) + 1, n) if i not in bad] + [i for i in later if i not in bad]
-                cut = sorted(set(range(len(good), n)) | set(later))
-                line += (f" episode {min(bad) if bad else n} {bad.get(min(bad), 'is missing') if bad else 'is missing'};"
+                first = min([*bad, *([n] if later else [])])
+                keep = [i for i in [*range(len(good) + 1, n), *later] if i not in bad]
+                cut = sorted({*range(len(good), n), *later})
+                line += (f" episode {first}: {bad.get(first, 'its commit record is missing')};"
                          f" {verb('cut', 'would cut')} the shard back to {len(good)} episodes")
                 if keep:
-                    line += f"; {verb('copied', 'would copy')} {len(keep)} later episodes that verify " \
-                            f"({index_ranges(keep)}) into shard {shard}{SALVAGE_SUFFIX}"
+                    line += (f"; {verb('copied', 'would copy')} {len(keep)} later episodes that verify "
+                             f"({index_ranges(keep)}) into shard {shard}{SALVAGE_SUFFIX}")
                 if apply:
                     _salvage(store, shard, keep, shard + SALVAGE_SUFFIX)
                     store.objects.delete([f"shards/{shard}/commits/{_index_key(i)}.json" for i in cut])
@@ -729,15 +760,14 @@ def repair_bucket(root: str, apply: bool = False) -> list[str]:
                         store._records.pop((shard, i), None)
                     orphans = _unnamed(store, shard, named)
             if orphans:
-                groups = sorted({p.split("/")[3] for p in orphans})
+                groups = {p.split("/")[3] for p in orphans}
                 line += (f" {verb('deleted', 'would delete')} the data of {len(groups)} uncommitted episodes "
                          f"({len(orphans)} objects: writers killed mid-episode, or cut by repair)")
                 if apply:
                     store.objects.delete(orphans)
             actions.append(line)
         finally:
-            if writer is not None:
-                writer.close()
+            lease.release()
     for key, shards in _snapshot_records(store):
         if isinstance(shards, Exception):
             actions.append(f"snapshot record {store.root}/{key}: damaged; {verb('set', 'would set')} it aside as "

@@ -28,7 +28,7 @@ from robo_post.store.schema import (
     is_object_url,
     validate_array,
 )
-from robo_post.store.records import LOST_SUFFIX, SALVAGE_SUFFIX, index_ranges
+from robo_post.store.records import LOST_SUFFIX, SALVAGE_SUFFIX, Unrepairable, index_ranges
 from robo_post.store.store import EpisodeInfo, Snapshot, Store, describe_lost
 from robo_post.store.writer import decode_record, episode_checksum, lock_shard
 
@@ -385,11 +385,6 @@ def scan_index(store: Store, shard: str, limit: int | None = None) -> IndexScan:
         else:
             later.append(ep)
     return IndexScan(good, stopped, later, len(lines))
-
-
-class Unrepairable(str):
-    """A line of ``repair_store``'s answer about damage it cannot repair: it says why and what
-    the user can do instead."""
 
 
 def repair_store(root: str, apply: bool = False) -> list[str]:

@@ -36,6 +36,11 @@ LOST_SUFFIX = ".saw-lost-episodes"
 """``store repair`` sets a snapshot record that saw episodes lost since aside as ``<id>.json`` + this."""
 
 
+class Unrepairable(str):
+    """A line of ``repair_store``'s answer about damage it cannot repair: it says why and what
+    the user can do instead."""
+
+
 @dataclass(frozen=True)
 class EpisodeInfo:
     """Metadata of one committed episode (what ``episodes.jsonl`` holds)."""
