@@ -26,12 +26,3 @@ def s3_server():
     finally:
         restore_env(old)
         server.close()
-
-
-@pytest.fixture(params=["local", "s3"])
-def store_root(request, tmp_path):
-    """A root for a new store on each backend: a local path, and an s3:// URL on a fresh bucket."""
-    if request.param == "local":
-        return str(tmp_path / "store")
-    server = request.getfixturevalue("s3_server")
-    return f"s3://{server.bucket()}/stores/test"

@@ -190,7 +190,7 @@ while True:
 """
 
 
-def test_sigkill_mid_episode_loses_only_that_episode(url, tmp_path):
+def test_sigkill_mid_episode_loses_only_that_episode(s3_server, url, tmp_path):
     Store.create(url, SCHEMA)
     rnd = random.Random(0)
     done = rounds = 0
@@ -225,6 +225,7 @@ def test_sigkill_mid_episode_loses_only_that_episode(url, tmp_path):
     named = {store.record("victim", i)[1] for i in range(n)}
     assert {m["path"].split("/")[3] for m in store.objects.list("shards/victim/episodes/")} == named
     assert validate_bucket(url) == (n, [])
+    assert not any(key in log.read_text() for key in (s3_server.access_key, s3_server.secret_key))
 
 
 def test_no_credentials_in_store_or_logs(s3_server, url, tmp_path):

@@ -105,7 +105,9 @@ def _refuse_lost_schema(root: str) -> None:
 class Store:
     """A trajectory store rooted at a directory.
 
-    Create with ``Store.create(path, schema)``, open with ``Store.open(path)``.
+    Create with ``Store.create(path, schema)``, open with ``Store.open(path)``. Given a URL
+    instead (``s3://bucket/prefix``, ``gs://``, ``az://``, ``file:///abs/path``), both return a
+    ``bucket.BucketStore``: the same interface and guarantees, on object storage.
     Write through ``store.writer(client_id)``; read through ``store.snapshot()``.
 
     Args:
