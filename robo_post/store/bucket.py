@@ -44,10 +44,10 @@ generation is released or expired, renews by creating the next generation once h
 lease has passed, and releases it on ``close``. A writer killed without closing holds the
 shard until its lease expires (``lease_s``, default 30 s).
 
-Credentials come from the environment only (``AWS_ACCESS_KEY_ID``, ``GOOGLE_APPLICATION_
-CREDENTIALS``, ``AZURE_STORAGE_ACCOUNT_KEY``, instance roles, ...; obstore reads them, along
-with ``AWS_ENDPOINT_URL`` for S3 compatibles); a URL with credentials in it is refused, and no
-object the store writes holds any.
+Credentials come from the environment only (``AWS_ACCESS_KEY_ID``,
+``GOOGLE_APPLICATION_CREDENTIALS``, ``AZURE_STORAGE_ACCOUNT_KEY``, instance roles, ...; obstore
+reads them, along with ``AWS_ENDPOINT_URL`` for S3 compatibles); a URL with credentials in it is
+refused, and no object the store writes holds any.
 """
 
 from __future__ import annotations
