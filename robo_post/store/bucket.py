@@ -497,18 +497,28 @@ class ShardLease:
     def _key(self, generation: int) -> str:
         return f"shards/{self.shard}/lease/{_index_key(generation)}.json"
 
+    def _generations(self) -> list[int]:
+        return sorted(g for m in self.objects.list(f"shards/{self.shard}/lease/")
+                      if (g := _parse_index(m["path"].rsplit("/", 1)[-1])) is not None)
+
+    def holder(self, generations: list[int] | None = None) -> dict[str, Any] | None:
+        """The newest generation's content while it holds the shard (not released, not expired)."""
+        generations = self._generations() if generations is None else generations
+        if not generations:
+            return None
+        data = self.objects.get(self._key(generations[-1]))
+        held = json.loads(data) if data else {}
+        return held if not held.get("released") and held.get("expires", 0) > time.time() else None
+
     def take(self) -> None:
         """Take the shard: ``ShardLockedError`` while another holder's lease lasts."""
-        leases = sorted(g for m in self.objects.list(f"shards/{self.shard}/lease/")
-                        if (g := _parse_index(m["path"].rsplit("/", 1)[-1])) is not None)
-        if leases:
-            data = self.objects.get(self._key(leases[-1]))
-            held = json.loads(data) if data else {}
-            if not held.get("released") and held.get("expires", 0) > time.time():
-                raise ShardLockedError(
-                    f"shard {self.shard!r} is already open for writing by {held.get('owner', 'another writer')} "
-                    f"(its lease lasts {held['expires'] - time.time():.0f} s more unless renewed; a writer killed "
-                    "without closing holds it that long)")
+        leases = self._generations()
+        held = self.holder(leases)
+        if held is not None:
+            raise ShardLockedError(
+                f"shard {self.shard!r} is already open for writing by {held.get('owner', 'another writer')} "
+                f"(its lease lasts {held['expires'] - time.time():.0f} s more unless renewed; a writer killed "
+                "without closing holds it that long)")
         self.generation = leases[-1] if leases else -1
         self._next(released=False, taking=True)
         self.objects.delete([self._key(g) for g in leases])  # earlier generations: no one reads them
@@ -731,10 +741,12 @@ def repair_bucket(root: str, apply: bool = False) -> list[str]:
         n, later, bad, good = _scan_shard(store, shard)
         committed[shard] = len(good)
         named = {store.record(shard, i)[1] for i in range(len(good))}
+        lease = ShardLease(store.objects, shard, f"repair-{uuid.uuid4().hex[:8]}", LEASE_S)
         orphans = _unnamed(store, shard, named)
+        if lease.holder() is not None:  # the live writer's episode in flight is not an orphan
+            orphans = [p for p in orphans if (_parse_index(p.split("/")[3]) or 0) < n]
         if not bad and not later and not orphans:
             continue
-        lease = ShardLease(store.objects, shard, f"repair-{uuid.uuid4().hex[:8]}", LEASE_S)
         if apply:
             try:
                 lease.take()  # no writer may append while the shard is cut back
