@@ -5,6 +5,8 @@ Run from the checkout root::
     .venv/bin/python benchmarks/store_ingest.py            # full run, ~1-3 min on 2 cores
     .venv/bin/python benchmarks/store_ingest.py --quick    # smoke test (tiny sizes, 1-2 writers), < 20 s
     .venv/bin/python benchmarks/store_ingest.py --profile  # profile of the add/commit path only
+    .venv/bin/python benchmarks/store_ingest.py --s3       # local disk vs S3 (moto on loopback) only
+    .venv/bin/python benchmarks/store_ingest.py --s3-url s3://BUCKET/PREFIX  # ... vs a bucket of yours
 
 Every figure is a ratio against a baseline measured in the same run, on the same
 synthetic episodes, so the results mean something on a noisy shared machine.
@@ -56,6 +58,15 @@ use ``fsync=False``, as Minari syncs nothing either.
 
 ``--profile`` instead splits the add/commit path into phases by wall time and
 prints a cProfile of it.
+
+``--s3`` / ``--s3-url`` instead compare the store on a local disk with the store on object
+storage (``bucket.py``), one writer in this process, on the same episodes of both variants:
+ingest MB/s (``write_episode`` of every episode, then ``close``; the local writer with its
+default ``fsync=True``, as an object store acknowledges a PUT once it is durable) and read MB/s
+(a snapshot and ``load_shard`` of everything, checksums verified). ``--s3`` starts moto's S3
+server on loopback (a Python server: its figures bound the store's request overhead, not a real
+bucket's bandwidth); ``--s3-url`` writes under a new prefix of a bucket of yours (credentials from
+the environment) and leaves it there.
 
 The script never fails on a missed target: it prints PASS/MISS and exits 0.
 """
@@ -443,6 +454,70 @@ def bench_sampler(store_root: str, block_seconds: float, repeats: int) -> dict:
             "build_s": {name: min(ts) for name, ts in build_s.items()}}
 
 
+# --- local disk vs object storage -------------------------------------------------------------
+def bench_object_storage(n_episodes: int, repeats: int, workdir: str, target: str) -> dict:
+    """Ingest and read MB/s of the store on a local disk and under the object store URL
+    ``target``, interleaved, best of ``repeats``; per variant."""
+    from robo_post.store import Store
+
+    results = {}
+    for variant, with_image in VARIANTS.items():
+        episodes = [make_episode(20_000 + i, with_image) for i in range(n_episodes)]
+        obs_keys = ("state", "image") if with_image else ("state",)
+        total = episode_nbytes(episodes[0]) * n_episodes  # every episode has the same sizes
+        times: dict[str, list[float]] = {f"{what} {where}": [] for what in ("ingest", "read") for where in ("local", "s3")}
+        for r in range(repeats):
+            for where in ("local", "s3") if r % 2 == 0 else ("s3", "local"):
+                root = (os.path.join(workdir, f"objects-{variant}-{r}") if where == "local"
+                        else f"{target}/{variant}-{r}-{os.getpid()}")
+                store = Store.create(root, make_schema(with_image))
+                start = time.perf_counter()
+                with store.writer("client0") as writer:
+                    for ep in episodes:
+                        writer.write_episode({k: ep[k] for k in obs_keys}, ep["action"], rewards=ep["reward"],
+                                             terminated=ep["terminated"], truncated=ep["truncated"])
+                times[f"ingest {where}"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                Store.open(root).snapshot(record=False).load_shard("client0")
+                times[f"read {where}"].append(time.perf_counter() - start)
+                if where == "local":
+                    shutil.rmtree(root)
+        results[variant] = {"mbps": {name: total / min(ts) / 1e6 for name, ts in times.items()}, "raw_s": times}
+    return results
+
+
+def print_object_storage(results: dict, target: str, args) -> None:
+    print(f"\nstore on a local disk vs on object storage ({target}), {args.episodes} episodes of {T} steps, "
+          f"one writer, best of {args.repeats}")
+    print(f"{'variant':<8}{'measure':<10}{'local MB/s':>12}{'S3 MB/s':>10}{'S3/local':>10}")
+    for variant, res in results.items():
+        for what in ("ingest", "read"):
+            local, s3 = res["mbps"][f"{what} local"], res["mbps"][f"{what} s3"]
+            print(f"{variant:<8}{what:<10}{fmt(local):>12}{fmt(s3):>10}{s3 / local:>10.3f}")
+    if args.verbose:
+        for variant, res in results.items():
+            for name, ts in res["raw_s"].items():
+                print(f"  {variant} {name:<13} " + " ".join(f"{t:.4f}" for t in ts))
+
+
+@contextlib.contextmanager
+def local_s3():
+    """moto's S3 server on loopback (tests/s3_server.py), its fake credentials in this process's
+    environment while it runs."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from s3_server import S3Server, restore_env, set_env
+
+    server = S3Server()
+    old = set_env(server.env)
+    try:
+        yield server
+    finally:
+        restore_env(old)
+        server.close()
+
+
 # --- profile of the commit path ---------------------------------------------------------------
 def profile_commit(n_episodes: int, workdir: str) -> None:
     """Wall time of each phase of add/commit, then a cProfile of the same path.
@@ -584,6 +659,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes and 1-2 writer processes, for smoke testing")
     parser.add_argument("--profile", action="store_true", help="only profile the add/commit path, then exit")
     parser.add_argument("--verbose", action="store_true", help="also print every repeat's raw timing")
+    parser.add_argument("--s3", action="store_true", help="only compare a local disk with S3 (moto on loopback)")
+    parser.add_argument("--s3-url", default=None, help="only compare a local disk with object storage under this "
+                        "URL (s3://BUCKET/PREFIX, credentials from the environment)")
     parser.add_argument("--out", default=None, help="parent directory for scratch files, on the disk to measure (default: system temp)")
     args = parser.parse_args()
     defaults = {"episodes": 24, "record_episodes": 20, "repeats": 3, "block_seconds": 0.3}
@@ -601,6 +679,14 @@ def main() -> None:
     try:
         if args.profile:
             profile_commit(args.record_episodes, workdir)
+            return
+        if args.s3 or args.s3_url:
+            with contextlib.ExitStack() as stack:
+                target = args.s3_url.rstrip("/") + f"/store-ingest-{int(time.time())}" if args.s3_url else None
+                if target is None:
+                    target = f"s3://{stack.enter_context(local_s3()).bucket()}/store-ingest"
+                results = bench_object_storage(args.episodes, args.repeats, workdir, target)
+            print_object_storage(results, "moto's S3 server on loopback" if args.s3 and not args.s3_url else target, args)
             return
 
         def progress(what: str) -> None:

@@ -4,6 +4,8 @@ Run from the checkout root::
 
     .venv/bin/python benchmarks/store_torture.py            # 100 kills for 1 and for 4 writers, ~1 min
     .venv/bin/python benchmarks/store_torture.py --quick    # 10 kills each, ~10 s
+    .venv/bin/python benchmarks/store_torture.py --quick --s3             # the same on S3 (a local moto server)
+    .venv/bin/python benchmarks/store_torture.py --s3-url s3://BUCKET/PREFIX  # on a real bucket (credentials: env)
 
 For each writer count W (``--writers``, default 1 and 4), in a fresh store:
 
@@ -55,6 +57,12 @@ Writer processes are forked from a server process that imported the store once
 (``--fork-server``), so a restart costs milliseconds instead of the ~1.4 s of
 importing ``robo_post.store`` (numpy, zarr, torch), and kills are not spent on
 interpreter start-up. The forked writer is an ordinary process; the SIGKILL is real.
+
+On object storage (``--s3``: moto's S3 server on loopback, started for the run; ``--s3-url``: a
+bucket of yours) the same checks run against a ``BucketStore``. A killed writer holds its shard's
+lease until it expires, so writers there take a short lease (``S3_LEASE_S``) and a restarted one
+waits for it; there is no index record apart from the commit record, so no kill lands "before
+the record".
 """
 from __future__ import annotations
 
@@ -100,6 +108,7 @@ PHASES = (
     ("acked_late", "commit record written, ack not printed"),
     ("between", "between episodes"),
 )
+S3_LEASE_S = 1.0  # writer lease on object storage: how long a killed writer's shard stays taken
 
 
 # --- the synthetic episodes, recomputable from (seed, shard, index) -----------------------
@@ -160,9 +169,18 @@ def content_errors(expected: dict, loaded: dict, attrs: dict) -> list[str]:
 def run_writer(root: str, shard: str, seed: int, incarnation: int, fsync: bool, pause_s: float) -> None:
     """Append this shard's episodes forever, from its committed count on, pausing uniform
     in [0, 2 x ``pause_s``] before each, and print what it does."""
-    from robo_post.store import Store
+    from robo_post.store import ShardLockedError, Store
+    from robo_post.store.schema import is_object_url
 
-    writer = Store.open(root).writer(shard, fsync=fsync)
+    lease = {"lease_s": S3_LEASE_S} if is_object_url(root) else {}
+    while True:
+        try:
+            writer = Store.open(root).writer(shard, fsync=fsync, **lease)
+            break
+        except ShardLockedError:
+            if not lease:
+                raise
+            time.sleep(0.05)  # on object storage: until the killed writer's lease runs out
     index = writer.n_episodes
     print(f"ready {index}", flush=True)
     while True:
@@ -284,12 +302,12 @@ class ShardBook:
 class Torture:
     """One run for one writer count: start, kill, restart, check."""
 
-    def __init__(self, root: str, n_writers: int, seed: int, rnd: random.Random):
+    def __init__(self, root: str, n_writers: int, seed: int, rnd: random.Random, work: str):
         from robo_post.store import Store
 
         self.store = Store.create(root, make_schema())
         self.root, self.seed, self.rnd = root, seed, rnd
-        self.work = os.path.join(os.path.dirname(root), f"work-{n_writers}")
+        self.work = work
         os.makedirs(self.work)
         self.shards = [f"w{i}" for i in range(n_writers)]
         self.pause_s = PAUSE_PER_WRITER_S * n_writers
@@ -415,6 +433,8 @@ class Torture:
     def _account(self, inc: Incarnation) -> None:
         """Check the shard of a killed writer against everything its writers acknowledged,
         and tell where the kill landed."""
+        from robo_post.store.schema import is_object_url
+
         book = self.books[inc.shard]
         ready = next((i for _, w, i in inc.lines if w == "ready"), None)
         acked = [i for _, w, i in inc.lines if w == "committed"]
@@ -430,7 +450,7 @@ class Torture:
         book.lost.update(i for i in book.acked if i >= visible)
         in_flight = began if began is not None and began not in book.acked else None
         extra = [i for i in range(visible) if i not in book.acked and i not in book.late]
-        meta = os.path.join(self.root, "shards", inc.shard, "episodes.jsonl")
+        meta = None if is_object_url(self.root) else os.path.join(self.root, "shards", inc.shard, "episodes.jsonl")
         if extra and extra == [in_flight]:
             book.late[in_flight] = inc.number
             phase = "acked_late"
@@ -440,7 +460,7 @@ class Torture:
             phase = None
         elif ready is None:
             phase = "opening"
-        elif os.path.getsize(meta) > counts["meta_bytes"]:
+        elif meta is not None and os.path.getsize(meta) > counts["meta_bytes"]:
             phase = "before_record"
         elif in_flight is not None:
             phase = "data"
@@ -531,13 +551,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def torture(n_writers: int, kills: int, seed: int, scratch: str) -> dict:
-    """``kills`` SIGKILLs over ``n_writers`` writers of a fresh store; the counts of the table row."""
+def torture(n_writers: int, kills: int, seed: int, scratch: str, target: str | None = None) -> dict:
+    """``kills`` SIGKILLs over ``n_writers`` writers of a fresh store (in ``scratch``, or under the
+    object store URL ``target``); the counts of the table row."""
     if kills < n_writers:
         raise ValueError(f"--kills {kills} is below the writer count {n_writers}: the last {n_writers} kills stop them")
     rnd = random.Random(seed * 1000 + n_writers)
     began = time.perf_counter()
-    run = Torture(os.path.join(scratch, f"store-{n_writers}"), n_writers, seed, rnd)
+    root = f"{target}/store-{n_writers}" if target else os.path.join(scratch, f"store-{n_writers}")
+    run = Torture(root, n_writers, seed, rnd, os.path.join(scratch, f"work-{n_writers}"))
     try:
         fresh = None
         for shard in run.shards:
@@ -591,6 +613,22 @@ def print_report(rows: list[dict], args) -> None:
           "no reader error, validate clean")
 
 
+@contextlib.contextmanager
+def local_s3():
+    """moto's S3 server on loopback (tests/s3_server.py), its fake credentials in this process's
+    environment (which the writers and the reader inherit) while it runs."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from s3_server import S3Server, restore_env, set_env
+
+    server = S3Server()
+    old = set_env(server.env)
+    try:
+        yield server
+    finally:
+        restore_env(old)
+        server.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="See the module docstring for details.")
     parser.add_argument("--kills", type=int, default=None, help="SIGKILLs per writer count (default 100)")
@@ -599,6 +637,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="10 kills per writer count")
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
     parser.add_argument("--scratch", default=None, help="parent directory for the stores (default: system temp)")
+    parser.add_argument("--s3", action="store_true", help="run on S3: moto's server on loopback, started for the run")
+    parser.add_argument("--s3-url", default=None, help="run on object storage under this URL (s3://BUCKET/PREFIX; "
+                        "credentials from the environment); each run makes a new prefix below it")
     # Child process entries, started by the benchmark itself.
     parser.add_argument("--fork-server", nargs=2, metavar=("STORE", "SEED"), help=argparse.SUPPRESS)
     parser.add_argument("--reader", nargs=3, metavar=("STORE", "SEED", "STOPFILE"), help=argparse.SUPPRESS)
@@ -615,13 +656,17 @@ def main() -> None:
         os.makedirs(args.scratch, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="store_torture-", dir=args.scratch)
     rows = []
-    try:
-        for n_writers in args.writers:
-            print(f"W={n_writers}: {kills} kills ...", flush=True)
-            rows.append(torture(n_writers, kills, args.seed, scratch))
-    except BaseException:
-        print(f"scratch kept at {scratch}", file=sys.stderr)
-        raise
+    with contextlib.ExitStack() as stack:
+        target = args.s3_url.rstrip("/") + f"/torture-{os.getpid()}-{int(time.time())}" if args.s3_url else None
+        if args.s3:
+            target = f"s3://{stack.enter_context(local_s3()).bucket()}/torture"
+        try:
+            for n_writers in args.writers:
+                print(f"W={n_writers}: {kills} kills{' on ' + target if target else ''} ...", flush=True)
+                rows.append(torture(n_writers, kills, args.seed, scratch, target))
+        except BaseException:
+            print(f"scratch kept at {scratch}", file=sys.stderr)
+            raise
     print_report(rows, args)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -26,6 +26,7 @@ def _store_info(args: argparse.Namespace) -> int:
 
     from robo_post.store import ROLES, PolicyRegistry, Store
     from robo_post.store.integrity import lost_since_snapshots
+    from robo_post.store.schema import is_object_url
     from robo_post.store.store import describe_lost
 
     store = Store.open(args.path)
@@ -54,7 +55,7 @@ def _store_info(args: argparse.Namespace) -> int:
         },
         "roles": {r: roles[r] for r in ROLES if roles[r]},
         "success_rules": dict(sorted(rules.items())),
-        "policy_versions": PolicyRegistry(store.root).versions(),
+        "policy_versions": [] if is_object_url(store.root) else PolicyRegistry(store.root).versions(),
         "size_bytes": store.size_bytes(),
         "lost": lost,
         "lost_shards": lost_since_snapshots(store),
@@ -226,18 +227,21 @@ def _import_arguments(p: argparse.ArgumentParser, client: str, task_default: str
                    "listing each skipped one; by default it stops the import")
 
 
+_STORE_PATH = "the store: a folder, or a URL on object storage (s3://BUCKET/PREFIX, gs://, az://, file:///PATH)"
+
+
 def _store_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="robo-post store", description="Inspect, check, convert a trajectory store.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("info", help="episodes, steps, shards, tasks, roles, success rate, size on disk")
-    p.add_argument("path")
+    p.add_argument("path", help=_STORE_PATH)
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(fn=_store_info)
     p = sub.add_parser("validate", help="full integrity scan; non-zero exit on any problem")
-    p.add_argument("path")
+    p.add_argument("path", help=_STORE_PATH)
     p.set_defaults(fn=_store_validate)
     p = sub.add_parser("repair", help="rebuild missing or damaged commit records (prints the plan; --apply writes)")
-    p.add_argument("path")
+    p.add_argument("path", help=_STORE_PATH)
     p.add_argument("--apply", action="store_true", help="rewrite the commit records (default: only print the plan)")
     p.set_defaults(fn=_store_repair)
     p = sub.add_parser("export-minari", help="write a snapshot's episodes as a new Minari dataset")

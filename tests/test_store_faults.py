@@ -75,8 +75,12 @@ def test_sigkill_during_commits_never_exposes_partial_episodes(tmp_path):
         assert (snap.load(e)["obs"]["proprio"][:, 0] == e.attrs["n"]).all()
 
 
-def test_four_concurrent_writers_200_episodes(tmp_path):
-    root = str(tmp_path / "store")
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_four_concurrent_writers_200_episodes(tmp_path, request, backend):
+    if backend == "s3":  # the writer processes inherit the server's credentials from the environment
+        root = f"s3://{request.getfixturevalue('s3_server').bucket()}/store"
+    else:
+        root = str(tmp_path / "store")
     Store.create(root, SCHEMA)
     procs = [_spawn(root, f"w{k}", 50) for k in range(4)]
     for p in procs:

@@ -25,8 +25,10 @@ from robo_post.store.schema import (
     StoreLayoutError,
     UnsupportedFormatError,
     check_episode_size,
+    is_object_url,
     validate_array,
 )
+from robo_post.store.records import LOST_SUFFIX, SALVAGE_SUFFIX, Unrepairable, index_ranges
 from robo_post.store.store import EpisodeInfo, Snapshot, Store, describe_lost
 from robo_post.store.writer import decode_record, episode_checksum, lock_shard
 
@@ -85,6 +87,10 @@ def validate_store(root: str) -> tuple[int, list[str]]:
     or fails its checksum is reported as an ``EpisodeDataError`` (naming shard and
     episode index, and whether the shard's trailing episodes all fail).
     """
+    if is_object_url(root):  # the same checks, on the layout of object storage
+        from robo_post.store.bucket import validate_bucket
+
+        return validate_bucket(root)
     try:
         store = Store.open(root, verify=False)
     except (StoreError, OSError, ValueError, KeyError) as e:
@@ -242,10 +248,6 @@ class LostEpisodes:
     records: list[str]
 
 
-LOST_SUFFIX = ".saw-lost-episodes"
-"""``store repair`` sets a snapshot record that saw episodes lost since aside as ``<id>.json`` + this."""
-
-
 def _lost_since_snapshots(root: str, committed: dict[str, tuple[int, int] | None]) -> list[LostEpisodes]:
     """Shards that lost episodes a recorded snapshot saw: a shard deleted whole, or with its
     commit record and index, leaves nothing else to notice. Every commit raises the record's
@@ -275,6 +277,10 @@ def lost_since_snapshots(store: Store) -> list[str]:
     """``validate``'s check that no shard lost episodes a recorded snapshot saw (a shard folder
     deleted whole), alone: it reads commit and snapshot records only, no episode data, so the
     commands that read or add to a store can say so before they use what is left."""
+    if is_object_url(store.root):
+        from robo_post.store.bucket import lost_since_snapshots as lost_in_bucket
+
+        return lost_in_bucket(store)
     committed: dict[str, tuple[int, int] | None] = {}
     for shard in store.shards(strict=False):
         status = inspect_commit(os.path.join(store.root, "shards", shard))
@@ -381,15 +387,6 @@ def scan_index(store: Store, shard: str, limit: int | None = None) -> IndexScan:
     return IndexScan(good, stopped, later, len(lines))
 
 
-SALVAGE_SUFFIX = "-salvaged"
-"""``store repair`` copies the intact episodes past a shard's damage into shard ``<shard>-salvaged``."""
-
-
-class Unrepairable(str):
-    """A line of ``repair_store``'s answer about damage it cannot repair: it says why and what
-    the user can do instead."""
-
-
 def repair_store(root: str, apply: bool = False) -> list[str]:
     """Cut every damaged shard back to the episodes at its start that verify, and keep the
     intact episodes past the damage. Returns one line per damaged shard or snapshot record
@@ -414,6 +411,10 @@ def repair_store(root: str, apply: bool = False) -> list[str]:
     snapshot records only reopen earlier snapshots and reveal lost episodes, and no episode is
     in them.
     """
+    if is_object_url(root):  # the same repairs, on the layout of object storage
+        from robo_post.store.bucket import repair_bucket
+
+        return repair_bucket(root, apply)
     store = Store.open(root, verify=False)
     actions: list[str] = []
     snapshots = os.path.join(store.root, "snapshots")
@@ -485,7 +486,7 @@ def repair_store(root: str, apply: bool = False) -> list[str]:
                     which = ("the later episode that verifies on its own" if len(scan.later) == 1 else
                              f"the {len(scan.later)} later episodes that verify on their own")
                     line += (f"; {'copied' if apply else 'would copy'} {which} "
-                             f"({_ranges([ep.episode for ep in scan.later])}) into shard {target}")
+                             f"({index_ranges([ep.episode for ep in scan.later])}) into shard {target}")
                     if apply and copied < len(scan.later):
                         line += f" ({len(scan.later) - copied} of them were there from an earlier repair)"
                 lost = scan.records - len(good) - len(scan.later)
@@ -579,17 +580,6 @@ def _salvage(store: Store, shard: str, episodes: list[EpisodeInfo], target: str)
             )
             copied += 1
     return copied
-
-
-def _ranges(indices: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0..2, 5"``."""
-    runs: list[list[int]] = []
-    for i in indices:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from robo_post.store.schema import StoreError, check_folder
+from robo_post.store.schema import StoreError, check_folder, is_object_url
 from robo_post.utils.io import naming, write_json_atomic
 
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
@@ -54,6 +54,9 @@ class PolicyRegistry:
     """
 
     def __init__(self, store_root: str):
+        if is_object_url(store_root):
+            raise StoreError(f"the policy registry of {store_root}: publishing policies to object storage is not "
+                             "supported yet; keep the registry in a store on a local or shared disk")
         self.dir = os.path.join(store_root, "policies")
         check_policies_folder(store_root)
         os.makedirs(self.dir, exist_ok=True)

@@ -140,6 +140,16 @@ class UnsupportedFormatError(StoreError):
     """On-disk data in a layout no released robo-post wrote (a pre-release store)."""
 
 
+class StoreURLError(StoreError, ValueError):
+    """A store URL that names no object store location (unknown scheme, no bucket, a bad
+    bucket name, credentials or a query in it)."""
+
+
+class StoreAccessError(StoreError, PermissionError):
+    """The object store refused us: no credentials in the environment, or wrong ones, or no
+    permission on the bucket."""
+
+
 class StoreLayoutError(StoreIntegrityError):
     """A file (or anything but a folder) where the store keeps a folder, e.g. at ``snapshots``.
 
@@ -151,6 +161,16 @@ class StoreLayoutError(StoreIntegrityError):
         self.path = path
         kind = "a file" if os.path.isfile(path) else "not a folder"
         super().__init__(f"{path} is {kind} where the store keeps {what}: {way_out}")
+
+
+OBJECT_SCHEMES = ("s3", "gs", "az", "file")
+"""URL schemes of stores on object storage (``bucket.py``): S3 and its compatibles, Google Cloud
+Storage, Azure Blob Storage, and a local folder through the same layer (``file://``)."""
+
+
+def is_object_url(root: str) -> bool:
+    """Whether ``root`` names a store on object storage (``s3://bucket/prefix``, ...) rather than a path."""
+    return isinstance(root, str) and root.partition("://")[0].lower() in OBJECT_SCHEMES and "://" in root
 
 
 def check_folder(path: str, what: str, way_out: str) -> None:

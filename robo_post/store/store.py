@@ -21,30 +21,26 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
 
-import crc32c
-import numpy as np
-import zarr
-
+from robo_post.store.commit import read_commit
+from robo_post.store.records import (  # noqa: F401  (EpisodeInfo, describe_lost: imported from here too)
+    EpisodeInfo,
+    Snapshot,
+    describe_lost,
+    parse_schema,
+    schema_crc,
+)
 from robo_post.store.schema import (
-    STEP_COLUMNS,
-    InvalidNameError,
-    SchemaVersionError,
     StoreError,
     StoreIntegrityError,
     StoreLayoutError,
     StoreNotFoundError,
     StoreSchema,
-    check_episode_size,
     check_folder,
     check_name,
-    infer_role,
+    is_object_url,
 )
-from robo_post.store.chunks import read_rows
-from robo_post.store.commit import read_commit
-from robo_post.store.writer import ShardWriter, decode_record, episode_checksum
+from robo_post.store.writer import ShardWriter, decode_record
 from robo_post.utils.io import write_json_atomic
 
 # Errors of a write refused for want of permission or on a read-only file system.
@@ -74,43 +70,6 @@ def _layout_errors(paths: list[tuple[str, tuple[str, str]]]) -> list[StoreLayout
 def _shard_folder(shard: str) -> tuple[str, str]:
     return (f"shard {shard}", f"move it out of shards/ (`robo-post store repair` cannot: shard {shard}'s episodes "
                               "were in the folder it replaced)")
-
-
-@dataclass(frozen=True)
-class EpisodeInfo:
-    """Metadata of one committed episode (what ``episodes.jsonl`` holds)."""
-
-    client_id: str
-    episode: int
-    task_id: str
-    instruction: str
-    seed: int | None
-    success: bool | None
-    length: int
-    step_start: int
-    obs_start: int
-    policy_version: int
-    terminated: bool
-    start_time: float
-    end_time: float
-    attrs: dict
-    checksum: int  # CRC32C over every stored array of the episode, see ``writer.episode_checksum``
-    ret: float
-    role: str  # one of ``ROLES``; inferred from the shard's name in records written without one
-    fsync: bool | None = None  # whether its writer synced commits; None in records of earlier releases
-
-    @property
-    def key(self) -> str:
-        """Store-wide episode id: ``client/index``."""
-        return f"{self.client_id}/{self.episode}"
-
-    @classmethod
-    def from_record(cls, r: dict[str, Any]) -> "EpisodeInfo":
-        return cls(
-            r["client_id"], r["episode"], r["task_id"], r["instruction"], r["seed"], r["success"], r["length"],
-            r["step_start"], r["obs_start"], r["policy_version"], r["terminated"], r["start_time"], r["end_time"],
-            r["attrs"], r["crc32c"], r["return"], r.get("role") or infer_role(r["client_id"]), r.get("fsync"),
-        )
 
 
 def _check_root(root: str) -> None:
@@ -146,7 +105,9 @@ def _refuse_lost_schema(root: str) -> None:
 class Store:
     """A trajectory store rooted at a directory.
 
-    Create with ``Store.create(path, schema)``, open with ``Store.open(path)``.
+    Create with ``Store.create(path, schema)``, open with ``Store.open(path)``. Given a URL
+    instead (``s3://bucket/prefix``, ``gs://``, ``az://``, ``file:///abs/path``), both return a
+    ``bucket.BucketStore``: the same interface and guarantees, on object storage.
     Write through ``store.writer(client_id)``; read through ``store.snapshot()``.
 
     Args:
@@ -168,6 +129,10 @@ class Store:
             StoreError: ``root`` is empty, holds a NUL byte, lies under a file, or cannot be
                 written (a read-only or special file system), naming it; nothing is left there.
         """
+        if is_object_url(root):
+            from robo_post.store.bucket import BucketStore
+
+            return BucketStore.create(root, schema, exist_ok)
         _check_root(root)
         path = os.path.join(root, "store.json")
         _refuse_lost_schema(root)
@@ -194,7 +159,7 @@ class Store:
             for sub in ("shards", "snapshots", "policies"):
                 os.makedirs(os.path.join(root, sub), exist_ok=True)
             meta = schema.to_json()
-            write_json_atomic(path, {**meta, "crc32c": _schema_crc(meta)})
+            write_json_atomic(path, {**meta, "crc32c": schema_crc(meta)})
         except OSError as e:  # nothing was stored yet: take back the empty folders made here
             for sub in ("shards", "snapshots", "policies") + (() if existed else ("",)):
                 with contextlib.suppress(OSError):
@@ -211,24 +176,17 @@ class Store:
             verify: check each episode's checksum when snapshots read its data (the
                 default); False skips that for trusted local data.
         """
+        if is_object_url(root):
+            from robo_post.store.bucket import BucketStore
+
+            return BucketStore.open(root, verify)
         path = os.path.join(root, "store.json")
         _refuse_lost_schema(root)
         if not os.path.exists(path):
             what = f"{root} is a file, not a robo-post store" if os.path.isfile(root) else f"no robo-post store at {root}"
             raise StoreNotFoundError(f"{what} (missing store.json)")
-        try:
-            with open(path, "rb") as f:
-                meta = json.loads(f.read())
-            crc = meta.pop("crc32c", None) if isinstance(meta, dict) else None  # absent in stores of earlier releases
-            schema = StoreSchema.from_json(meta)  # first: a newer version's file is its to check
-            if crc is not None and crc != _schema_crc(meta):
-                raise ValueError("its content fails its checksum")
-        except SchemaVersionError:
-            raise
-        except (StoreError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise StoreIntegrityError(f"{path}: damaged or not a store schema: {e} (it holds only the store's schema: "
-                                      "the store.json of a store collected from the same env and env kwargs can "
-                                      "replace it; the episodes are untouched)") from None
+        with open(path, "rb") as f:
+            schema = parse_schema(f.read(), path)
         return cls(root, schema, verify)
 
     # --- writing -----------------------------------------------------------------
@@ -397,196 +355,6 @@ class Store:
         return total
 
 
-class Snapshot:
-    """Read-only view of a fixed set of committed episodes across all shards.
-
-    Committed rows are never rewritten, so a snapshot reopened by id later sees
-    byte-identical data.
-
-    Args:
-        store: the store.
-        snapshot_id: its id.
-        counts: shard -> committed counts it covers.
-        verify: ``load`` and ``load_shard`` check the checksum of every episode they
-            read and raise ``StoreIntegrityError`` naming the first that fails.
-
-    Attributes:
-        recorded: whether ``snapshots/<id>.json`` exists, so ``store.snapshot(id)``
-            can reopen it.
-    """
-
-    def __init__(self, store: Store, snapshot_id: str, counts: dict[str, dict[str, int]], verify: bool = True):
-        self.store = store
-        self.id = snapshot_id
-        self.counts = counts
-        self.verify = verify
-        self.recorded = True
-        self._episodes: list[EpisodeInfo] = []
-        self._by_shard: dict[str, list[EpisodeInfo]] = {}
-        for shard, c in sorted(counts.items()):
-            self._by_shard[shard] = store.shard_episodes(shard, c)
-            self._episodes.extend(self._by_shard[shard])
-        self._arrays: dict[str, dict[str, zarr.Array]] = {}
-
-    def __len__(self) -> int:
-        return len(self._episodes)
-
-    @property
-    def num_steps(self) -> int:
-        return sum(e.length for e in self._episodes)
-
-    def episodes(
-        self,
-        task: str | Iterable[str] | None = None,
-        client: str | Iterable[str] | None = None,
-        policy_version: int | Iterable[int] | None = None,
-        min_policy_version: int | None = None,
-        success: bool | None = None,
-        since: float | None = None,
-        until: float | None = None,
-        role: str | Iterable[str] | None = None,
-    ) -> list[EpisodeInfo]:
-        """Episodes matching every given filter (times compare against ``end_time``;
-        ``role``: one of ``ROLES`` or several)."""
-
-        def _set(x):
-            return None if x is None else ({x} if isinstance(x, (str, int)) else set(x))
-
-        tasks, clients, versions, roles = _set(task), _set(client), _set(policy_version), _set(role)
-        return [
-            e
-            for e in self._episodes
-            if (tasks is None or e.task_id in tasks)
-            and (clients is None or e.client_id in clients)
-            and (versions is None or e.policy_version in versions)
-            and (min_policy_version is None or e.policy_version >= min_policy_version)
-            and (success is None or e.success == success)
-            and (since is None or e.end_time >= since)
-            and (until is None or e.end_time <= until)
-            and (roles is None or e.role in roles)
-        ]
-
-    def new_since(self, previous: "Snapshot | None") -> list[EpisodeInfo]:
-        """Episodes in this snapshot that ``previous`` did not have (for online learning)."""
-        if previous is None:
-            return list(self._episodes)
-        seen = {s: c["episodes"] for s, c in previous.counts.items()}
-        return [e for e in self._episodes if e.episode >= seen.get(e.client_id, 0)]
-
-    def _shard_arrays(self, shard: str) -> dict[str, zarr.Array]:
-        if shard not in self._arrays:
-            if shard not in self.counts:
-                raise InvalidNameError(f"shard {shard!r} is not in snapshot {self.id}")
-            path = os.path.join(self.store.root, "shards", shard, "data")
-            schema = self.store.schema
-            names = [f"obs/{k}" for k in schema.observations] + ["action", "step"] + [f"extras/{k}" for k in schema.extras]
-            name = None
-            try:
-                group = zarr.open_group(path, mode="r")
-                arrays = {}
-                for name in names:
-                    arrays[name] = group[name]
-            except Exception as e:  # a missing or damaged zarr.json: zarr raises KeyError, JSON or OS errors
-                lost = self.store.lost_arrays(shard)
-                if lost:  # no metadata to write again: the rows are gone with the folder
-                    raise StoreIntegrityError(f"shard {shard}: {describe_lost(lost)}, so none of its episodes reads "
-                                              "whole (`robo-post store repair --apply` leaves them out)") from e
-                where = path if name is None else os.path.join(path, name)
-                meta = os.path.join(where, "zarr.json")
-                reason = "its zarr.json is missing" if not os.path.exists(meta) else repr(e)
-                raise StoreIntegrityError(f"shard {shard}: {where} unreadable: {reason} (`robo-post store repair "
-                                          "--apply` writes lost array metadata again)") from e
-            self._arrays[shard] = arrays
-        return self._arrays[shard]
-
-    def _read(self, shard: str, name: str, lo: int, hi: int) -> np.ndarray:
-        """Rows ``lo..hi`` of array ``name`` of a shard in this snapshot."""
-        arr = self._shard_arrays(shard)[name]  # typed error for a shard outside the snapshot
-        c = self.counts[shard]
-        end = c["steps"] + c["episodes"] if name.startswith("obs/") else c["steps"]
-        return read_rows(arr, lo, hi, end)
-
-    def load(self, episode: EpisodeInfo) -> dict[str, Any]:
-        """Load one episode as numpy arrays.
-
-        Returns a dict with ``obs`` (key -> (T + 1, ...); row T is the final
-        observation), ``action`` (T, ...), ``extras`` (name -> (T, ...); empty when
-        the schema declares none), one (T,) array per step column (``reward``,
-        ``terminated``, ``truncated``, ``policy_version``, ``intervention``,
-        ``timestamp``, ``behavior_logprob``) and ``info``.
-
-        Raises:
-            EpisodeTooLargeError: its record declares more steps than fit ``episode_byte_limit()``;
-                nothing is read.
-        """
-        shard, T, s0, o0 = episode.client_id, episode.length, episode.step_start, episode.obs_start
-        schema = self.store.schema
-        check_episode_size(schema, episode.key, T, "not read")  # a damaged record may declare any length
-        ranges = {f"obs/{k}": (o0, o0 + T + 1) for k in schema.observations}
-        ranges.update({"action": (s0, s0 + T), "step": (s0, s0 + T)})
-        ranges.update({f"extras/{k}": (s0, s0 + T) for k in schema.extras})
-        arrays = self._read_checked(shard, ranges, episode.key)
-        if self.verify:
-            self._check(episode, arrays)
-        out: dict[str, Any] = {"obs": {k: arrays[f"obs/{k}"] for k in schema.observations}}
-        out["action"] = arrays["action"]
-        out["extras"] = {k: arrays[f"extras/{k}"] for k in schema.extras}
-        out.update(_split_table(arrays["step"]))
-        out["info"] = episode
-        return out
-
-    def _read_checked(self, shard: str, ranges: dict[str, tuple[int, int]], what: str) -> dict[str, np.ndarray]:
-        """Rows ``lo..hi`` of each named array; any failure to decode them (a damaged
-        file makes zarr or the codec raise almost anything) as ``StoreIntegrityError``."""
-        arrays = {}
-        for name, (lo, hi) in ranges.items():
-            try:
-                arrays[name] = self._read(shard, name, lo, hi)
-            except (StoreError, InvalidNameError):
-                raise
-            except Exception as e:
-                path = os.path.join(self.store.root, "shards", shard, "data", name)
-                raise StoreIntegrityError(f"{what}: data of {name} unreadable ({path}): {e!r}") from e
-        return arrays
-
-    def _check(self, episode: EpisodeInfo, arrays: dict[str, np.ndarray]) -> None:
-        if episode_checksum(arrays) != episode.checksum:
-            raise StoreIntegrityError(
-                f"episode {episode.key} fails its checksum: its data changed after commit "
-                f"(`robo-post store validate {self.store.root}` lists every damaged episode)"
-            )
-
-    def load_shard(self, shard: str) -> dict[str, Any]:
-        """Every committed row of a shard in one read: ``obs``, ``action``, ``step`` table,
-        ``extras`` (name -> rows; empty when the schema declares none). ``EpisodeTooLargeError``
-        before any read when one of its episodes declares more steps than fit ``episode_byte_limit()``."""
-        self._shard_arrays(shard)  # typed error for a shard outside the snapshot
-        for ep in self._by_shard[shard]:
-            check_episode_size(self.store.schema, ep.key, ep.length, "not read")
-        c = self.counts[shard]
-        n_obs, schema = c["steps"] + c["episodes"], self.store.schema
-        ranges = {f"obs/{k}": (0, n_obs) for k in schema.observations}
-        ranges.update({"action": (0, c["steps"]), "step": (0, c["steps"])})
-        ranges.update({f"extras/{k}": (0, c["steps"]) for k in schema.extras})
-        arrays = self._read_checked(shard, ranges, f"shard {shard}")
-        if self.verify:
-            for ep in self._by_shard[shard]:
-                T, s0, o0 = ep.length, ep.step_start, ep.obs_start
-                self._check(ep, {
-                    name: rows[o0 : o0 + T + 1] if name.startswith("obs/") else rows[s0 : s0 + T]
-                    for name, rows in arrays.items()
-                })
-        return {
-            "obs": {k: arrays[f"obs/{k}"] for k in schema.observations},
-            "action": arrays["action"],
-            "step": arrays["step"],
-            "extras": {k: arrays[f"extras/{k}"] for k in schema.extras},
-        }
-
-    def __iter__(self) -> Iterator[EpisodeInfo]:
-        return iter(self._episodes)
-
-
 def remove_empty_store(root: str, folder_existed: bool) -> None:
     """Remove the store at ``root`` if it holds no episode and no policy (one a command created
     and then refused to fill): the folder too, unless it was there before (a user's folder)."""
@@ -603,28 +371,3 @@ def remove_empty_store(root: str, folder_existed: bool) -> None:
         if os.path.isdir(path):
             shutil.rmtree(path)
     os.remove(os.path.join(root, "store.json"))
-
-
-def describe_lost(lost: dict[str, list[str]]) -> str:
-    """``Store.lost_arrays``'s answer in words: ``.../data/action is a file, not a folder: the
-    rows of action are gone``."""
-    def what(path: str) -> str:
-        if not os.path.lexists(path):
-            return "is missing"
-        return "is a file, not a folder" if os.path.isfile(path) else "is not a folder"
-
-    return "; ".join(f"{path} {what(path)}: the rows of {', '.join(names)} are gone" for path, names in lost.items())
-
-
-def _schema_crc(meta: dict[str, Any]) -> int:
-    """CRC32C of a schema's JSON in a canonical form (sorted keys), as kept in ``store.json``."""
-    normal = json.loads(json.dumps(meta))  # keys as JSON gives them back (strings), so they sort
-    return crc32c.crc32c(json.dumps(normal, sort_keys=True).encode())
-
-
-def _split_table(table: np.ndarray) -> dict[str, np.ndarray]:
-    cols = {name: table[:, i] for i, name in enumerate(STEP_COLUMNS)}
-    for name in ("terminated", "truncated", "intervention"):
-        cols[name] = cols[name].astype(bool)
-    cols["policy_version"] = cols["policy_version"].astype(np.int64)
-    return cols

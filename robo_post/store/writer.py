@@ -120,102 +120,33 @@ def lock_shard(path: str, shard: str) -> int:
                     lambda: ShardLockedError(f"shard {shard!r} is already open for writing by another process"))
 
 
-class ShardWriter:
-    """Appends episodes to one shard of a store. One live writer per shard.
+class EpisodeWriter:
+    """What every shard writer shares: buffering steps, validating an episode whole, and its
+    record; where the episode goes is the subclass's (``_append``). One live writer per shard.
 
     Use ``add()`` once per step, then ``commit()`` (or ``discard()``). Or hand a
     whole episode to ``write_episode()``.
 
-    Args:
-        store: the open store.
-        client_id: shard name; must be a safe name (``check_name``).
-        fsync: True (default): ``commit()`` returns only once the episode's files,
-            the directories that gained new files and then the commit record are
-            synced, so committed episodes survive power loss. False: a commit is
-            atomic and survives the writer process being killed, but the most
-            recent episodes may be lost in an OS crash or power loss; no sync calls.
+    Attributes:
+        n_episodes, n_steps: what the shard commits (this writer's episodes included).
     """
 
-    def __init__(self, store: "Store", client_id: str, fsync: bool = True):
+    def __init__(self, store: "Store", client_id: str, fsync: bool):
         self.store = store
         self.client_id = check_name(client_id)
         self.fsync = fsync
         self.schema = store.schema
-        self.path = os.path.join(store.root, "shards", self.client_id)
-        os.makedirs(self.path, exist_ok=True)
-        self._lock_fd = lock_shard(self.path, self.client_id)
-        self._columns = {}
-        try:
-            self._recover()
-            self._meta_fd = os.open(os.path.join(self.path, "episodes.jsonl"), os.O_WRONLY)
-        except BaseException:  # e.g. a shard this version refuses: release it for the next try
-            for column in self._columns.values():
-                column.close()
-            os.close(self._lock_fd)
-            raise
+        self.n_episodes = self.n_steps = 0
         self._steps: list[dict[str, Any]] = []
 
-    # --- recovery -----------------------------------------------------------
-    def _recover(self) -> None:
-        """Open (or create) the shard and drop anything past the last commit."""
-        status = inspect_commit(self.path)
-        if status.problem is not None:  # before any change: truncating the index would drop episodes
-            raise ShardDamagedError(self.client_id, status.problem)
-        commit = status.counts
-        self.n_episodes, self.n_steps, self._meta_bytes = commit["episodes"], commit["steps"], commit["meta_bytes"]
-        try:  # a short or damaged index would be padded (or cut) to the committed size below
-            self.store.shard_episodes(self.client_id, commit)
-        except StoreIntegrityError as e:
-            raise StoreIntegrityError(f"shard {self.client_id!r}: {e}; nothing was changed (`robo-post store repair "
-                                      "--apply` cuts the damage out and keeps every intact episode; until then new "
-                                      "episodes can go to another shard or store)") from None
-        meta_path = os.path.join(self.path, "episodes.jsonl")
-        with open(meta_path, "ab") as f:  # creates the file on first open
-            f.truncate(self._meta_bytes)
-        data = os.path.join(self.path, "data")
-        specs = {f"obs/{k}": s for k, s in self.schema.observations.items()}
-        specs["action"] = self.schema.action
-        specs["step"] = ArraySpec("float64", (len(STEP_COLUMNS),))
-        specs.update({f"extras/{k}": s for k, s in self.schema.extras.items()})
-        name = None
-        try:
-            root = zarr.open_group(data, mode="a")
-            for group in sorted({name.rsplit("/", 1)[0] for name in specs if "/" in name}):
-                # A group's zarr.json holds no data: one lost (readers do without it) is written again.
-                root.require_group(group)
-            for name, spec in specs.items():
-                if name in root:
-                    arr = root[name]
-                else:
-                    arr = new_array(root, name, spec.dtype, spec.shape, time_chunk(spec))
-                end = self.n_steps + self.n_episodes if name.startswith("obs/") else self.n_steps
-                self._columns[name] = open_appender(arr, end, self.fsync)
-        except UnsupportedFormatError:
-            raise
-        except Exception as e:  # a damaged zarr.json or tail chunk: zarr and the codecs raise almost anything
-            where = data if name is None else os.path.join(data, name)
-            detail = str(e) if isinstance(e, StoreIntegrityError) else repr(e)
-            raise StoreIntegrityError(f"shard {self.client_id!r}: cannot append to {where}: {detail} (`robo-post "
-                                      "store validate` lists the damaged episodes; new ones can go to another "
-                                      "client id)") from e
-        self._commit = CommitRecord(self.path, commit, self.fsync)
-        if self.fsync:
-            self._sync_layout(root)
+    def _append(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """Store one validated episode (``arrays``: name -> rows, ``meta``: its record) and commit
+        it atomically, advancing ``n_episodes`` and ``n_steps`` only once it is committed."""
+        raise NotImplementedError
 
-    def _sync_layout(self, root: zarr.Group) -> None:
-        """Make the shard's files and directories as created so far durable: each
-        commit only syncs what it writes itself. Cheap when nothing is dirty."""
-        sync = SyncSet()
-        sync.add_path(os.path.join(self.path, "episodes.jsonl"))
-        sync.add_dir(os.path.join(self.store.root, "shards"))
-        sync.add_dir(self.path)
-        for name in self._columns:  # data/, data/obs/, data/<array>/ and their zarr.json
-            parts = name.split("/")
-            for depth in range(len(parts) + 1):
-                directory = os.path.join(str(root.store.root), *parts[:depth])
-                sync.add_path(os.path.join(directory, "zarr.json"))
-                sync.add_dir(directory)
-        sync.sync()
+    def close(self) -> None:
+        """Release the shard."""
+        raise NotImplementedError
 
     # --- step-wise API --------------------------------------------------------
     def add(
@@ -374,28 +305,8 @@ class ShardWriter:
         arrays.update({f"extras/{k}": v for k, v in extras.items()})
         meta["crc32c"] = episode_checksum(arrays)
         meta["fsync"] = self.fsync  # what validate's diagnosis of lost data depends on
-        line = encode_record(meta)
-
-        # Nothing in memory advances until the commit record is written: a failure on the
-        # way leaves the writer in step with the committed state on disk.
-        sync = SyncSet() if self.fsync else None
-        try:
-            tails = {name: self._columns[name].write(values, sync) for name, values in arrays.items()}
-            pwrite_all(self._meta_fd, [line], self._meta_bytes)
-            if sync is not None:  # the data first: the record must never point at lost bytes
-                os.fdatasync(self._meta_fd)
-                sync.sync()
-        finally:
-            if sync is not None:
-                sync.close()
-        index = self.n_episodes
-        commit = {"episodes": index + 1, "steps": self.n_steps + T, "meta_bytes": self._meta_bytes + len(line)}
-        self._commit.write(commit)  # the episode is visible from here on
-        self.n_episodes, self.n_steps, self._meta_bytes = commit["episodes"], commit["steps"], commit["meta_bytes"]
-        for name, tail in tails.items():
-            self._columns[name].advance(tail)
-        self._commit.sync()
-        return index
+        self._append(arrays, meta)
+        return self.n_episodes - 1
 
     def _check_size(self, T: int) -> None:
         """``EpisodeTooLargeError`` for an episode of ``T`` steps too large to write and read back here."""
@@ -499,6 +410,127 @@ class ShardWriter:
             "attrs": dict(attrs or {}),
         }
 
+    def __enter__(self) -> "EpisodeWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ShardWriter(EpisodeWriter):
+    """Appends episodes to one shard of a store on a local disk (see the module docstring).
+    One live writer per shard, held by a file lock.
+
+    Args:
+        store: the open store.
+        client_id: shard name; must be a safe name (``check_name``).
+        fsync: True (default): ``commit()`` returns only once the episode's files,
+            the directories that gained new files and then the commit record are
+            synced, so committed episodes survive power loss. False: a commit is
+            atomic and survives the writer process being killed, but the most
+            recent episodes may be lost in an OS crash or power loss; no sync calls.
+    """
+
+    def __init__(self, store: "Store", client_id: str, fsync: bool = True):
+        super().__init__(store, client_id, fsync)
+        self.path = os.path.join(store.root, "shards", self.client_id)
+        os.makedirs(self.path, exist_ok=True)
+        self._lock_fd = lock_shard(self.path, self.client_id)
+        self._columns = {}
+        try:
+            self._recover()
+            self._meta_fd = os.open(os.path.join(self.path, "episodes.jsonl"), os.O_WRONLY)
+        except BaseException:  # e.g. a shard this version refuses: release it for the next try
+            for column in self._columns.values():
+                column.close()
+            os.close(self._lock_fd)
+            raise
+
+    # --- recovery -----------------------------------------------------------
+    def _recover(self) -> None:
+        """Open (or create) the shard and drop anything past the last commit."""
+        status = inspect_commit(self.path)
+        if status.problem is not None:  # before any change: truncating the index would drop episodes
+            raise ShardDamagedError(self.client_id, status.problem)
+        commit = status.counts
+        self.n_episodes, self.n_steps, self._meta_bytes = commit["episodes"], commit["steps"], commit["meta_bytes"]
+        try:  # a short or damaged index would be padded (or cut) to the committed size below
+            self.store.shard_episodes(self.client_id, commit)
+        except StoreIntegrityError as e:
+            raise StoreIntegrityError(f"shard {self.client_id!r}: {e}; nothing was changed (`robo-post store repair "
+                                      "--apply` cuts the damage out and keeps every intact episode; until then new "
+                                      "episodes can go to another shard or store)") from None
+        meta_path = os.path.join(self.path, "episodes.jsonl")
+        with open(meta_path, "ab") as f:  # creates the file on first open
+            f.truncate(self._meta_bytes)
+        data = os.path.join(self.path, "data")
+        specs = {f"obs/{k}": s for k, s in self.schema.observations.items()}
+        specs["action"] = self.schema.action
+        specs["step"] = ArraySpec("float64", (len(STEP_COLUMNS),))
+        specs.update({f"extras/{k}": s for k, s in self.schema.extras.items()})
+        name = None
+        try:
+            root = zarr.open_group(data, mode="a")
+            for group in sorted({name.rsplit("/", 1)[0] for name in specs if "/" in name}):
+                # A group's zarr.json holds no data: one lost (readers do without it) is written again.
+                root.require_group(group)
+            for name, spec in specs.items():
+                if name in root:
+                    arr = root[name]
+                else:
+                    arr = new_array(root, name, spec.dtype, spec.shape, time_chunk(spec))
+                end = self.n_steps + self.n_episodes if name.startswith("obs/") else self.n_steps
+                self._columns[name] = open_appender(arr, end, self.fsync)
+        except UnsupportedFormatError:
+            raise
+        except Exception as e:  # a damaged zarr.json or tail chunk: zarr and the codecs raise almost anything
+            where = data if name is None else os.path.join(data, name)
+            detail = str(e) if isinstance(e, StoreIntegrityError) else repr(e)
+            raise StoreIntegrityError(f"shard {self.client_id!r}: cannot append to {where}: {detail} (`robo-post "
+                                      "store validate` lists the damaged episodes; new ones can go to another "
+                                      "client id)") from e
+        self._commit = CommitRecord(self.path, commit, self.fsync)
+        if self.fsync:
+            self._sync_layout(root)
+
+    def _sync_layout(self, root: zarr.Group) -> None:
+        """Make the shard's files and directories as created so far durable: each
+        commit only syncs what it writes itself. Cheap when nothing is dirty."""
+        sync = SyncSet()
+        sync.add_path(os.path.join(self.path, "episodes.jsonl"))
+        sync.add_dir(os.path.join(self.store.root, "shards"))
+        sync.add_dir(self.path)
+        for name in self._columns:  # data/, data/obs/, data/<array>/ and their zarr.json
+            parts = name.split("/")
+            for depth in range(len(parts) + 1):
+                directory = os.path.join(str(root.store.root), *parts[:depth])
+                sync.add_path(os.path.join(directory, "zarr.json"))
+                sync.add_dir(directory)
+        sync.sync()
+
+    def _append(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        line, T = encode_record(meta), meta["length"]
+
+        # Nothing in memory advances until the commit record is written: a failure on the
+        # way leaves the writer in step with the committed state on disk.
+        sync = SyncSet() if self.fsync else None
+        try:
+            tails = {name: self._columns[name].write(values, sync) for name, values in arrays.items()}
+            pwrite_all(self._meta_fd, [line], self._meta_bytes)
+            if sync is not None:  # the data first: the record must never point at lost bytes
+                os.fdatasync(self._meta_fd)
+                sync.sync()
+        finally:
+            if sync is not None:
+                sync.close()
+        index = self.n_episodes
+        commit = {"episodes": index + 1, "steps": self.n_steps + T, "meta_bytes": self._meta_bytes + len(line)}
+        self._commit.write(commit)  # the episode is visible from here on
+        self.n_episodes, self.n_steps, self._meta_bytes = commit["episodes"], commit["steps"], commit["meta_bytes"]
+        for name, tail in tails.items():
+            self._columns[name].advance(tail)
+        self._commit.sync()
+
     def close(self) -> None:
         """Move each array's partial last chunk into zarr, then release the shard lock
         (the OS also releases it if the process dies; readers then use the raw regions)."""
@@ -511,12 +543,6 @@ class ShardWriter:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = None
-
-    def __enter__(self) -> "ShardWriter":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _check_extra_names(given: Mapping[str, Any], declared: Mapping[str, ArraySpec], step: int | None) -> None:
