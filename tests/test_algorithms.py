@@ -17,7 +17,7 @@ from robo_post.algos.fql import FQLCritic
 from robo_post.algos.actor_critic import PAIRS, ActorCritic, ActorCriticConfig, backup_chunks
 from robo_post.config import compose
 from robo_post.fleet.policies import build_policy
-from robo_post.learner.drivers import load_reference
+from robo_post.learner.data import load_reference
 from robo_post.learner.train import train
 from robo_post.models.critic import CriticConfig
 from robo_post.models.features import Feature
@@ -396,7 +396,7 @@ def test_best_of_one_publishes_the_plain_flow_and_bad_n_is_an_error(bc_store):
 
 
 def test_critic_trend_flags_a_critic_still_moving_at_the_end_of_its_budget():
-    from robo_post.learner.drivers import critic_trend
+    from robo_post.learner.critic_report import critic_trend
 
     def rows(q, td):
         return [{"update": 100 * (i + 1), "q_mean": q(i), "loss_q": td(i)} for i in range(40)]

@@ -74,7 +74,7 @@ def test_a_run_is_resumed_only_under_its_own_settings_and_budget(craft_run, tmp_
     into the second store's registry as the child of an unrelated version."""
     from omegaconf import OmegaConf
 
-    from robo_post.learner.drivers import RunResumeError, check_resume
+    from robo_post.learner.runs import RunResumeError, check_resume
 
     run_dir = craft_run[2][3].split("=", 1)[1]
     cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))

@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 from robo_post.algos.registry import (METHODS, ActionSpaceError, MethodSpec, UnknownMethodError, method_spec,
                                       register_method)
 from robo_post.config import compose
-from robo_post.learner.drivers import value_range, warn_value_edges
+from robo_post.learner.critic_report import warn_value_edges
+from robo_post.learner.data import value_range
 from robo_post.learner.train import train
 from robo_post.models.features import Feature, FeatureSpecError, infer_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig

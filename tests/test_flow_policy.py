@@ -13,7 +13,9 @@ from omegaconf import OmegaConf
 
 from robo_post.config import compose
 from robo_post.learner.checkpoint import CheckpointError
-from robo_post.learner.drivers import NoEpisodesError, NonFiniteWeightsError, RunResumeError, publish_once
+from robo_post.learner.data import NoEpisodesError
+from robo_post.learner.publish import NonFiniteWeightsError, publish_once
+from robo_post.learner.runs import RunResumeError
 from robo_post.learner.train import train
 from robo_post.models.features import Feature, state_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig, FlowPolicyRunner, densest
@@ -197,7 +199,7 @@ def test_train_on_the_shards_of_named_clients_only(tiny_store, tmp_path):
 
 
 def test_a_store_without_successes_names_the_way_to_train_on_it(tmp_path):
-    from robo_post.learner.drivers import select_episodes
+    from robo_post.learner.data import select_episodes
 
     store = Store.create(str(tmp_path / "s"), StoreSchema({"observation": ArraySpec("float32", (2,))},
                                                           ArraySpec("float32", (1,), -1.0, 1.0)))

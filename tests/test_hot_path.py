@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from robo_post.algos.registry import method_spec
 from robo_post.config import compose
-from robo_post.learner.drivers import measure
+from robo_post.learner.data import measure
 from robo_post.learner.loop import train_loop
 from robo_post.models.critic import EnsembleMLP
 from robo_post.learner.prefetch import Prefetcher

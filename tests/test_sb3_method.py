@@ -14,7 +14,7 @@ from robo_post.algos.sb3_agent import SB3Agent, SB3AgentConfig
 from robo_post.config import compose
 from robo_post.envs.registry import UnsupportedSpaceError
 from robo_post.fleet.policies import build_policy
-from robo_post.learner.drivers import RunResumeError
+from robo_post.learner.runs import RunResumeError
 from robo_post.learner.train import train
 from robo_post.store import PolicyRegistry, Store, StoreError
 from robo_post.store.schema import StoreSchema
@@ -225,7 +225,7 @@ def test_an_image_too_small_for_sb3s_cnn_is_refused_naming_it():
 def test_the_agent_trains_in_the_env_the_store_was_recorded_in_with_its_kwargs(tmp_path):
     """Eval and the fleet rebuild a store's env with the kwargs its episodes recorded; the agent
     trained at the env's defaults (Pendulum's g=10 for data recorded at g=5)."""
-    from robo_post.learner.drivers import _open_or_create_store
+    from robo_post.learner.sb3_driver import _open_or_create_store
 
     pendulum = gym.make("Pendulum-v1")
     schema = StoreSchema.from_spaces(pendulum.observation_space, pendulum.action_space, env="Pendulum-v1")

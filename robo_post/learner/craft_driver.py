@@ -56,8 +56,10 @@ from robo_post.envs.registry import env_spec
 from robo_post.eval.rollout import check_observations
 from robo_post.fleet.client import ClientConfig, recorded_env_kwargs, store_schema
 from robo_post.learner.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
-from robo_post.learner.drivers import begin_run, check_resume, finished_run, publish_once, select_episodes
+from robo_post.learner.data import select_episodes
 from robo_post.learner.loop import truncate_log
+from robo_post.learner.publish import publish_once
+from robo_post.learner.runs import begin_run, check_resume, finished_run
 from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyConfig
 from robo_post.models.features import infer_features, state_keys
 from robo_post.models.proposal_policy import ProposalPolicy, ProposalPolicyConfig

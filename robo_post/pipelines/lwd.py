@@ -23,8 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 from robo_post.algos.divl import DIVL
 from robo_post.algos.registry import method_spec
 from robo_post.config import compose
-from robo_post.learner.drivers import (add_imitation, imitation_sampler, load_reference, measure, off_policy,
-                                       warn_value_edges)
+from robo_post.learner.critic_report import warn_value_edges
+from robo_post.learner.data import add_imitation, imitation_sampler, load_reference, measure
+from robo_post.learner.drivers import off_policy
 from robo_post.learner.loop import train_loop
 from robo_post.learner.value_report import write_value_report
 from robo_post.store import (EpisodeInfo, FreshPERConfig, MixedSampler, PolicyRegistry, PrioritizedSampler, Store,
