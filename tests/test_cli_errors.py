@@ -82,6 +82,7 @@ def test_a_bad_value_is_one_line_naming_it_and_writes_nothing(tmp_path, command,
     assert os.listdir(tmp_path) == []  # no store, run dir or report was created
 
 
+@pytest.mark.slow
 def test_the_ray_launcher_without_its_settings_is_one_line_and_writes_nothing(tmp_path):
     """A ConfigAttributeError traceback, after the store had been created."""
     r = _cli("collect", "store=s", "fleet.launcher=ray", "episodes=1", cwd=tmp_path)
@@ -91,6 +92,8 @@ def test_the_ray_launcher_without_its_settings_is_one_line_and_writes_nothing(tm
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_collect_env_store_runs_the_env_the_store_was_recorded_in(tmp_path):
     """`collect --help` listed env=store, which only eval took ("env.name=null is not allowed")."""
     first = _cli("collect", "store=s", "env=point_mass", "+env.kwargs.goal=[0.5,0.5]", "episodes=1",
@@ -141,6 +144,7 @@ def test_cfg_job_and_config_print_the_composed_config_without_running(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_version():
     from importlib.metadata import version
 
@@ -184,6 +188,7 @@ def interrupted(tmp_path_factory):
     return store, proc.returncode, stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_a_clean_message_and_leaves_a_valid_store(interrupted):
     store, returncode, stderr = interrupted
     assert returncode == 130 and stderr.strip() == "robo-post collect: interrupted", stderr
@@ -192,6 +197,7 @@ def test_ctrl_c_is_a_clean_message_and_leaves_a_valid_store(interrupted):
     assert int(r.stdout.split()[0]) >= 2  # the committed episodes survived
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_train_publishes_nothing(interrupted, tmp_path):
     store = interrupted[0]
     args = ["train", f"store={store}", f"run_dir={tmp_path / 'run'}", "updates=4", "batch_size=4", "log_every=2",
@@ -218,6 +224,7 @@ def test_rerunning_a_finished_train_publishes_nothing(interrupted, tmp_path):
     assert more.returncode == 0 and json.loads(more.stdout)["version"] == 3, more.stderr
 
 
+@pytest.mark.slow
 def test_a_run_dir_of_another_method_is_refused_and_left_as_it_was(interrupted, tmp_path):
     """Two trains at one run_dir (e.g. the default): the second loaded the first's checkpoint and
     failed calling it damaged, after overwriting the run's config.yaml with its own settings."""
@@ -237,6 +244,7 @@ def test_a_run_dir_of_another_method_is_refused_and_left_as_it_was(interrupted, 
     assert tree_hash(str(run_dir)) == before and PolicyRegistry(store).versions() == published
 
 
+@pytest.mark.slow
 def test_a_run_dir_in_use_or_not_a_run_dir_is_refused_and_nothing_is_written(interrupted, tmp_path):
     """Two trains at once in one run_dir wrote one checkpoint and one metrics log over each
     other (a traceback from the checkpoint's temp dir, duplicate metric rows)."""

@@ -83,6 +83,7 @@ def test_a_sampling_error_reaches_the_learner():
     prefetcher.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["bc_flow", "divl_qam"])
 def test_resume_with_prefetch_matches_an_uninterrupted_run(store, tmp_path, algo):
     if algo != "bc_flow":
@@ -102,6 +103,7 @@ def test_resume_with_prefetch_matches_an_uninterrupted_run(store, tmp_path, algo
     assert all(torch.equal(a[k], b[k]) for k in a)  # the two runs published the same weights
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["bc_flow", "divl_qam"])
 def test_bf16_autocast_trains_with_finite_losses(store, tmp_path, algo):
     if algo != "bc_flow":
@@ -183,6 +185,7 @@ def _compile_unavailable() -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_compiled_networks_train_with_finite_losses_and_keep_their_weights_names(store, tmp_path):
     reason = _compile_unavailable()
     if reason:

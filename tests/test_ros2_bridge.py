@@ -34,6 +34,8 @@ from robo_post.cli import main as cli_main
 from robo_post.fleet import ros2
 from robo_post.store import PolicyRegistry, ShardLockedError, Store
 
+pytestmark = pytest.mark.ros2
+
 DEADLINE_S = 60.0
 _domains = itertools.count()
 TABLETOP = ros2.RobotDescription.load("tabletop")
@@ -117,6 +119,7 @@ def read_status(root: str, client: str) -> dict[str, Any]:
         return json.load(f)
 
 
+@pytest.mark.slow
 def test_records_sim_episodes_exactly(tmp_path):
     """Data collection: the sim's expert acts and publishes its actions; the bridge records."""
     root, dump, domain = str(tmp_path / "store"), tmp_path / "sim.npz", f"domain_id={fresh_domain()}"
@@ -207,6 +210,7 @@ class Injector:
         self.context.try_shutdown()
 
 
+@pytest.mark.slow
 def test_malformed_messages_discard_only_their_episode(tmp_path):
     """The bridge serves a policy; bad messages during one episode (k >= 1) are counted and
     cost only that episode; the robot keeps being served, a policy published meanwhile is
@@ -288,6 +292,7 @@ def stop_bridge_once_matched(injector: Injector, bridge: subprocess.Popen, topic
     injector.listen()
 
 
+@pytest.mark.slow
 def test_faults_are_blamed_by_stamp_under_queued_traffic(tmp_path):
     """While the bridge is stalled the robot queues 4 episodes, whose joint messages on
     episode 1's first and last steps are malformed (names that do not match the positions;
@@ -329,6 +334,7 @@ def test_faults_are_blamed_by_stamp_under_queued_traffic(tmp_path):
     assert_store_matches_dump(root, "arm-1", dump, {0: 0, 2: 0, 3: 0}, robot=ARM2)
 
 
+@pytest.mark.slow
 def test_other_robot_two_long_episodes_in_one_burst(tmp_path, capsys):
     """A robot that is not the tabletop (2 joints recorded as positions and velocities, no
     camera, 3 action dims with their own bounds, its own tasks): two 1000-step episodes
@@ -363,6 +369,7 @@ def test_other_robot_two_long_episodes_in_one_burst(tmp_path, capsys):
     assert "robot 'tabletop': observation 'image' is uint8(64, 64, 3)" in err and "keys ['goal', 'joints']" in err
 
 
+@pytest.mark.slow
 def test_refused_bursts_are_counted_and_a_killed_bridge_reads_dead(tmp_path):
     """A burst beyond what the bridge documents (6 episodes queued against a queue of one
     episode while it is stalled) loses messages: they are counted in ``lost`` and their
@@ -1099,6 +1106,7 @@ def test_an_episode_the_robot_left_times_out_on_the_robots_clock(tmp_path):
     assert (status["committed"], status["discarded"]) == (1, {"timeout": 1})
 
 
+@pytest.mark.slow
 def test_a_paused_bridge_records_a_whole_burst_of_long_episodes(tmp_path):
     """The documented burst end to end, under the case an earlier run lost half of: a robot whose
     description says ``max_steps: 2000``, a bridge with ``burst_episodes=4`` and a 5 s timeout,

@@ -32,6 +32,8 @@ from robo_post.fleet import ros2  # noqa: E402
 from robo_post.fleet.rosbag import MSG_TYPES, TYPESTORE, BagImportConfig, import_rosbag  # noqa: E402
 from robo_post.store import Store  # noqa: E402
 
+pytestmark = pytest.mark.ros2
+
 MSG_CLASSES = {"sensor_msgs/msg/JointState": JointState, "sensor_msgs/msg/Image": Image, "std_msgs/msg/String": String}
 STORAGES = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
 
@@ -128,6 +130,7 @@ def assert_same_episodes(live_root: str, live_client: str, bag_root: str, bag_cl
             k: v for k, v in y.attrs.items() if k not in provenance}
 
 
+@pytest.mark.slow
 def test_a_bag_of_the_run_imports_as_the_live_bridge_recorded_it(tmp_path):
     """Episode 1's first joint message lacks a joint and its last is NaN: the bridge discards it as
     malformed, and so must each import; episodes 0 and 2 (camera images included) match exactly."""
