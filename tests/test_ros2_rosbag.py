@@ -28,7 +28,7 @@ from sensor_msgs.msg import Image, JointState  # noqa: E402
 from std_msgs.msg import String  # noqa: E402
 from test_ros2_bridge import DEADLINE_S, fresh_domain, kill_all, read_status, spawn, wait_exit  # noqa: E402
 
-from robo_post.fleet import ros2  # noqa: E402
+from robo_post.fleet.ros2_settings import topic_qos  # noqa: E402
 from robo_post.fleet.rosbag import MSG_TYPES, TYPESTORE, BagImportConfig, import_rosbag  # noqa: E402
 from robo_post.store import Store  # noqa: E402
 
@@ -47,7 +47,7 @@ class BagRecorder:
         self.context = Context()
         rclpy.init(context=self.context, domain_id=domain_id, signal_handler_options=SignalHandlerOptions.NO)
         self.node = rclpy.create_node("bag_recorder", namespace=namespace, context=self.context)
-        qos = ros2.topic_qos(100_000)  # never the reason a message is missing
+        qos = topic_qos(100_000)  # never the reason a message is missing
         self.subs = {topic: self.node.create_subscription(MSG_CLASSES[msgtype], topic, self._callback(topic), qos,
                                                           raw=True)
                      for topic, msgtype in MSG_TYPES.items()}
