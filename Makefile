@@ -1,5 +1,5 @@
-# Two entry points (see README): `make demo` and `make test`. Each builds the
-# virtual environment from nothing (pinned installs) when it is missing.
+# Two entry points (see README): `make demo` and `make test` (`make test-fast`: the edit loop).
+# Each builds the virtual environment from nothing (pinned installs) when it is missing.
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(BIN)/pip install -q --no-deps -c constraints.txt $(S3_TEST)
 	touch $@
 
-.PHONY: setup demo test wheel-smoke bench-setup
+.PHONY: setup demo test test-fast wheel-smoke bench-setup
 setup: $(VENV)/.installed
 
 # The learning benchmarks' external peers (d3rlpy), kept out of the default install.
@@ -27,6 +27,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
+
+# The edit loop: every test but those marked slow (CLI subprocesses, training runs, fleets), in
+# under 2 minutes on two cores; `make test` (CI) still runs them all.
+test-fast: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -m "not slow"
 
 # The built wheel in a fresh venv: --version, collect, train, eval and a Minari round trip.
 wheel-smoke:

@@ -33,7 +33,7 @@ import torch
 from omegaconf import OmegaConf
 
 from robo_post.algos.registry import method_spec
-from robo_post.learner.drivers import measure
+from robo_post.learner.data import measure
 from robo_post.learner.loop import train_loop
 from robo_post.store import ArraySpec, Store, StoreSchema, WindowSampler
 

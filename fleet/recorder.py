@@ -1,7 +1,7 @@
 """Episodes from a robot's messages: stamp alignment, validation, discard counts, commits.
 
 ``EpisodeRecorder`` is the one code path from messages to store episodes. The live ROS 2
-bridge (``robo_post.fleet.ros2.BridgeNode``) feeds it from its subscription callbacks;
+bridge (``robo_post.fleet.ros2_bridge.BridgeNode``) feeds it from its subscription callbacks;
 ``robo-post store import-rosbag`` (``robo_post.fleet.rosbag``) feeds it a recording's
 messages in recorded order. Each message comes as its topic (relative to the robot's
 namespace), the decoded message (rclpy's, or a bag reader's with the same fields), the

@@ -1,6 +1,9 @@
 """Helpers shared by test files (importable: pytest puts this folder on sys.path)."""
 
+import contextlib
+import io
 import json
+import os
 import subprocess
 import sys
 
@@ -11,6 +14,19 @@ def run_cli(*args: str, timeout: int = 300, ok: bool = True) -> subprocess.Compl
     if ok:
         assert r.returncode == 0, r.stderr[-3000:]
     return r
+
+
+def cli_in_process(*args: str, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """``robo-post ARGS`` called in this process (``robo_post.cli.main``) with its output captured,
+    as ``run_cli`` returns it: for the checks of what a command prints that need no process of
+    its own (an interpreter's start-up costs seconds; a kill, a signal or the environment
+    a command starts with still need ``run_cli``)."""
+    from robo_post.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd or os.getcwd()), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["robo-post", *args], code, out.getvalue(), err.getvalue())
 
 
 def summary_of(stdout: str) -> dict:

@@ -18,6 +18,7 @@ from robo_post.store import ArraySpec, PolicyRegistry, Store, StoreSchema
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "adding_a_method.md")
 
 
+@pytest.mark.slow
 def test_the_documented_method_registers_trains_and_publishes_its_ema(tmp_path):
     code = re.findall(r"```python\n(.*?)```", open(DOC).read(), re.S)[0]
     exec(compile(code, DOC, "exec"), {})

@@ -17,7 +17,7 @@ from robo_post.algos.fql import FQLCritic
 from robo_post.algos.actor_critic import PAIRS, ActorCritic, ActorCriticConfig, backup_chunks
 from robo_post.config import compose
 from robo_post.fleet.policies import build_policy
-from robo_post.learner.drivers import load_reference
+from robo_post.learner.data import load_reference
 from robo_post.learner.train import train
 from robo_post.models.critic import CriticConfig
 from robo_post.models.features import Feature
@@ -59,6 +59,7 @@ def _cfg(store, run_dir, algo, updates, warmup=2):
     }, {"algo": {"critic_warmup": warmup, "reference_version": 1}} if algo != "bc_flow" else {})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", sorted(PAIRS))
 def test_train_publishes_the_extracted_policy_with_provenance(bc_store, tmp_path, algo):
     summary = train(_cfg(bc_store, str(tmp_path / algo), algo, 6))
@@ -74,6 +75,7 @@ def test_train_publishes_the_extracted_policy_with_provenance(bc_store, tmp_path
     assert ("tau_mean" in rows[-1]) == (algo == "divl_qam")
 
 
+@pytest.mark.slow
 def test_the_critic_trains_alone_for_half_the_budget_by_default(bc_store, tmp_path):
     """With 200 critic-only updates the actor followed a critic far from its values: on expert-only
     pendulum data DIVL+QAM fell from its reference's 8435 to 5145 (one seed); with half the budget, 8502."""
@@ -101,6 +103,7 @@ def test_backups_are_sized_so_the_value_travels_within_the_critic_budget():
     assert backup_chunks("iql_qam", ActorCriticConfig(critic_warmup=0), lengths, 1, 1.0, 9298) == 8  # no warm-up: the run; D = 348
 
 
+@pytest.mark.slow
 def test_a_budget_within_the_critic_warmup_is_warned_about(bc_store, tmp_path, capsys):
     """The published actor was the reference unchanged, with nothing said."""
     train(_cfg(bc_store, str(tmp_path / "short"), "divl_qam", 4, warmup=4))
@@ -110,6 +113,7 @@ def test_a_budget_within_the_critic_warmup_is_warned_about(bc_store, tmp_path, c
     assert "critic_warmup" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_reference_is_the_first_flow_version_and_another_kind_is_named(bc_store, tmp_path, capsys):
     store = Store.create(str(tmp_path / "store"), Store.open(bc_store).schema)
     registry = PolicyRegistry(store.root)
@@ -141,6 +145,7 @@ def test_the_reference_is_the_first_flow_version_and_another_kind_is_named(bc_st
         load_reference(Store.open(str(tmp_path / "data")), None, torch.device("cpu"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", sorted(PAIRS))
 def test_resume_matches_uninterrupted_run(bc_store, tmp_path, algo):
     train(_cfg(bc_store, str(tmp_path / "full"), algo, 8))
@@ -154,6 +159,7 @@ def test_resume_matches_uninterrupted_run(bc_store, tmp_path, algo):
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["divl_qam", "fql"])
 def test_resume_with_an_imitating_base_matches_uninterrupted_run(bc_store, tmp_path, algo):
     """The co-trained base and the imitation sampler's RNG travel with the checkpoint."""
@@ -172,6 +178,7 @@ def test_resume_with_an_imitating_base_matches_uninterrupted_run(bc_store, tmp_p
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_fql_published_policy_acts_like_the_one_step_policy(bc_store):
     registry = PolicyRegistry(bc_store)
     reference = FlowPolicy.from_artifact(*registry.load(1))
@@ -187,6 +194,7 @@ def test_fql_published_policy_acts_like_the_one_step_policy(bc_store):
     assert algo.actor.reference.config.flow_steps == reference.config.flow_steps == 4  # the reference stays multi-step
 
 
+@pytest.mark.slow
 def test_published_artifacts_are_copies_of_the_live_weights(bc_store):
     reference = FlowPolicy.from_artifact(*PolicyRegistry(bc_store).load(1))
     weights, _ = reference.artifact()
@@ -197,6 +205,7 @@ def test_published_artifacts_are_copies_of_the_live_weights(bc_store):
     assert all(torch.equal(before[k], weights[k]) for k in weights)
 
 
+@pytest.mark.slow
 def test_fql_critic_bootstraps_from_the_actor_chunk(bc_store):
     store = Store.open(bc_store)
     reference = FlowPolicy.from_artifact(*PolicyRegistry(bc_store).load(1))
@@ -210,6 +219,7 @@ def test_fql_critic_bootstraps_from_the_actor_chunk(bc_store):
     assert metrics["td_target_mean"] == pytest.approx(want.mean().item(), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_unknown_algo_is_a_clear_error(bc_store, tmp_path):
     cfg = _cfg(bc_store, str(tmp_path / "x"), "fql", 2)
     cfg.algo.name = "sac"
@@ -217,6 +227,7 @@ def test_unknown_algo_is_a_clear_error(bc_store, tmp_path):
         train(cfg)
 
 
+@pytest.mark.slow
 def test_online_phase_with_fresh_prioritized_replay(bc_store, tmp_path):
     """Offline on the demos-only snapshot, then the online phase on the play episodes (the
     "fleet" has finished) with FreshPER: ages start when the episodes reached the learner,
@@ -250,6 +261,7 @@ def test_online_phase_with_fresh_prioritized_replay(bc_store, tmp_path):
     assert (tmp_path / "lwd" / "value_distributions-online.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_imitation_feeds_a_cotrained_base_and_needs_one(bc_store, tmp_path):
     """``lwd.imitation``: a co-trained base learns from the demos (and interventions) beside the
     batch, offline and online, and resumes with the rest; without a co-trained base it is a
@@ -275,6 +287,7 @@ def test_imitation_feeds_a_cotrained_base_and_needs_one(bc_store, tmp_path):
     assert not (tmp_path / "off" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_prioritized_sampler_weights_and_ages(bc_store):
     snap = Store.open(bc_store).snapshot()
     eps = snap.episodes()
@@ -297,6 +310,7 @@ def test_prioritized_sampler_weights_and_ages(bc_store):
     assert np.allclose(replay.per.base_priority(ids), FreshPERConfig().eps)
 
 
+@pytest.mark.slow
 def test_prioritized_sampler_keeps_priorities_when_episodes_arrive(bc_store):
     snap = Store.open(bc_store).snapshot()
     eps = snap.episodes()
@@ -320,6 +334,7 @@ def test_prioritized_sampler_keeps_priorities_when_episodes_arrive(bc_store):
     np.testing.assert_array_equal(replay.per.stored_at(new_ids), 5)
 
 
+@pytest.mark.slow
 def test_zero_importance_weights_leave_the_q_heads_unchanged(bc_store):
     reference = FlowPolicy.from_artifact(*PolicyRegistry(bc_store).load(1))
     algo = ActorCritic("iql_qam", reference)
@@ -332,6 +347,7 @@ def test_zero_importance_weights_leave_the_q_heads_unchanged(bc_store):
     assert algo.value.td_error.shape == (8,)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["divl_qam", "fql"])
 def test_best_of_n_executes_the_candidate_the_critic_rates_highest(bc_store, algo):
     reference = FlowPolicy.from_artifact(*PolicyRegistry(bc_store).load(1))
@@ -364,6 +380,7 @@ def test_best_of_n_executes_the_candidate_the_critic_rates_highest(bc_store, alg
     assert type(flow_of(*reference.artifact())) is FlowPolicy
 
 
+@pytest.mark.slow
 def test_critic_overrides_shape_the_critic_and_travel_with_the_artifact():
     """``critic={"use_images": False}``: a camera-free critic beside a camera policy, loadable by the fleet."""
     torch.manual_seed(0)
@@ -386,6 +403,7 @@ def test_critic_overrides_shape_the_critic_and_travel_with_the_artifact():
         ActorCritic("divl_qam", reference, critic={"camera": False})
 
 
+@pytest.mark.slow
 def test_best_of_one_publishes_the_plain_flow_and_bad_n_is_an_error(bc_store):
     reference = FlowPolicy.from_artifact(*PolicyRegistry(bc_store).load(1))
     assert ActorCritic("divl_qam", reference, best_of_n=1).artifact()[1]["kind"] == "flow"
@@ -396,7 +414,7 @@ def test_best_of_one_publishes_the_plain_flow_and_bad_n_is_an_error(bc_store):
 
 
 def test_critic_trend_flags_a_critic_still_moving_at_the_end_of_its_budget():
-    from robo_post.learner.drivers import critic_trend
+    from robo_post.learner.critic_report import critic_trend
 
     def rows(q, td):
         return [{"update": 100 * (i + 1), "q_mean": q(i), "loss_q": td(i)} for i in range(40)]
@@ -452,6 +470,7 @@ def test_critic_diagnostics_read_values_ranking_and_drift(tmp_path):
     assert held_out(episodes[:9], 0.1, 3) == [] and len(held_out(episodes, 0.25, 3)) == 3
 
 
+@pytest.mark.slow
 def test_updates_null_measures_the_budget_in_passes_over_the_training_steps(bc_store, tmp_path, monkeypatch, capsys):
     from robo_post.algos.registry import method_spec
     from robo_post.learner import drivers
@@ -472,6 +491,7 @@ def test_updates_null_measures_the_budget_in_passes_over_the_training_steps(bc_s
     assert capped.updates == 5
 
 
+@pytest.mark.slow
 def test_a_critic_without_reference_version_starts_from_bc_on_its_own_episodes(bc_store, tmp_path, monkeypatch):
     """v1 is BC on the successes only; a critic learning from every episode trains BC on those
     first (published), and the next critic on the same episodes starts from that version."""

@@ -33,6 +33,8 @@ def _rule(obs: np.ndarray, multi: bool) -> np.ndarray:
     return np.stack([first, (obs[:, 1] > 0).astype(np.int64)], -1) if multi else first
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 @pytest.mark.parametrize("multi", [False, True], ids=["discrete", "multidiscrete"])
 def test_categorical_bc_clones_an_integer_rule_and_the_fleet_acts_with_it(tmp_path, multi):
     action = ArraySpec("int64", (2,), [1, 0], [3, 1]) if multi else ArraySpec("int64", (), 1, 3)

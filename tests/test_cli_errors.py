@@ -17,6 +17,8 @@ import yaml
 
 from robo_post.fleet.client import read_status
 from robo_post.store import PolicyRegistry, Store
+
+from helpers import cli_in_process
 from test_store import tree_hash
 
 
@@ -71,7 +73,7 @@ def test_a_bad_value_is_one_line_naming_it_and_writes_nothing(tmp_path, command,
     paths = {"collect": ["store=s"], "eval": ["store=s", "out_store=e"], "train": ["store=s", "run_dir=r"],
              "report": ["run_dir=r", "eval_store=e", "out_dir=o"], "run": ["run_dir=r"], "steer": ["store=s"],
              "steer-eval": ["out_dir=o"]}[command]
-    r = _cli(command, *paths, *overrides, cwd=tmp_path)
+    r = cli_in_process(command, *paths, *overrides, cwd=tmp_path)  # the checks run before any work
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2, r.stderr
     assert len(lines) == 1 and lines[0].startswith(f"robo-post {command}: "), r.stderr
@@ -80,6 +82,7 @@ def test_a_bad_value_is_one_line_naming_it_and_writes_nothing(tmp_path, command,
     assert os.listdir(tmp_path) == []  # no store, run dir or report was created
 
 
+@pytest.mark.slow
 def test_the_ray_launcher_without_its_settings_is_one_line_and_writes_nothing(tmp_path):
     """A ConfigAttributeError traceback, after the store had been created."""
     r = _cli("collect", "store=s", "fleet.launcher=ray", "episodes=1", cwd=tmp_path)
@@ -89,6 +92,8 @@ def test_the_ray_launcher_without_its_settings_is_one_line_and_writes_nothing(tm
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_collect_env_store_runs_the_env_the_store_was_recorded_in(tmp_path):
     """`collect --help` listed env=store, which only eval took ("env.name=null is not allowed")."""
     first = _cli("collect", "store=s", "env=point_mass", "+env.kwargs.goal=[0.5,0.5]", "episodes=1",
@@ -105,40 +110,41 @@ def test_collect_env_store_runs_the_env_the_store_was_recorded_in(tmp_path):
 
 
 def test_help_anywhere_composes_the_overrides_and_lists_the_group_choices():
-    late = _cli("train", "store=x", "--help", "algo=divl_qam")  # --help among the overrides, before one
+    late = cli_in_process("train", "store=x", "--help", "algo=divl_qam")  # --help among the overrides, before one
     assert late.returncode == 0, late.stderr
     assert "algo     bc_flow | categorical_bc | craft | divl_qam | drest | fql | gaussian_bc | iql_qam | sb3   (now: divl_qam)" in late.stdout
     # divl_qam's settings with their comments, not bc_flow's; the other overrides are listed.
     assert "critic_warmup: null      # critic-only updates before the actor moves; null = half of the updates" in late.stdout
     assert "configs/algo/bc_flow.yaml" not in late.stdout and late.stdout.rstrip().endswith("store=x")
-    collect = _cli("collect", "-h").stdout
+    collect = cli_in_process("collect", "-h").stdout
     assert "env      driving | gym | highway_meta | point_mass | reacher | store | tabletop | any gymnasium id   (now: tabletop)" in collect
     assert "episodes: 24           # total new episodes across the fleet" in collect
 
 
 def test_cfg_job_and_config_print_the_composed_config_without_running(tmp_path):
-    r = _cli("collect", "--cfg", "job", "store=s", "episodes=3", "env=CartPole-v1", cwd=tmp_path)
+    r = cli_in_process("collect", "--cfg", "job", "store=s", "episodes=3", "env=CartPole-v1", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     cfg = yaml.safe_load(r.stdout)
     assert (cfg["episodes"], cfg["store"], cfg["env"]["name"]) == (3, "s", "CartPole-v1")
-    cfg = yaml.safe_load(_cli("config", "train", "algo=sb3", "--resolve", cwd=tmp_path).stdout)
+    cfg = yaml.safe_load(cli_in_process("config", "train", "algo=sb3", "--resolve", cwd=tmp_path).stdout)
     assert cfg["algo"]["name"] == "sb3" and cfg["checkpoint_every"] == 10000
-    assert _cli("config", "train", "updates=0", cwd=tmp_path).returncode == 2  # checked like a run
+    assert cli_in_process("config", "train", "updates=0", cwd=tmp_path).returncode == 2  # checked like a run
     # a setting the job needs and nobody gave prints as ??? (printing refused it), a wrong one is still refused
-    r = _cli("config", "steer", cwd=tmp_path)
+    r = cli_in_process("config", "steer", cwd=tmp_path)
     assert r.returncode == 0 and yaml.safe_load(r.stdout)["actor"]["kind"] == "???", r.stderr
-    assert _cli("config", "steer", "actor.kind=foo", cwd=tmp_path).returncode == 2
+    assert cli_in_process("config", "steer", "actor.kind=foo", cwd=tmp_path).returncode == 2
     # hydra's grammar refused an unquoted non-ASCII path ("token recognition error at: 'é'")
-    r = _cli("collect", "--cfg", "job", "store=runs/données", "+env.kwargs.note=é,x", cwd=tmp_path)
+    r = cli_in_process("collect", "--cfg", "job", "store=runs/données", "+env.kwargs.note=é,x", cwd=tmp_path)
     assert r.returncode == 2 and "cannot parse '+env.kwargs.note=é,x'" in r.stderr  # not a plain value: not quoted
-    r = _cli("collect", "--cfg", "job", "store=runs/données", cwd=tmp_path)
+    r = cli_in_process("collect", "--cfg", "job", "store=runs/données", cwd=tmp_path)
     assert r.returncode == 0 and yaml.safe_load(r.stdout)["store"] == "runs/données", r.stderr
-    r = _cli("train", "--cfg", cwd=tmp_path)  # was "cannot parse '--cfg'"
+    r = cli_in_process("train", "--cfg", cwd=tmp_path)  # was "cannot parse '--cfg'"
     assert r.returncode == 2 and r.stderr.strip() == ("robo-post train: --cfg takes job or all (`--cfg job` prints the "
                                                       "composed config)")
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_version():
     from importlib.metadata import version
 
@@ -182,6 +188,7 @@ def interrupted(tmp_path_factory):
     return store, proc.returncode, stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_a_clean_message_and_leaves_a_valid_store(interrupted):
     store, returncode, stderr = interrupted
     assert returncode == 130 and stderr.strip() == "robo-post collect: interrupted", stderr
@@ -190,6 +197,7 @@ def test_ctrl_c_is_a_clean_message_and_leaves_a_valid_store(interrupted):
     assert int(r.stdout.split()[0]) >= 2  # the committed episodes survived
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_train_publishes_nothing(interrupted, tmp_path):
     store = interrupted[0]
     args = ["train", f"store={store}", f"run_dir={tmp_path / 'run'}", "updates=4", "batch_size=4", "log_every=2",
@@ -216,6 +224,7 @@ def test_rerunning_a_finished_train_publishes_nothing(interrupted, tmp_path):
     assert more.returncode == 0 and json.loads(more.stdout)["version"] == 3, more.stderr
 
 
+@pytest.mark.slow
 def test_a_run_dir_of_another_method_is_refused_and_left_as_it_was(interrupted, tmp_path):
     """Two trains at one run_dir (e.g. the default): the second loaded the first's checkpoint and
     failed calling it damaged, after overwriting the run's config.yaml with its own settings."""
@@ -235,6 +244,7 @@ def test_a_run_dir_of_another_method_is_refused_and_left_as_it_was(interrupted, 
     assert tree_hash(str(run_dir)) == before and PolicyRegistry(store).versions() == published
 
 
+@pytest.mark.slow
 def test_a_run_dir_in_use_or_not_a_run_dir_is_refused_and_nothing_is_written(interrupted, tmp_path):
     """Two trains at once in one run_dir wrote one checkpoint and one metrics log over each
     other (a traceback from the checkpoint's temp dir, duplicate metric rows)."""

@@ -35,6 +35,8 @@ def craft_run(tmp_path_factory):
     return store, summary, args
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_the_fleet_records_what_the_update_needs_and_acts_on_policy(craft_run):
     store, summary, _ = craft_run
     registry = PolicyRegistry(store)
@@ -61,6 +63,8 @@ def test_the_fleet_records_what_the_update_needs_and_acts_on_policy(craft_run):
     assert final["phase"] == "final" and final["deterministic"] is True and final["env_extras"] is False
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_a_finished_run_is_not_trained_again(craft_run):
     store, summary, args = craft_run
     again = summary_of(run_cli(*args).stdout)
@@ -69,12 +73,14 @@ def test_a_finished_run_is_not_trained_again(craft_run):
     assert again == summary and PolicyRegistry(store).versions() == [1, 2, 3]  # nothing published again
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_a_run_is_resumed_only_under_its_own_settings_and_budget(craft_run, tmp_path):
     """Resumed with another store=, a run went on training the first store's policy and published
     into the second store's registry as the child of an unrelated version."""
     from omegaconf import OmegaConf
 
-    from robo_post.learner.drivers import RunResumeError, check_resume
+    from robo_post.learner.runs import RunResumeError, check_resume
 
     run_dir = craft_run[2][3].split("=", 1)[1]
     cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
@@ -100,6 +106,8 @@ def test_a_run_is_resumed_only_under_its_own_settings_and_budget(craft_run, tmp_
     assert PolicyRegistry(store).versions() == versions
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_a_run_that_stopped_early_is_not_taken_for_finished(craft_run, tmp_path):
     store, summary, args = craft_run
     run_dir = tmp_path / "run"
@@ -115,6 +123,8 @@ def test_a_run_that_stopped_early_is_not_taken_for_finished(craft_run, tmp_path)
     assert PolicyRegistry(store).versions()[-1] == summary["version"]  # nothing published
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_a_kill_between_checkpoint_and_state_file_resumes_without_a_second_update(craft_run, tmp_path):
     store, summary, args = craft_run
     root = os.path.dirname(store)
@@ -148,6 +158,8 @@ def test_a_kill_between_checkpoint_and_state_file_resumes_without_a_second_updat
     assert "Traceback" not in bad.stderr and registry.versions() == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_a_kill_right_after_publishing_the_acting_version_does_not_publish_it_again(craft_run, tmp_path):
     store, summary, args = craft_run
     own, run_dir = tmp_path / "demos", tmp_path / "run"
@@ -278,6 +290,8 @@ def test_proxy_oracle_correlation_of_group_advantages():
     assert proxy_oracle_correlation({"proxy_scores": proxy[1:2], "oracle_scores": proxy[1:2]}) is None
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_run_recipe_craft_on_highway_finishes_after_a_kill(tmp_path):
     out = tmp_path / "run"
     args = ["run", "env=highway_meta", "recipe=craft", f"run_dir={out}", "demos.episodes=2", "bc.algo.iterations=2",
@@ -304,6 +318,7 @@ def test_run_recipe_craft_on_highway_finishes_after_a_kill(tmp_path):
     assert "lr: 0.0003" in (out / "bc" / "config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_bad_craft_settings_are_one_line_errors_before_any_work(craft_run, tmp_path):
     store, _, _ = craft_run
     bad = run_cli("train", "algo=craft", f"store={store}", f"run_dir={tmp_path / 'r'}", "algo.event_weights=[1]",
@@ -349,6 +364,8 @@ def test_bad_craft_settings_are_one_line_errors_before_any_work(craft_run, tmp_p
     assert len(PolicyRegistry(store).versions()) == 3  # nothing published
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_evpo_run_logs_the_gate_and_checkpoints_the_critic(craft_run, tmp_path):
     store, summary, _ = craft_run
     own = str(tmp_path / "demos")
@@ -385,6 +402,8 @@ def test_evpo_run_logs_the_gate_and_checkpoints_the_critic(craft_run, tmp_path):
     assert any(k.startswith("module.critic.") for k in tensors) and any(k.startswith("optim.critic.") for k in tensors)
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_veto_acting_fits_each_later_acting_version_on_the_states_recorded_before_it(craft_run, tmp_path):
     store, summary, _ = craft_run
     own = str(tmp_path / "demos")
@@ -414,6 +433,8 @@ def test_veto_acting_fits_each_later_acting_version_on_the_states_recorded_befor
     assert out["veto_states"] == sum(len(snap.load(e)["extras"]["proxy_scores"]) for e in snap.episodes()) > len(scores)
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_runs_on_two_stores_sharing_an_online_store_each_learn_from_their_own_episodes(craft_run, tmp_path):
     """The second store's run found the first's episodes under its own version numbers: it
     trained on them and its own acting versions never drove."""
@@ -434,6 +455,8 @@ def test_runs_on_two_stores_sharing_an_online_store_each_learn_from_their_own_ep
         assert len(own) == 2 and out[name]["final"]["steps"] == sum(e.length for e in own)
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_a_resumed_run_warns_of_the_online_episodes_it_lost(craft_run, tmp_path):
     """A deleted online shard went unnoticed: the rerun collected the next iteration and the
     veto fit and the guard lost the earlier iterations' states without a word."""
@@ -450,6 +473,7 @@ def test_a_resumed_run_warns_of_the_online_episodes_it_lost(craft_run, tmp_path)
             and "saw 2 committed episodes in it: the run goes on without their episodes" in r.stderr), r.stderr
 
 
+@pytest.mark.slow
 def test_no_episodes_to_pretrain_on_fails_before_the_online_store_and_run_dir_are_made(craft_run, tmp_path):
     store, _, _ = craft_run
     r = run_cli("train", "algo=craft", f"store={store}", f"run_dir={tmp_path / 'r'}", "data.tasks=[nowhere]",
@@ -458,6 +482,8 @@ def test_no_episodes_to_pretrain_on_fails_before_the_online_store_and_run_dir_ar
     assert not (tmp_path / "online").exists() and not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_craft_runs_the_scene_its_demonstrations_were_recorded_in(tmp_path):
     store = str(tmp_path / "demos")
     run_cli("collect", "env=highway_meta", "+env.kwargs.scenario=roundabout", "policy=expert", "episodes=2",
@@ -470,6 +496,7 @@ def test_craft_runs_the_scene_its_demonstrations_were_recorded_in(tmp_path):
     assert len(episodes) == 1 and episodes[0].attrs["env_kwargs"] == {"scenario": "roundabout"}
 
 
+@pytest.mark.slow
 def test_an_online_store_of_another_schema_fails_before_pretraining_publishes(craft_run, tmp_path):
     store, _, args = craft_run
     before = PolicyRegistry(store).versions()
@@ -480,6 +507,8 @@ def test_an_online_store_of_another_schema_fails_before_pretraining_publishes(cr
     assert not (tmp_path / "r" / "craft_state.json").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_explore_eps_runs_the_fleet_on_the_mixture_with_the_proxys_best_and_records_its_logits(craft_run, tmp_path):
     store, summary, _ = craft_run
     own = str(tmp_path / "demos")

@@ -659,6 +659,7 @@ def test_a_checkpoint_whose_step_counter_was_edited_is_a_typed_error(tmp_path, c
     with pytest.raises(CheckpointError, match=rf"ckpt is damaged: its state.json holds update={counter!r}, not the step"):
         load_checkpoint(ckpt, modules, optimizers, {}, ("update",))
 
+@pytest.mark.slow
 def test_bc_pretraining_fits_a_separable_candidate_set():
     g = gen(12)
     x = torch.randn(512, 4, generator=g)
@@ -763,6 +764,7 @@ class ProxyEnv(FakeEnv):
         return {"proxy_scores": scores} if self.with_scores else {"cf_scores": scores}
 
 
+@pytest.mark.slow
 def test_exploring_runner_samples_the_mixture_with_the_proxys_best_and_records_its_logits():
     policy = small_policy(12)
     obs = {"state": np.full(4, 0.5, dtype=np.float32)}

@@ -84,6 +84,7 @@ def test_proposal_config_errors_and_artifact_round_trip():
     assert isinstance(build_policy(weights, config), ProposalPolicyRunner)
 
 
+@pytest.mark.slow
 def test_chunk_bc_fits_a_state_dependent_chunk_and_reaches_the_std_floor():
     policy = small_policy(3, dim=2, min_std=0.05)
     states = torch.randn(256, 2, generator=gen(5))
@@ -314,6 +315,8 @@ def proposal_run(tmp_path_factory):
     return store, summary
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_craft_fine_tunes_a_proposal_policy_through_the_fleet(proposal_run):
     store, summary = proposal_run
     assert Store.open(store).schema.extras == {}  # a plain driving store records no extras

@@ -219,6 +219,7 @@ def test_update_order_and_single_encoder_step(mode):
     assert (used_updated, used_previous) == ((True, False) if mode == "sequential" else (False, True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["divl", "iql"])
 def test_value_learners_fit_a_two_action_bandit(kind):
     torch.manual_seed(0)

@@ -73,6 +73,7 @@ def test_total_exponent_form_offsets_by_E_over_k():
             DReSTReward(lam, 2)
 
 
+@pytest.mark.slow
 def test_bernoulli_return_peaks_at_one_half():
     rng = np.random.default_rng(0)
     ps = [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0]
@@ -140,6 +141,7 @@ def test_depth_limited_max_coins_matches_brute_force_on_3x3_grids():
     assert len(checked) > 2  # different worlds, not one case repeated
 
 
+@pytest.mark.slow
 def test_grid_sets_are_fixed_and_disjoint():
     train, heldout = grid_set("train", 8), grid_set("heldout", 8)
     assert [g.key() for g in train] == [g.key() for g in grid_set("train", 976)[:8]]
@@ -199,6 +201,7 @@ def _benchmark():
     return module
 
 
+@pytest.mark.slow
 def test_tabular_drest_randomises_the_length_where_the_default_reward_does_not():
     bench, grids = _benchmark(), grid_set("train", 2)
     got = {reward: outcome_metrics(bench.train_tabular(grids, reward, 20_000, seed=0)[0].outcomes())
@@ -249,6 +252,8 @@ def _cli(*args: str) -> str:
     return run_cli(*args).stdout
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_cli_trains_publishes_and_the_fleet_records_meta_episodes(tmp_path):
     from robo_post.store import PolicyRegistry, Store
 
@@ -301,6 +306,7 @@ def test_privileged_observation_holds_the_counts_and_position():
         MetaEpisodeEnv(env_spec(ENV).make(split="train", n_grids=2).unwrapped, E=4, privileged=True)
 
 
+@pytest.mark.slow
 def test_privileged_critic_reads_the_counts_and_the_actor_does_not():
     import torch
 
@@ -370,6 +376,7 @@ def test_linear_schedule_anneals_learning_rate_and_entropy_to_zero():
         DReSTAgent(DReSTConfig(agent="SAC", env=ENV, env_kwargs={"n_grids": 2}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs", ["algo.env_kwargs.n_grids=0", "algo.heldout_kwargs.n_grids=-1"])
 def test_an_empty_world_set_is_a_grid_error_naming_n_grids(tmp_path, kwargs):
     """An empty set made the env, then failed at its first reset with numpy's 'high <= 0'."""
@@ -382,6 +389,8 @@ def test_an_empty_world_set_is_a_grid_error_naming_n_grids(tmp_path, kwargs):
     assert not os.path.exists(os.path.join(store, "policies", "v000001"))
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_eval_averages_the_grid_metrics_but_not_the_world_and_meta_episode_ids(tmp_path):
     """Eval printed a 'meta_episode 2297445340.75 [95% CI]': the mean of seeds and world indices."""
     from robo_post.eval import evaluate
@@ -396,6 +405,7 @@ def test_eval_averages_the_grid_metrics_but_not_the_world_and_meta_episode_ids(t
     assert {"grid", "meta_episode", "mini_episode"} <= set(result["episodes"][0]["metrics"])  # still recorded
 
 
+@pytest.mark.slow
 def test_held_out_worlds_that_training_also_holds_are_refused(tmp_path):
     """`algo.heldout_kwargs.split=train` was accepted: the 'held-out' figures then came from training worlds."""
     store, run_dir = str(tmp_path / "store"), tmp_path / "drest"

@@ -186,6 +186,7 @@ def test_truncates_at_duration_with_success() -> None:
     assert not any(step[4]["success"] for step in steps[:-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_expert_completes_episodes(scenario: str) -> None:
     env = gym.make("robo_post/Driving-v0", scenario=scenario, duration=40)

@@ -155,6 +155,8 @@ def test_expert_and_overseer_need_an_env_that_has_them(tmp_path):
                                 policy={"kind": "random"}, overseer={"enabled": True}))
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_collect_and_eval_a_gymnasium_env_with_a_random_policy(tmp_path):
     root = str(tmp_path / "store")
     cli = os.path.join(os.path.dirname(sys.executable), "robo-post")
@@ -193,6 +195,8 @@ def test_collect_and_eval_a_gymnasium_env_with_a_random_policy(tmp_path):
     assert os.path.getsize(tmp_path / "report" / "rollouts_random-train_InvertedPendulum-v5.png") > 10_000
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_driving_eval_reports_metrics_per_scenario(tmp_path):
     env = {"name": "driving", "duration": 8}
     store = Store.create(str(tmp_path / "store"), store_schema(env, "highway-fast"))
@@ -214,6 +218,7 @@ def test_driving_eval_reports_metrics_per_scenario(tmp_path):
         assert s["metrics"]["mean_speed"]["ci95"] == pytest.approx(mean_interval(speeds))
 
 
+@pytest.mark.slow
 def test_eval_refuses_an_env_that_observes_other_shapes_than_the_policy_was_trained_on(tmp_path):
     from robo_post.eval.rollout import EnvMismatchError
     from robo_post.models.features import state_features
@@ -264,6 +269,7 @@ class _HalfTorquePendulum(gym.Env):
 gym.register("robo_post_test/HalfTorquePendulum-v0", entry_point=_HalfTorquePendulum)
 
 
+@pytest.mark.slow
 def test_collect_without_the_recorded_env_kwargs_names_them(tmp_path):
     """It was one 1,650-character line listing every bound of both observation layouts."""
     cli = os.path.join(os.path.dirname(sys.executable), "robo-post")
@@ -303,6 +309,7 @@ def test_eval_refuses_an_env_whose_actions_differ_from_the_training_data(tmp_pat
     assert not os.path.exists(out)
 
 
+@pytest.mark.fleet
 def test_fleet_records_a_cartpole_sb3_agent_with_integer_actions(tmp_path):
     from stable_baselines3 import PPO
 
@@ -339,6 +346,7 @@ def test_an_env_observing_other_keys_is_named_with_what_it_observes(tmp_path):
         evaluate(store.root, version, ["reach"], 1, n_clients=1, env="tabletop", out_store=str(tmp_path / "eval"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["highway_meta", "driving"])
 def test_driving_frames_render_without_a_display_and_without_sdl_errors(name):
     """Every report on a driving env printed SDL's "error: XDG_RUNTIME_DIR is invalid or not set"."""

@@ -173,6 +173,8 @@ def evals(tmp_path_factory) -> dict[str, Any]:
     return {"root": root, "store": store, "out": out, "expert": expert, "flow": flow}
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_expert_eval_succeeds_everywhere_and_saves_json(evals):
     r = evals["expert"]
     assert r["policy"]["label"] == "expert" and r["policy"]["version"] == 0
@@ -192,6 +194,8 @@ def test_expert_eval_succeeds_everywhere_and_saves_json(evals):
     assert r["seed"] == EVAL_SEED and not eval_seeds & train_seeds and r["train_seed_overlap"] == 0
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_pinned_flow_version_is_the_only_policy_that_ran(evals):
     r = evals["flow"]
     assert r["policy"]["label"] == "v1" and r["split"] == "heldout" and r["env"]["instruction_split"] == "heldout"
@@ -204,16 +208,21 @@ def test_pinned_flow_version_is_the_only_policy_that_ran(evals):
     assert reach["ci95"] == pytest.approx(list(wilson_interval(reach["successes"], 2)))
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_identical_eval_reuses_its_shards(evals):
     again = evaluate(evals["store"].root, 1, ["reach"], 2, split="heldout", n_clients=2, out_store=evals["out"])
     assert again["tag"] == evals["flow"]["tag"] and again["episodes"] == evals["flow"]["episodes"]
 
 
+@pytest.mark.slow
 def test_eval_refuses_to_write_into_the_training_store(evals):
     with pytest.raises(ValueError, match="out_store"):
         evaluate(evals["store"].root, None, TASKS, 1, out_store=evals["store"].root)
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_replay_reproduces_recorded_episode(evals):
     snap = Store.open(evals["out"]).snapshot()
     episode = snap.episodes(client=evals["expert"]["shards"], task="push")[0]
@@ -243,6 +252,7 @@ class _NoRender(gym.Env):
 gym.register("robo_post_test/NoRender-v0", entry_point=_NoRender)
 
 
+@pytest.mark.slow
 def test_a_report_on_an_env_that_cannot_render_leaves_out_only_its_frames(evals, capsys, monkeypatch):
     """`robo-post report` stopped at an env without `render_mode` (EnvMakeError), leaving two plots and no report."""
     replayer = report_mod._Replayer()
@@ -271,6 +281,7 @@ def test_every_run_of_the_learning_curves_is_in_the_legend():
     assert [ax.get_title() for ax in fig.axes if ax.get_visible()] == ["bc_loss", "value_loss", "q"]
 
 
+@pytest.mark.slow
 def test_report_has_tables_plots_and_html(evals):
     run = evals["root"] / "run"
     run.mkdir()
@@ -344,6 +355,7 @@ def test_report_reads_a_killed_runs_log_and_names_a_damaged_file(tmp_path, capsy
                                                    "no such folder (null to leave it out of the report)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("versions, error, more", [
     ("[1,5,7]", "PolicyNotFoundError: policy version(s) [5, 7] not found in", []),
     ("[1,0]", "NoExpertError: env 'Pendulum-v1' has no scripted expert", []),  # version 0 runs the expert by default
@@ -363,6 +375,8 @@ def test_eval_checks_every_listed_version_before_running_any(tmp_path, versions,
     assert not os.path.exists(str(tmp_path / "s-eval"))  # nothing was evaluated
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_eval_prints_whole_intervals_when_its_output_is_piped(tmp_path):
     """Piped or redirected, rich cut the table to 80 columns: "[935.31–214…" read as another number."""
     from helpers import run_cli

@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 from robo_post.algos.registry import (METHODS, ActionSpaceError, MethodSpec, UnknownMethodError, method_spec,
                                       register_method)
 from robo_post.config import compose
-from robo_post.learner.drivers import value_range, warn_value_edges
+from robo_post.learner.critic_report import warn_value_edges
+from robo_post.learner.data import value_range
 from robo_post.learner.train import train
 from robo_post.models.features import Feature, FeatureSpecError, infer_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
@@ -233,6 +234,7 @@ def test_artifacts_published_before_feature_specs_still_load():
     assert torch.equal(loaded.policy.encoder.state_mean, torch.arange(5.0))
 
 
+@pytest.mark.slow
 def test_the_env_registry_sets_default_roles_and_the_user_overrides_them(tmp_path):
     """Tabletop data carries the task index; its instructions name the task, so models leave
     the index out unless asked (``model.features``)."""
@@ -253,6 +255,7 @@ def test_the_env_registry_sets_default_roles_and_the_user_overrides_them(tmp_pat
     assert PolicyRegistry(store.root).load(forced["version"])[1]["model"]["features"]["task_id"]["n"] == 5
 
 
+@pytest.mark.slow
 def test_an_instruction_embeds_the_same_whatever_strings_come_with_it():
     """A batch of strings is padded to its longest: encoded together, the embeddings moved in
     their last bits with the company they kept, so a resumed run (an empty cache, other

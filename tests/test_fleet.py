@@ -66,6 +66,7 @@ def committed(store: Store, shard: str) -> int:
     return store.read_commit(shard)["episodes"]
 
 
+@pytest.mark.fleet
 def test_hot_swap_happens_only_between_episodes(tmp_path):
     store = make_store(str(tmp_path / "store"))
     registry = PolicyRegistry(store.root)
@@ -95,6 +96,8 @@ def test_hot_swap_happens_only_between_episodes(tmp_path):
     assert versions[:2] == [1, 1]
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_local_launcher_restarts_a_killed_client_without_losing_episodes(tmp_path):
     store = make_store(str(tmp_path / "store"))
     # Random actions over 100 steps make each episode long (~0.3 s), so a kill
@@ -134,6 +137,8 @@ def test_local_launcher_restarts_a_killed_client_without_losing_episodes(tmp_pat
     assert after[: len(killed["before"])] == killed["before"]  # committed episodes survive the kill untouched
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_a_client_that_crashes_the_same_way_twice_is_not_restarted_again(tmp_path):
     """A deterministic error (here a policy version never published) was restarted max_restarts times."""
     store = make_store(str(tmp_path / "store"))
@@ -148,6 +153,8 @@ def test_a_client_that_crashes_the_same_way_twice_is_not_restarted_again(tmp_pat
     assert "policy version 9 not found" in read_status(store.root, "c0")["last_error"]
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_ray_launcher_runs_two_clients(tmp_path):
     store = make_store(str(tmp_path / "store"))
     configs = [ClientConfig(store=store.root, client_id=f"ray{i}", episodes=3, env=ENV, tasks=TASKS) for i in range(2)]
@@ -168,6 +175,8 @@ def test_ray_launcher_runs_two_clients(tmp_path):
     assert validate_store(store.root)[1] == []
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_ray_launcher_joins_an_existing_cluster_without_sizing_it(monkeypatch):
     calls = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -203,6 +212,7 @@ def replay_with_expert(snap: Snapshot, ep, env: TabletopEnv) -> list[tuple[np.nd
     return pairs
 
 
+@pytest.mark.fleet
 def test_overseer_takes_over_a_stalled_policy_with_expert_actions(tmp_path, monkeypatch):
     monkeypatch.setattr(policies, "POLICY_KINDS", dict(policies.POLICY_KINDS))  # keep "zero" local to this test
     register_policy_kind("zero", lambda weights, config, device: ZeroPolicy())
@@ -239,6 +249,7 @@ class WanderPolicy:
         return self.rng.uniform(-1, 1, env.action_space.shape).astype(np.float32)
 
 
+@pytest.mark.fleet
 def test_overseer_deadline_rescues_the_rest_of_a_slow_episode(tmp_path, monkeypatch):
     monkeypatch.setattr(policies, "POLICY_KINDS", dict(policies.POLICY_KINDS))
     register_policy_kind("wander", lambda weights, config, device: WanderPolicy())
@@ -276,6 +287,7 @@ class SlipPolicy(ExpertPolicy):
         return action
 
 
+@pytest.mark.fleet
 def test_overseer_divergence_gate_takes_over_where_the_policy_leaves_the_expert(tmp_path, monkeypatch):
     monkeypatch.setattr(policies, "POLICY_KINDS", dict(policies.POLICY_KINDS))
     register_policy_kind("slip", lambda weights, config, device: SlipPolicy())
@@ -322,6 +334,8 @@ def _exited(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="clients follow their launcher through prctl")
 def test_clients_stop_with_a_killed_launcher_and_a_rerun_is_not_locked_out(tmp_path):
     root = str(tmp_path / "store")
@@ -358,6 +372,8 @@ def test_unfinished_clients_are_named_with_their_last_error_line():
     raise_unfinished(statuses[2:], "fleet clients", "/s")  # all done: nothing raised
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_collect_cli_end_to_end(tmp_path):
     root = str(tmp_path / "store")
     cli = os.path.join(os.path.dirname(sys.executable), "robo-post")
@@ -395,6 +411,7 @@ def test_collect_refuses_an_expert_or_overseer_the_env_lacks_before_any_client(t
     assert not os.path.exists(root)
 
 
+@pytest.mark.fleet
 def test_same_config_and_seed_give_identical_episodes(tmp_path):
     runs = []
     for name in ("a", "b"):
@@ -415,6 +432,7 @@ def test_same_config_and_seed_give_identical_episodes(tmp_path):
             np.testing.assert_array_equal(a["obs"][key], b["obs"][key], err_msg=f"obs/{key}")
 
 
+@pytest.mark.fleet
 def test_layout_repeats_rerun_each_layout_with_new_policy_seeds(tmp_path):
     store = make_store(str(tmp_path / "groups"))
     run_client(ClientConfig(store=store.root, client_id="grp", episodes=4, env=ENV, tasks=["reach", "push"],
@@ -432,6 +450,8 @@ def test_layout_repeats_rerun_each_layout_with_new_policy_seeds(tmp_path):
             "n_clients": 1, "layout_repeats": 0}}), store)
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_the_status_table_counts_only_this_runs_episodes(tmp_path):
     """A second collect into a shard holding 3 episodes showed '5/5' for 2 new ones, and their
     success rate mixed in the earlier episodes."""

@@ -13,7 +13,9 @@ from omegaconf import OmegaConf
 
 from robo_post.config import compose
 from robo_post.learner.checkpoint import CheckpointError
-from robo_post.learner.drivers import NoEpisodesError, NonFiniteWeightsError, RunResumeError, publish_once
+from robo_post.learner.data import NoEpisodesError
+from robo_post.learner.publish import NonFiniteWeightsError, publish_once
+from robo_post.learner.runs import RunResumeError
 from robo_post.learner.train import train
 from robo_post.models.features import Feature, state_features
 from robo_post.models.flow import FlowPolicy, FlowPolicyConfig, FlowPolicyRunner, densest
@@ -39,6 +41,7 @@ def test_euler_sampling_of_exact_field_hits_target_moments():
     assert x.std().item() == pytest.approx(S, abs=1e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("predicts", ["chunk", "velocity"])
 def test_flow_matching_recovers_the_gaussian_flow(predicts):
     torch.manual_seed(0)
@@ -168,6 +171,7 @@ def _train_cfg(store, run_dir, updates):
     })
 
 
+@pytest.mark.slow
 def test_train_cli_smoke_publishes_a_version(tiny_store, tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "robo_post.cli", "train", f"store={tiny_store}", f"run_dir={tmp_path / 'run'}",
@@ -185,6 +189,7 @@ def test_train_cli_smoke_publishes_a_version(tiny_store, tmp_path):
     assert config["algorithm"] == "bc_flow" and config["snapshot"] == summary["snapshot"]
 
 
+@pytest.mark.slow
 def test_train_on_the_shards_of_named_clients_only(tiny_store, tmp_path):
     cfg = OmegaConf.merge(_train_cfg(tiny_store, str(tmp_path / "run"), 2), {"data": {"clients": ["client"]}})
     assert train(cfg)["episodes"] == 6  # shard client-0 of the fleet
@@ -197,7 +202,7 @@ def test_train_on_the_shards_of_named_clients_only(tiny_store, tmp_path):
 
 
 def test_a_store_without_successes_names_the_way_to_train_on_it(tmp_path):
-    from robo_post.learner.drivers import select_episodes
+    from robo_post.learner.data import select_episodes
 
     store = Store.create(str(tmp_path / "s"), StoreSchema({"observation": ArraySpec("float32", (2,))},
                                                           ArraySpec("float32", (1,), -1.0, 1.0)))
@@ -210,6 +215,7 @@ def test_a_store_without_successes_names_the_way_to_train_on_it(tmp_path):
         select_episodes(store.snapshot(), data)
 
 
+@pytest.mark.slow
 def test_resume_matches_uninterrupted_run(tiny_store, tmp_path):
     train(_train_cfg(tiny_store, str(tmp_path / "full"), 30))
     train(_train_cfg(tiny_store, str(tmp_path / "split"), 20))  # "killed" after its update-20 checkpoint
@@ -223,6 +229,7 @@ def test_resume_matches_uninterrupted_run(tiny_store, tmp_path):
 
 
 
+@pytest.mark.slow
 def test_a_run_killed_before_its_first_checkpoint_restarts_without_its_rows(tiny_store, tmp_path):
     import shutil
 
@@ -271,6 +278,7 @@ def test_a_damaged_newest_version_does_not_block_publishing(tmp_path, capsys):
     assert publish_once(registry, w, {"kind": "x"}) == 2  # the intact newest is compared again
 
 
+@pytest.mark.slow
 def test_a_run_killed_after_publishing_does_not_publish_again(tiny_store, tmp_path):
     cfg = OmegaConf.merge(_train_cfg(tiny_store, str(tmp_path / "run"), 10), {"publish": True})
     registry = PolicyRegistry(tiny_store)
@@ -286,6 +294,7 @@ def test_a_run_killed_after_publishing_does_not_publish_again(tiny_store, tmp_pa
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("record", ["config.yaml", "summary.json"])
 def test_a_damaged_run_record_resumes_the_run_with_a_warning_naming_it(tiny_store, tmp_path, capsys, record):
     """A finished run's config.yaml or summary.json torn by a crash or a full disk: the rerun
@@ -303,6 +312,7 @@ def test_a_damaged_run_record_resumes_the_run_with_a_warning_naming_it(tiny_stor
     assert OmegaConf.load(tmp_path / "run" / "config.yaml").updates == 10
 
 
+@pytest.mark.slow
 def test_a_finished_run_rerun_on_another_store_or_model_is_refused(tiny_store, tmp_path):
     """It warned 'published again under the new ones' and then failed on the other store's
     snapshot id or the other model's shapes; a key set to null against an absent one (a
@@ -323,6 +333,7 @@ def test_a_finished_run_rerun_on_another_store_or_model_is_refused(tiny_store, t
         "model.features": (None, None), "model.features.goal": (None, None)}
 
 
+@pytest.mark.slow
 def test_a_run_resumed_with_its_folders_spelled_otherwise_is_the_same_run(tiny_store, tmp_path, monkeypatch):
     """`store=s` then `store=./s`, or a run resumed from another directory, was refused as a run
     of "other settings (store: 's' -> './s')", so its documented rerun could not republish it."""
@@ -339,6 +350,7 @@ def test_a_run_resumed_with_its_folders_spelled_otherwise_is_the_same_run(tiny_s
     assert again["version"] == first["version"] == PolicyRegistry(tiny_store).latest()  # already done, not refused
 
 
+@pytest.mark.slow
 def test_a_republished_run_keeps_the_settings_its_weights_were_trained_with(tiny_store, tmp_path, capsys):
     """A finished run rerun with a changed setting publishes its weights again under it; that
     rewrote config.yaml, so a larger budget with the changed setting then resumed the weights
@@ -362,6 +374,7 @@ def test_a_republished_run_keeps_the_settings_its_weights_were_trained_with(tiny
     assert "updates: 20" in (run_dir / "config.yaml").read_text() and not (run_dir / "trained_config.yaml").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["missing", "damaged"])
 def test_an_unfinished_run_without_its_settings_record_is_not_resumed(tiny_store, tmp_path, damage):
     """With config.yaml removed (or damaged), a killed run resumed under another learning rate
@@ -379,6 +392,8 @@ def test_an_unfinished_run_without_its_settings_record_is_not_resumed(tiny_store
     assert tree_hash(str(run_dir)) == before
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_a_resumed_run_trains_on_the_snapshot_it_started_on(tiny_store, tmp_path):
     import shutil
 

@@ -276,6 +276,7 @@ def test_blocked_only_behind_a_car_slower_than_the_lowest_target_speed_once_the_
     assert info["events"][4] == 0.0 and event_reward(info["events"], (0, 0, 0, 0, -0.3)) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("scenario", "seed"), [("highway", 3), ("merge", 3), ("roundabout", 6)])
 def test_counterfactual_scoring_leaves_the_live_env_untouched(scenario: str, seed: int) -> None:
     env, twin = make(seed=seed, oracle=True, scenario=scenario), make(seed=seed, scenario=scenario)
@@ -304,6 +305,7 @@ def test_counterfactual_scoring_leaves_the_live_env_untouched(scenario: str, see
     assert set(make(seed=3).unwrapped.candidate_extras()) == {"proxy_scores"}  # no oracle unless asked
 
 
+@pytest.mark.slow
 def test_a_weight_on_a_term_the_scene_lacks_counts_zero() -> None:
     only_right_lane = {**{name: 0.0 for name in PROXY_WEIGHTS}, "right_lane": 1.0}
     # The roundabout reports no right_lane_reward: all-zero scores, not a KeyError.
@@ -446,6 +448,8 @@ def test_heuristic_driver_in_other_scenes(scenario: str) -> None:
         assert env.unwrapped.core.vehicle.lane_index[2] == lane
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_collect_with_the_cli(tmp_path) -> None:
     root = str(tmp_path / "store")
     run_cli("collect", "env=highway_meta", "episodes=2", f"store={root}", "fleet.n_clients=1", "show=false",
@@ -461,6 +465,8 @@ def test_collect_with_the_cli(tmp_path) -> None:
         assert 15.0 < e.attrs["metrics"]["mean_speed"] < 35.0
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_collect_a_roundabout_with_the_cli(tmp_path) -> None:
     root = str(tmp_path / "store")
     run_cli("collect", "env=highway_meta", "+env.kwargs.scenario=roundabout", "policy=expert", "episodes=2",

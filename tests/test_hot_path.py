@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from robo_post.algos.registry import method_spec
 from robo_post.config import compose
-from robo_post.learner.drivers import measure
+from robo_post.learner.data import measure
 from robo_post.learner.loop import train_loop
 from robo_post.models.critic import EnsembleMLP
 from robo_post.learner.prefetch import Prefetcher
@@ -83,6 +83,7 @@ def test_a_sampling_error_reaches_the_learner():
     prefetcher.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["bc_flow", "divl_qam"])
 def test_resume_with_prefetch_matches_an_uninterrupted_run(store, tmp_path, algo):
     if algo != "bc_flow":
@@ -102,6 +103,7 @@ def test_resume_with_prefetch_matches_an_uninterrupted_run(store, tmp_path, algo
     assert all(torch.equal(a[k], b[k]) for k in a)  # the two runs published the same weights
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["bc_flow", "divl_qam"])
 def test_bf16_autocast_trains_with_finite_losses(store, tmp_path, algo):
     if algo != "bc_flow":
@@ -183,6 +185,7 @@ def _compile_unavailable() -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_compiled_networks_train_with_finite_losses_and_keep_their_weights_names(store, tmp_path):
     reason = _compile_unavailable()
     if reason:

@@ -404,6 +404,7 @@ def test_export_refuses_what_it_cannot_write(store, tmp_path):
     export_lerobot(odd.snapshot(), tmp_path / "ds", images=True)  # PNG takes any size
 
 
+@pytest.mark.slow
 def test_cli_export_and_import(store, tmp_path):
     out = run_cli("store", "export-lerobot", store.root, str(tmp_path / "ds"), "--role", "demo", "--fps", "20")
     assert "exported 1 episodes (5 steps)" in out.stdout

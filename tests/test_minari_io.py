@@ -155,6 +155,8 @@ def collect_pendulum(dataset_id, n_episodes=3):
     env.close()
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_the_fleet_adds_episodes_to_an_imported_store(tmp_path, monkeypatch, capfd):
     """The import's marker of a bare observation space made every collect into the store a schema
     mismatch, and the message blamed the step limit, which changes no observation."""
@@ -176,6 +178,8 @@ def test_the_fleet_adds_episodes_to_an_imported_store(tmp_path, monkeypatch, cap
     assert [r["update"] for r in rows if "eval/return/Pendulum-v1" in r] == [2, 4]
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_a_fleet_recorded_gym_store_exports_an_env_minari_can_recover(tmp_path, monkeypatch):
     """Exports recorded no env spec: ``recover_environment()`` failed for Minari users."""
     root, store = tmp_path / "minari", str(tmp_path / "store")
@@ -265,6 +269,7 @@ def test_unsupported_spaces_raise_typed_errors(tmp_path, monkeypatch):
         import_minari("no-version", tmp_path / "store", minari_root=root)
 
 
+@pytest.mark.slow
 def test_cli_export_and_import(tmp_path, capsys):
     fill_store(tmp_path / "src", np.random.default_rng(1))
     mroot = str(tmp_path / "minari")
@@ -486,6 +491,7 @@ def test_an_import_refused_at_its_first_episode_leaves_no_store(tmp_path, monkey
     assert not (tmp_path / "store").exists()
 
 
+@pytest.mark.slow
 def test_two_imports_at_once_import_each_episode_once(tmp_path, monkeypatch):
     """Two imports of one dataset into different shards each found its episodes missing."""
     root, store = tmp_path / "minari", str(tmp_path / "store")
@@ -561,6 +567,7 @@ def test_importing_again_adds_only_the_episodes_the_store_lacks(tmp_path, monkey
     assert len(Store.open(store).snapshot()) == 4
 
 
+@pytest.mark.slow
 def test_an_import_killed_part_way_completes_when_run_again(tmp_path, monkeypatch):
     root, store = tmp_path / "minari", str(tmp_path / "store")
     _dataset(root, monkeypatch, "kill/ep-v0", _buffers(6))
@@ -587,6 +594,7 @@ def test_an_import_killed_part_way_completes_when_run_again(tmp_path, monkeypatc
     assert main(["store", "validate", store]) == 0
 
 
+@pytest.mark.slow
 def test_an_export_killed_part_way_leaves_no_dataset(tmp_path, monkeypatch):
     """Minari writes in place: a killed export left a partial dataset that read as complete (221
     of 400 episodes imported without a word) and blocked the rerun as existing."""
@@ -635,6 +643,7 @@ def test_an_empty_or_damaged_dataset_is_refused_before_a_store_is_created(tmp_pa
     assert not (tmp_path / "store").exists()
 
 
+@pytest.mark.slow
 def test_cli_os_errors_are_one_line(tmp_path, monkeypatch):
     root = tmp_path / "minari"
     _dataset(root, monkeypatch, "ok/two-v0", _buffers(2))

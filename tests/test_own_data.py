@@ -36,6 +36,7 @@ def _record(minari_root: str) -> None:
     env.create_dataset("pendulum/mixed-v0", algorithm_name="p-controller", author="user")
 
 
+@pytest.mark.slow
 def test_minari_dataset_to_trained_policies_evaluated_by_gymnasium_id(tmp_path, monkeypatch):
     minari_root = str(tmp_path / "minari")
     monkeypatch.setenv("MINARI_DATASETS_PATH", minari_root)

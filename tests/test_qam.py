@@ -231,6 +231,7 @@ def run_qam(base: FlowPolicy, critic, flow_steps: int = 10, **config) -> tuple[Q
     return qam, metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("predicts", ["chunk", "velocity"])
 def test_qam_tilts_along_c_monotonically_in_kappa(base_policy, predicts):
     base = base_policy if predicts == "chunk" else train_base("velocity")
@@ -250,6 +251,7 @@ def test_qam_tilts_along_c_monotonically_in_kappa(base_policy, predicts):
         assert std == pytest.approx(s0, abs=0.03 if predicts == "velocity" else 0.045)
 
 
+@pytest.mark.slow
 def test_measured_q_scale_tilts_alike_on_any_reward_scale(base_policy):
     """With ``q_scale`` measured (the default), a linear critic c * a + b moves the policy by
     kappa * s0 (one temperature, one share of the policy's spread) whatever c and b are."""
@@ -271,6 +273,7 @@ def test_measured_q_scale_tilts_alike_on_any_reward_scale(base_policy):
     assert fql_means == pytest.approx([m0 + 1 / (20 * drawn)] * 2, abs=0.03)
 
 
+@pytest.mark.slow
 def test_heads_that_disagree_more_than_the_policy_spreads_set_the_temperature(base_policy):
     """A critic whose heads disagree on the data's chunks by more than the policy's own chunks
     spread in Q measures the tilt in that disagreement: Q differences within the critic's
@@ -297,6 +300,7 @@ def test_the_trust_region_caps_each_states_target_kl_and_leaves_the_rest_alone()
     assert 0 < keep.sum() < 6 and torch.equal(capped[:, keep], adjs[:, keep])
 
 
+@pytest.mark.slow
 def test_a_critic_steep_against_its_unit_moves_the_policy_by_the_budget_only(base_policy):
     """A linear critic 40x steeper than the pinned unit asks for a tilt of ~(kappa s0 c)^2 / 2
     nats; a budget of kappa^2 / 2 (the default with a measured unit) holds the fine policy's path
@@ -314,6 +318,7 @@ def test_a_critic_steep_against_its_unit_moves_the_policy_by_the_budget_only(bas
 
 
 # --- 15. path source ------------------------------------------------------------------------
+@pytest.mark.slow
 def test_path_source_fine_reaches_the_exact_tilt_and_reference_does_not(base_policy):
     q, a0, kappa = 16.0, 0.6, 2.0  # kappa q s^2 = 2
     quadratic = lambda obs, a: (-0.5 * q * (a.flatten(1) - a0) ** 2).sum(-1)[None]  # noqa: E731
@@ -342,6 +347,7 @@ def test_fql_baseline_moves_along_c_and_stays_near_the_reference(base_policy):
 
 
 # --- co-trained base: imitates the learner's imitation windows, not the batch --------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("actor", ["qam", "fql"])
 def test_cotrained_base_imitates_the_imitation_windows(base_policy, actor):
     """The batch's actions sit at +0.6 (every source, failures too), the imitation windows'

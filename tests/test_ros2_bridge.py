@@ -32,7 +32,12 @@ from std_msgs.msg import String
 
 from robo_post.cli import main as cli_main
 from robo_post.fleet import ros2
+from robo_post.fleet.recorder import ACTION_TOPIC, EPISODE_TOPIC, IMAGE_TOPIC, JOINT_TOPIC
+from robo_post.fleet.robot import MalformedMessage, image_msg, joint_msg
+from robo_post.fleet.ros2_settings import STATUS_QOS, STATUS_TOPIC, topic_qos
 from robo_post.store import PolicyRegistry, ShardLockedError, Store
+
+pytestmark = pytest.mark.ros2
 
 DEADLINE_S = 60.0
 _domains = itertools.count()
@@ -117,6 +122,7 @@ def read_status(root: str, client: str) -> dict[str, Any]:
         return json.load(f)
 
 
+@pytest.mark.slow
 def test_records_sim_episodes_exactly(tmp_path):
     """Data collection: the sim's expert acts and publishes its actions; the bridge records."""
     root, dump, domain = str(tmp_path / "store"), tmp_path / "sim.npz", f"domain_id={fresh_domain()}"
@@ -143,13 +149,13 @@ class Injector:
         self.context = Context()
         rclpy.init(context=self.context, domain_id=domain_id, signal_handler_options=SignalHandlerOptions.NO)
         self.node = rclpy.create_node("injector", namespace="/robot", context=self.context)
-        qos = ros2.topic_qos(100)
-        self.joint = self.node.create_publisher(JointState, ros2.JOINT_TOPIC, qos)
-        self.image = self.node.create_publisher(Image, ros2.IMAGE_TOPIC, qos) if robot.camera else None
-        self.episode = self.node.create_publisher(String, ros2.EPISODE_TOPIC, qos)
+        qos = topic_qos(100)
+        self.joint = self.node.create_publisher(JointState, JOINT_TOPIC, qos)
+        self.image = self.node.create_publisher(Image, IMAGE_TOPIC, qos) if robot.camera else None
+        self.episode = self.node.create_publisher(String, EPISODE_TOPIC, qos)
         self.events: list[dict[str, Any]] = []
         self.heartbeat: dict[str, Any] = {}
-        self.node.create_subscription(String, ros2.STATUS_TOPIC, self._on_heartbeat, ros2.STATUS_QOS)
+        self.node.create_subscription(String, STATUS_TOPIC, self._on_heartbeat, STATUS_QOS)
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
         if listen:
@@ -157,7 +163,7 @@ class Injector:
 
     def listen(self) -> None:
         """Subscribe to episode events (a sim with ``subscribers=2`` waits for this)."""
-        self.node.create_subscription(String, ros2.EPISODE_TOPIC, self._on_event, ros2.topic_qos(100))
+        self.node.create_subscription(String, EPISODE_TOPIC, self._on_event, topic_qos(100))
 
     def _on_event(self, msg: String) -> None:
         self.events.append(json.loads(msg.data))
@@ -195,11 +201,11 @@ class Injector:
         now = self.node.get_clock().now().nanoseconds
         names, dim = TABLETOP.joints, TABLETOP.joint_dim
         good = np.zeros(dim)
-        self.joint.publish(ros2.joint_msg(now, names[:5], good[:5]))  # 5 of the 31 joints
-        self.joint.publish(ros2.joint_msg(now, names, np.full(dim, np.nan)))  # NaN
-        self.image.publish(ros2.image_msg(now, np.zeros((64, 64, 3), np.uint8), encoding="bgr8"))  # encoding
-        self.image.publish(ros2.image_msg(now, np.zeros((32, 32, 3), np.uint8)))  # size
-        self.joint.publish(ros2.joint_msg(1, names, good))  # stamp long before the last one
+        self.joint.publish(joint_msg(now, names[:5], good[:5]))  # 5 of the 31 joints
+        self.joint.publish(joint_msg(now, names, np.full(dim, np.nan)))  # NaN
+        self.image.publish(image_msg(now, np.zeros((64, 64, 3), np.uint8), encoding="bgr8"))  # encoding
+        self.image.publish(image_msg(now, np.zeros((32, 32, 3), np.uint8)))  # size
+        self.joint.publish(joint_msg(1, names, good))  # stamp long before the last one
 
     def close(self) -> None:
         self.executor.shutdown()
@@ -207,6 +213,7 @@ class Injector:
         self.context.try_shutdown()
 
 
+@pytest.mark.slow
 def test_malformed_messages_discard_only_their_episode(tmp_path):
     """The bridge serves a policy; bad messages during one episode (k >= 1) are counted and
     cost only that episode; the robot keeps being served, a policy published meanwhile is
@@ -223,7 +230,7 @@ def test_malformed_messages_discard_only_their_episode(tmp_path):
     }
     try:
         # Both the sim's and our publishers must reach the bridge, or injected messages would vanish.
-        injector.spin_until(lambda: injector.bridge_matched((ros2.JOINT_TOPIC, ros2.IMAGE_TOPIC), 2), "matching")
+        injector.spin_until(lambda: injector.bridge_matched((JOINT_TOPIC, IMAGE_TOPIC), 2), "matching")
         injector.spin_until(lambda: len(injector.started()) >= 2, "episode 1 to start")
         assert injector.started()[:2] == [0, 1]  # the sim waited for us (subscribers=2): we see every event
         # Inject into the first episode k >= 1 still running 0.2 s after we heard it start (so
@@ -288,6 +295,7 @@ def stop_bridge_once_matched(injector: Injector, bridge: subprocess.Popen, topic
     injector.listen()
 
 
+@pytest.mark.slow
 def test_faults_are_blamed_by_stamp_under_queued_traffic(tmp_path):
     """While the bridge is stalled the robot queues 4 episodes, whose joint messages on
     episode 1's first and last steps are malformed (names that do not match the positions;
@@ -305,7 +313,7 @@ def test_faults_are_blamed_by_stamp_under_queued_traffic(tmp_path):
     }
     bridge = procs["bridge"][0]
     try:
-        stop_bridge_once_matched(injector, bridge, (ros2.JOINT_TOPIC, ros2.EPISODE_TOPIC))
+        stop_bridge_once_matched(injector, bridge, (JOINT_TOPIC, EPISODE_TOPIC))
         injector.spin_until(lambda: 1 in injector.ended(), "episode 1 to end")
         stamp = injector.ended()[1]["stamp"] + 1  # between episodes 1 and 2
         injector.episode.publish(String(data=json.dumps({"event": "end", "episode": 99, "length": 0, "rewards": [],
@@ -329,6 +337,7 @@ def test_faults_are_blamed_by_stamp_under_queued_traffic(tmp_path):
     assert_store_matches_dump(root, "arm-1", dump, {0: 0, 2: 0, 3: 0}, robot=ARM2)
 
 
+@pytest.mark.slow
 def test_other_robot_two_long_episodes_in_one_burst(tmp_path, capsys):
     """A robot that is not the tabletop (2 joints recorded as positions and velocities, no
     camera, 3 action dims with their own bounds, its own tasks): two 1000-step episodes
@@ -363,6 +372,7 @@ def test_other_robot_two_long_episodes_in_one_burst(tmp_path, capsys):
     assert "robot 'tabletop': observation 'image' is uint8(64, 64, 3)" in err and "keys ['goal', 'joints']" in err
 
 
+@pytest.mark.slow
 def test_refused_bursts_are_counted_and_a_killed_bridge_reads_dead(tmp_path):
     """A burst beyond what the bridge documents (6 episodes queued against a queue of one
     episode while it is stalled) loses messages: they are counted in ``lost`` and their
@@ -380,13 +390,13 @@ def test_refused_bursts_are_counted_and_a_killed_bridge_reads_dead(tmp_path):
     }
     bridge = procs["bridge"][0]
     try:
-        stop_bridge_once_matched(injector, bridge, (ros2.JOINT_TOPIC, ros2.EPISODE_TOPIC))
+        stop_bridge_once_matched(injector, bridge, (JOINT_TOPIC, EPISODE_TOPIC))
         injector.spin_until(lambda: 5 in injector.ended(), "the last episode to end")
         injector.spin_for(0.3)
         os.kill(bridge.pid, signal.SIGCONT)
         status = wait_status(root, "arm-3", lambda s: s["committed"] + sum(s["discarded"].values()) >= 6,
                              "6 closed episodes")
-        assert status["lost"].get(ros2.JOINT_TOPIC, 0) > 0 and status["discarded"].get("overflow", 0) >= 1
+        assert status["lost"].get(JOINT_TOPIC, 0) > 0 and status["discarded"].get("overflow", 0) >= 1
         assert status["committed"] + status["discarded"]["overflow"] == 6 and status["malformed"] == {}
         wait_exit({"sim": procs["sim"]})
         procs["long"] = spawn(tmp_path, "long", ["ros2-sim", f"robot={ARM2_PATH}", domain, "episodes=1", "rate_hz=0",
@@ -432,7 +442,7 @@ class LocalBridge:
         self._generation += 1
 
     def event(self, **payload: Any) -> None:
-        self.node._on_event(String(data=json.dumps(payload)), self.info(ros2.EPISODE_TOPIC))
+        self.node._on_event(String(data=json.dumps(payload)), self.info(EPISODE_TOPIC))
 
     def episode(self, index: int, start: int, steps: int, end: bool = True, end_first: bool = False,
                 **end_fields: Any) -> None:
@@ -447,10 +457,10 @@ class LocalBridge:
         if end and end_first:
             self.event(**end_event)
         for t in range(steps + 1):
-            self.node._on_joint(ARM2.joint_msg(start + t, np.full(4, 0.1 * t)), self.info(ros2.JOINT_TOPIC))
+            self.node._on_joint(ARM2.joint_msg(start + t, np.full(4, 0.1 * t)), self.info(JOINT_TOPIC))
             if t < steps:
                 action = ARM2.action_msg(start + t, np.array([0.5, 0.1, 0.5]))
-                self.node._on_action(action, self.info(ros2.ACTION_TOPIC))
+                self.node._on_action(action, self.info(ACTION_TOPIC))
         if end and not end_first:
             self.event(**end_event)
 
@@ -530,12 +540,12 @@ def test_a_stamp_far_ahead_then_an_episode_without_its_end_costs_only_those_two(
         bridge.episode(0, 1_000, 3)
         bridge.event(event="start", episode=1, seed=1, task="fold", instruction="fold", stamp=2_000)
         for t in range(4):
-            bridge.node._on_joint(ARM2.joint_msg(2_000 + t, np.full(4, 0.1)), bridge.info(ros2.JOINT_TOPIC))
+            bridge.node._on_joint(ARM2.joint_msg(2_000 + t, np.full(4, 0.1)), bridge.info(JOINT_TOPIC))
             if t == 0:  # one message from a node on another clock
-                bridge.node._on_joint(ARM2.joint_msg(far, np.full(4, 0.1)), bridge.info(ros2.JOINT_TOPIC))
+                bridge.node._on_joint(ARM2.joint_msg(far, np.full(4, 0.1)), bridge.info(JOINT_TOPIC))
             if t < 3:
                 bridge.node._on_action(ARM2.action_msg(2_000 + t, np.array([0.5, 0.1, 0.5])),
-                                       bridge.info(ros2.ACTION_TOPIC))
+                                       bridge.info(ACTION_TOPIC))
         bridge.event(event="end", episode=1, seed=1, task="fold", length=3, rewards=[0.0] * 3, success=False,
                      terminated=True, truncated=False, aborted=False, stamp=2_003, final=False)
         bridge.episode(2, 3_000, 3)
@@ -595,10 +605,10 @@ def test_data_arriving_before_the_first_start_event_is_no_clock_reset(tmp_path):
     bridge = LocalBridge(root)
     try:
         for t in range(4):
-            bridge.node._on_joint(ARM2.joint_msg(1_000 + t, np.full(4, 0.1 * t)), bridge.info(ros2.JOINT_TOPIC))
+            bridge.node._on_joint(ARM2.joint_msg(1_000 + t, np.full(4, 0.1 * t)), bridge.info(JOINT_TOPIC))
             if t < 3:
                 action = ARM2.action_msg(1_000 + t, np.array([0.5, 0.1, 0.5]))
-                bridge.node._on_action(action, bridge.info(ros2.ACTION_TOPIC))
+                bridge.node._on_action(action, bridge.info(ACTION_TOPIC))
         bridge.event(event="start", episode=0, seed=0, task="fold", instruction="fold", stamp=1_000)
         bridge.event(event="end", episode=0, seed=0, task="fold", length=3, rewards=[0.0] * 3, success=False,
                      terminated=True, truncated=False, stamp=1_003)
@@ -652,8 +662,8 @@ def test_unstamped_message_is_named_as_such(tmp_path):
     ("stamp 0 is not after 0"), and its good episodes are still recorded."""
     bridge = LocalBridge(str(tmp_path / "store"))
     try:
-        bridge.node._on_joint(ARM2.joint_msg(0, np.zeros(4)), bridge.info(ros2.JOINT_TOPIC))
-        bridge.node._on_action(ARM2.action_msg(0, np.zeros(3)), bridge.info(ros2.ACTION_TOPIC))
+        bridge.node._on_joint(ARM2.joint_msg(0, np.zeros(4)), bridge.info(JOINT_TOPIC))
+        bridge.node._on_action(ARM2.action_msg(0, np.zeros(3)), bridge.info(ACTION_TOPIC))
         bridge.episode(0, 1_000, 3)
     finally:
         status = bridge.close()
@@ -669,12 +679,12 @@ def test_one_stamp_far_ahead_costs_one_episode_not_the_topic(tmp_path):
     try:
         bridge.episode(0, 1_000, 3)
         bridge.event(event="start", episode=1, seed=1, task="fold", instruction="fold", stamp=2_000)
-        bridge.node._on_joint(ARM2.joint_msg(2_000, np.zeros(4)), bridge.info(ros2.JOINT_TOPIC))
-        bridge.node._on_joint(ARM2.joint_msg(1_700_000_000 * 10**9, np.zeros(4)), bridge.info(ros2.JOINT_TOPIC))
+        bridge.node._on_joint(ARM2.joint_msg(2_000, np.zeros(4)), bridge.info(JOINT_TOPIC))
+        bridge.node._on_joint(ARM2.joint_msg(1_700_000_000 * 10**9, np.zeros(4)), bridge.info(JOINT_TOPIC))
         for t in range(1, 4):  # the rest of episode 1
-            bridge.node._on_joint(ARM2.joint_msg(2_000 + t, np.zeros(4)), bridge.info(ros2.JOINT_TOPIC))
+            bridge.node._on_joint(ARM2.joint_msg(2_000 + t, np.zeros(4)), bridge.info(JOINT_TOPIC))
         for t in range(3):
-            bridge.node._on_action(ARM2.action_msg(2_000 + t, np.array([0.5, 0.1, 0.5])), bridge.info(ros2.ACTION_TOPIC))
+            bridge.node._on_action(ARM2.action_msg(2_000 + t, np.array([0.5, 0.1, 0.5])), bridge.info(ACTION_TOPIC))
         bridge.event(event="end", episode=1, seed=1, task="fold", length=3, rewards=[0.0] * 3, success=False,
                      terminated=True, truncated=False, stamp=2_003)
         bridge.episode(2, 3_000, 3)
@@ -696,10 +706,10 @@ def test_a_start_stamp_far_ahead_costs_its_episode_not_every_later_one(tmp_path)
         bridge.episode(0, 1_000, 3)
         bridge.event(event="start", episode=1, seed=1, task="fold", instruction="fold", stamp=1_700_000_000 * 10**9)
         for t in range(4):
-            bridge.node._on_joint(ARM2.joint_msg(2_000 + t, np.zeros(4)), bridge.info(ros2.JOINT_TOPIC))
+            bridge.node._on_joint(ARM2.joint_msg(2_000 + t, np.zeros(4)), bridge.info(JOINT_TOPIC))
             if t < 3:
                 bridge.node._on_action(ARM2.action_msg(2_000 + t, np.array([0.5, 0.1, 0.5])),
-                                       bridge.info(ros2.ACTION_TOPIC))
+                                       bridge.info(ACTION_TOPIC))
         bridge.event(event="end", episode=1, seed=1, task="fold", length=3, rewards=[0.0] * 3, success=False,
                      terminated=True, truncated=False, stamp=2_003)
         bridge.episode(2, 3_000, 3)
@@ -765,8 +775,8 @@ def test_a_repeated_stamp_never_replaces_recorded_data(tmp_path):
     bridge = LocalBridge(root)
     try:
         bridge.episode(0, 1_000, 3, end=False)
-        bridge.node._on_joint(ARM2.joint_msg(500, np.zeros(4)), bridge.info(ros2.JOINT_TOPIC))  # out of order
-        bridge.node._on_joint(ARM2.joint_msg(1_001, np.full(4, 9.0)), bridge.info(ros2.JOINT_TOPIC))  # repeated
+        bridge.node._on_joint(ARM2.joint_msg(500, np.zeros(4)), bridge.info(JOINT_TOPIC))  # out of order
+        bridge.node._on_joint(ARM2.joint_msg(1_001, np.full(4, 9.0)), bridge.info(JOINT_TOPIC))  # repeated
         bridge.event(event="end", episode=0, seed=0, task="fold", length=3, rewards=[0.0] * 3, success=False,
                      terminated=True, truncated=False, stamp=1_003)
         bridge.episode(1, 2_000, 3)
@@ -789,9 +799,9 @@ def test_a_float_event_stamp_is_refused_not_rounded(tmp_path, capfd):
         bridge.episode(1, 2_000, 3)
         bridge.event(event="start", episode=2, seed=2, task="fold", instruction="fold", stamp=3_000.0)
         for t in range(4):  # episode 2's data, then its end: never recorded, never an end_without_start
-            bridge.node._on_joint(ARM2.joint_msg(3_000 + t, np.zeros(4)), bridge.info(ros2.JOINT_TOPIC))
+            bridge.node._on_joint(ARM2.joint_msg(3_000 + t, np.zeros(4)), bridge.info(JOINT_TOPIC))
             if t < 3:
-                bridge.node._on_action(ARM2.action_msg(3_000 + t, np.zeros(3)), bridge.info(ros2.ACTION_TOPIC))
+                bridge.node._on_action(ARM2.action_msg(3_000 + t, np.zeros(3)), bridge.info(ACTION_TOPIC))
         bridge.event(event="end", episode=2, seed=2, task="fold", length=3, rewards=[0.0] * 3, success=False,
                      terminated=True, truncated=False, stamp=3_003)
         bridge.episode(3, 4_000, 3)
@@ -853,9 +863,9 @@ def test_an_end_event_sent_twice_before_its_data_is_recorded_once(tmp_path, capf
         bridge.event(**end)
         bridge.event(**end | {"length": second_length, "rewards": [0.0] * second_length})
         for t in range(4):
-            bridge.node._on_joint(ARM2.joint_msg(start + t, np.zeros(4)), bridge.info(ros2.JOINT_TOPIC))
+            bridge.node._on_joint(ARM2.joint_msg(start + t, np.zeros(4)), bridge.info(JOINT_TOPIC))
             if t < 3:
-                bridge.node._on_action(ARM2.action_msg(start + t, np.zeros(3)), bridge.info(ros2.ACTION_TOPIC))
+                bridge.node._on_action(ARM2.action_msg(start + t, np.zeros(3)), bridge.info(ACTION_TOPIC))
 
     try:
         episode(0, 1_000, 3)
@@ -905,7 +915,7 @@ def test_joint_states_naming_other_joints_are_recorded(tmp_path):
     names = ["wheel", "elbow", "gripper", "shoulder"]
 
     def joints(ns: int, t: int) -> JointState:
-        return ros2.joint_msg(ns, names, np.array([np.nan, 2.0 + t, 7.0, 1.0 + t]),
+        return joint_msg(ns, names, np.array([np.nan, 2.0 + t, 7.0, 1.0 + t]),
                               velocity=np.array([np.inf, 20.0, 7.0, 10.0]))
 
     np.testing.assert_array_equal(ARM2.parse_joints(joints(1, 0)), np.float32([1, 2, 10, 20]))
@@ -913,11 +923,11 @@ def test_joint_states_naming_other_joints_are_recorded(tmp_path):
                         (["elbow", "elbow", "gripper", "shoulder"], r"repeated \['elbow'\]")]:
         msg = joints(1, 0)
         msg.name = bad
-        with pytest.raises(ros2.MalformedMessage, match=reason) as e:
+        with pytest.raises(MalformedMessage, match=reason) as e:
             ARM2.parse_joints(msg)
         assert e.value.kind == "joint_names"
-    with pytest.raises(ros2.MalformedMessage, match=r"unknown \['gripper'\]"):
-        ARM2.parse_action(ros2.joint_msg(1, [*ARM2.action_names, "gripper"], np.array([0.5, 0.1, 0.5, 0.0])))
+    with pytest.raises(MalformedMessage, match=r"unknown \['gripper'\]"):
+        ARM2.parse_action(joint_msg(1, [*ARM2.action_names, "gripper"], np.array([0.5, 0.1, 0.5, 0.0])))
     data = yaml.safe_load(Path(ARM2_PATH).read_text())
     del data["joints"]["names"]  # nothing to select by: refused, not "record whatever arrives"
     with pytest.raises(ros2.RobotDescriptionError, match="missing joints.names"):
@@ -928,9 +938,9 @@ def test_joint_states_naming_other_joints_are_recorded(tmp_path):
     try:
         bridge.event(event="start", episode=0, seed=0, task="fold", instruction="fold", stamp=1_000)
         for t in range(4):
-            bridge.node._on_joint(joints(1_000 + t, t), bridge.info(ros2.JOINT_TOPIC))
+            bridge.node._on_joint(joints(1_000 + t, t), bridge.info(JOINT_TOPIC))
             if t < 3:
-                bridge.node._on_action(ARM2.action_msg(1_000 + t, np.zeros(3)), bridge.info(ros2.ACTION_TOPIC))
+                bridge.node._on_action(ARM2.action_msg(1_000 + t, np.zeros(3)), bridge.info(ACTION_TOPIC))
         bridge.event(event="end", episode=0, seed=0, task="fold", length=3, rewards=[0.0] * 3, success=False,
                      terminated=True, truncated=False, stamp=1_003)
     finally:
@@ -994,11 +1004,11 @@ def test_image_rows_may_be_padded():
     recorded, and an image whose data do not fill height * step is still refused."""
     image = np.arange(64 * 64 * 3, dtype=np.uint32).astype(np.uint8).reshape(64, 64, 3)
     padded = np.concatenate([image.reshape(64, 192), np.full((64, 64), 7, np.uint8)], axis=1)
-    msg = ros2.image_msg(1, image)
+    msg = image_msg(1, image)
     msg.step, msg.data = 256, padded.tobytes()
     np.testing.assert_array_equal(TABLETOP.parse_image(msg), image)
     msg.data = padded.tobytes()[:-1]
-    with pytest.raises(ros2.MalformedMessage, match="step 256"):
+    with pytest.raises(MalformedMessage, match="step 256"):
         TABLETOP.parse_image(msg)
 
 
@@ -1043,8 +1053,8 @@ def test_publisher_of_another_type_and_another_bridge_are_reported(tmp_path):
                signal_handler_options=SignalHandlerOptions.NO)
     robot = rclpy.create_node("robot", namespace="/robot", context=context)
     try:
-        robot.create_publisher(String, ros2.JOINT_TOPIC, ros2.topic_qos(10))
-        robot.create_publisher(String, ros2.STATUS_TOPIC, ros2.STATUS_QOS)  # as another bridge does
+        robot.create_publisher(String, JOINT_TOPIC, topic_qos(10))
+        robot.create_publisher(String, STATUS_TOPIC, STATUS_QOS)  # as another bridge does
         deadline = time.monotonic() + DEADLINE_S
         while not (bridge.node.wrong_type and bridge.node.other_bridges) and time.monotonic() < deadline:
             bridge.node._check_graph()
@@ -1054,7 +1064,7 @@ def test_publisher_of_another_type_and_another_bridge_are_reported(tmp_path):
         robot.destroy_node()
         context.try_shutdown()
         bridge.close()
-    assert status["wrong_type"] == {ros2.JOINT_TOPIC: ["std_msgs/msg/String"]} and status["other_bridges"] == 1
+    assert status["wrong_type"] == {JOINT_TOPIC: ["std_msgs/msg/String"]} and status["other_bridges"] == 1
 
 
 def test_episodes_queued_behind_the_bridges_backlog_are_not_timed_out(tmp_path):
@@ -1070,10 +1080,10 @@ def test_episodes_queued_behind_the_bridges_backlog_are_not_timed_out(tmp_path):
             bridge.event(event="start", episode=i, seed=i, task="fold", instruction="fold", stamp=start)
         for i, start in enumerate(starts):
             for t in range(21):
-                bridge.node._on_joint(ARM2.joint_msg(start + t, np.full(4, 0.1 * t)), bridge.info(ros2.JOINT_TOPIC))
+                bridge.node._on_joint(ARM2.joint_msg(start + t, np.full(4, 0.1 * t)), bridge.info(JOINT_TOPIC))
                 if t < 20:
                     bridge.node._on_action(ARM2.action_msg(start + t, np.array([0.5, 0.1, 0.5])),
-                                           bridge.info(ros2.ACTION_TOPIC))
+                                           bridge.info(ACTION_TOPIC))
                 if t % 5 == 0:  # a slow bridge: more than `timeout` passes while the later episodes wait,
                     bridge.node.tick()  # ticking right after a message: on a loaded machine a sleep before
                     time.sleep(0.02)  # the tick can outlast `timeout` and read as a robot gone silent
@@ -1099,6 +1109,7 @@ def test_an_episode_the_robot_left_times_out_on_the_robots_clock(tmp_path):
     assert (status["committed"], status["discarded"]) == (1, {"timeout": 1})
 
 
+@pytest.mark.slow
 def test_a_paused_bridge_records_a_whole_burst_of_long_episodes(tmp_path):
     """The documented burst end to end, under the case an earlier run lost half of: a robot whose
     description says ``max_steps: 2000``, a bridge with ``burst_episodes=4`` and a 5 s timeout,
@@ -1122,7 +1133,7 @@ def test_a_paused_bridge_records_a_whole_burst_of_long_episodes(tmp_path):
     }
     bridge = procs["bridge"][0]
     try:
-        stop_bridge_once_matched(injector, bridge, (ros2.JOINT_TOPIC, ros2.EPISODE_TOPIC))
+        stop_bridge_once_matched(injector, bridge, (JOINT_TOPIC, EPISODE_TOPIC))
         paused = time.monotonic()
         injector.spin_until(lambda: episodes - 1 in injector.ended(), "the last episode to end")
         sent = time.monotonic() - paused

@@ -28,9 +28,11 @@ from sensor_msgs.msg import Image, JointState  # noqa: E402
 from std_msgs.msg import String  # noqa: E402
 from test_ros2_bridge import DEADLINE_S, fresh_domain, kill_all, read_status, spawn, wait_exit  # noqa: E402
 
-from robo_post.fleet import ros2  # noqa: E402
+from robo_post.fleet.ros2_settings import topic_qos  # noqa: E402
 from robo_post.fleet.rosbag import MSG_TYPES, TYPESTORE, BagImportConfig, import_rosbag  # noqa: E402
 from robo_post.store import Store  # noqa: E402
+
+pytestmark = pytest.mark.ros2
 
 MSG_CLASSES = {"sensor_msgs/msg/JointState": JointState, "sensor_msgs/msg/Image": Image, "std_msgs/msg/String": String}
 STORAGES = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
@@ -45,7 +47,7 @@ class BagRecorder:
         self.context = Context()
         rclpy.init(context=self.context, domain_id=domain_id, signal_handler_options=SignalHandlerOptions.NO)
         self.node = rclpy.create_node("bag_recorder", namespace=namespace, context=self.context)
-        qos = ros2.topic_qos(100_000)  # never the reason a message is missing
+        qos = topic_qos(100_000)  # never the reason a message is missing
         self.subs = {topic: self.node.create_subscription(MSG_CLASSES[msgtype], topic, self._callback(topic), qos,
                                                           raw=True)
                      for topic, msgtype in MSG_TYPES.items()}
@@ -128,6 +130,7 @@ def assert_same_episodes(live_root: str, live_client: str, bag_root: str, bag_cl
             k: v for k, v in y.attrs.items() if k not in provenance}
 
 
+@pytest.mark.slow
 def test_a_bag_of_the_run_imports_as_the_live_bridge_recorded_it(tmp_path):
     """Episode 1's first joint message lacks a joint and its last is NaN: the bridge discards it as
     malformed, and so must each import; episodes 0 and 2 (camera images included) match exactly."""

@@ -13,6 +13,8 @@ from robo_post.store import PolicyRegistry, Store
 from robo_post.store.writer import lock_shard
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_run_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     overrides = [
@@ -57,6 +59,7 @@ def test_run_end_to_end(tmp_path):
     assert "v3" in report and os.path.getsize(run_dir / "report" / "success_rates.png") > 0
 
 
+@pytest.mark.fleet
 def test_run_recipes():
     """`robo-post run` runs the interventions recipe unless told ``recipe=none``; overrides still win."""
     cfg = compose("run", [])
@@ -69,6 +72,7 @@ def test_run_recipes():
     assert (tuned.preset.deploy_episodes, tuned.fleet.overseer.deadline) == (40, 0.3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, error", [
     (["env=Pendulum-v1"], "NoExpertError: robo-post run records scripted demonstrations; env 'Pendulum-v1' has no "
                           "scripted expert"),
@@ -93,6 +97,7 @@ def test_run_refuses_an_env_its_stages_cannot_run_in_before_any_stage(tmp_path, 
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_collect_refuses_an_expert_mode_the_env_lacks(tmp_path):
     """Every client crashed on the mode, restarted and crashed again before the fleet gave up."""
     store = tmp_path / "store"
@@ -104,6 +109,7 @@ def test_collect_refuses_an_expert_mode_the_env_lacks(tmp_path):
     assert not store.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, error", [
     (["seed=-1"], "CollectSettingsError: seed=-1: seeds must be >= 0"),
     (["policy=sb3"], "CollectSettingsError: policy=sb3 needs policy.path=AGENT.zip (the zip SB3's save wrote)"),
@@ -139,6 +145,7 @@ def test_a_recipes_free_form_training_settings_are_taken_and_unknown_ones_refuse
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_a_run_dir_reused_with_other_settings_is_refused(tmp_path):
     """A rerun skipped the finished BC stage (v1 kept its 10 updates) while config.yaml recorded the new 20."""
     run_dir = tmp_path / "run"
@@ -166,6 +173,7 @@ def test_a_run_dir_reused_with_other_settings_is_refused(tmp_path):
         "or use a new run_dir")
 
 
+@pytest.mark.slow
 def test_a_second_collect_into_shards_in_use_is_refused(tmp_path):
     """It exited 0 reporting its episodes done while recording none: its clients found the shards
     locked and the first collect's status files reporting its own target."""

@@ -48,6 +48,7 @@ def test_names_resolve_and_bad_settings_are_typed_errors():
         SpatialConv(gym.spaces.Dict({"x": gym.spaces.Box(0, 1, (4,))}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("privileged", [True, False])
 def test_drest_agent_with_spatial_conv_publishes_a_plain_policy_that_acts_the_same(privileged):
     config = DReSTConfig(schedule="constant",
@@ -74,6 +75,7 @@ def test_drest_agent_with_spatial_conv_publishes_a_plain_policy_that_acts_the_sa
     assert np.isfinite(agent.evaluate()["train/usefulness"])
 
 
+@pytest.mark.slow
 def test_cli_trains_checkpoints_and_publishes_an_agent_with_a_shared_conv_extractor(tmp_path):
     from safetensors.torch import load_file
 

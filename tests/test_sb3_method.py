@@ -14,7 +14,7 @@ from robo_post.algos.sb3_agent import SB3Agent, SB3AgentConfig
 from robo_post.config import compose
 from robo_post.envs.registry import UnsupportedSpaceError
 from robo_post.fleet.policies import build_policy
-from robo_post.learner.drivers import RunResumeError
+from robo_post.learner.runs import RunResumeError
 from robo_post.learner.train import train
 from robo_post.store import PolicyRegistry, Store, StoreError
 from robo_post.store.schema import StoreSchema
@@ -27,6 +27,8 @@ def _cli(*args: str) -> str:
     return run_cli(*args).stdout
 
 
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_sb3_agent_trains_publishes_and_is_collected_with_discrete_actions(tmp_path):
     store, run_dir = str(tmp_path / "store"), str(tmp_path / "ppo")
     _cli("train", "algo=sb3", "algo.env=CartPole-v1", "algo.timesteps=512", "+algo.hyperparameters.n_steps=128",
@@ -96,6 +98,7 @@ def test_sb3_agent_trains_publishes_and_is_collected_with_discrete_actions(tmp_p
         assert data["action"].tolist() == greedy
 
 
+@pytest.mark.slow
 def test_a_finished_run_past_its_budget_publishes_again_under_other_settings(tmp_path):
     """PPO stops at the end of a rollout, past a budget that is no multiple of it (512 of 500):
     rerun with another acting setting it publishes its weights again; a smaller budget is refused."""
@@ -108,6 +111,7 @@ def test_a_finished_run_past_its_budget_publishes_again_under_other_settings(tmp
     assert r.returncode != 0 and "has already trained timesteps 512, more than algo.timesteps=256" in r.stderr
 
 
+@pytest.mark.slow
 def test_an_sb3_run_killed_after_publishing_does_not_publish_again(tmp_path):
     store, run_dir = str(tmp_path / "store"), str(tmp_path / "ppo")
     args = ["train", "algo=sb3", "algo.env=CartPole-v1", "algo.timesteps=128", "+algo.hyperparameters.n_steps=128",
@@ -225,7 +229,7 @@ def test_an_image_too_small_for_sb3s_cnn_is_refused_naming_it():
 def test_the_agent_trains_in_the_env_the_store_was_recorded_in_with_its_kwargs(tmp_path):
     """Eval and the fleet rebuild a store's env with the kwargs its episodes recorded; the agent
     trained at the env's defaults (Pendulum's g=10 for data recorded at g=5)."""
-    from robo_post.learner.drivers import _open_or_create_store
+    from robo_post.learner.sb3_driver import _open_or_create_store
 
     pendulum = gym.make("Pendulum-v1")
     schema = StoreSchema.from_spaces(pendulum.observation_space, pendulum.action_space, env="Pendulum-v1")
@@ -241,6 +245,7 @@ def test_the_agent_trains_in_the_env_the_store_was_recorded_in_with_its_kwargs(t
     assert given.env_kwargs == {"g": 9.0}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo, args, rollout", [
     ("sb3", ["algo.env=CartPole-v1", "algo.timesteps=100", "algo.n_envs=2", "+algo.hyperparameters.n_steps=64"], "2 x n_steps=64 = 128"),
     ("drest", ["algo.timesteps=256", "algo.E=2"], "32 x n_steps=64 = 2048")])
@@ -256,6 +261,7 @@ def test_a_budget_below_one_on_policy_rollout_is_refused_before_training(tmp_pat
     assert not os.path.exists(tmp_path / "store")  # the store created for it is removed again
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo, args, said", [
     ("sb3", ["algo.env=CartPole-v1", "algo.agent=SAC"], "SB3SettingsError: stable-baselines3 SAC refuses env "
                                                         "'CartPole-v1' with algo.hyperparameters={}: The algorithm "

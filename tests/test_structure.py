@@ -54,6 +54,7 @@ def _lint(staged: str, *contracts: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "COLUMNS": "200"})  # no wrapped lines to match against
 
 
+@pytest.mark.slow
 def test_import_contracts_are_kept(tmp_path):
     with open(PYPROJECT, "rb") as f:
         contracts = tomllib.load(f)["tool"]["importlinter"]["contracts"]
@@ -62,6 +63,7 @@ def test_import_contracts_are_kept(tmp_path):
     assert f"Contracts: {len(contracts)} kept, 0 broken." in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("contract, module, planted, broken", [
     # the two package cycles the layers removed, back
     ("layers", "robo_post/models/gaussian.py", "from robo_post.steering.poe import compose",

@@ -207,17 +207,13 @@ def evaluate(
     if version:
         check_observations(Store.open(policy_store).schema, schema, env_cfg, policy_config)
     store = Store.create(out_store, schema, exist_ok=True)
-
-    # Client i runs k_i episodes of every task (tasks cycle episode by episode), so
-    # each task gets exactly episodes_per_task episodes and the work is balanced.
-    per_client = [episodes_per_task // n_clients + (i < episodes_per_task % n_clients) for i in range(n_clients)]
     configs = [
         ClientConfig(
             store=store.root, client_id=f"eval-{tag}-c{i}", episodes=k * len(tasks), env=env_cfg, tasks=tasks,
             policy=baseline, follow_registry=False, seed=seed, seed_key=f"eval-c{i}",  # same layouts for every version
             policy_store=policy_store if version else None, policy_version=version, role="eval", device=device,
         )
-        for i, k in enumerate(per_client)
+        for i, k in enumerate(_episodes_per_client(episodes_per_task, n_clients))
         if k > 0
     ]
     t0 = time.perf_counter()
@@ -228,14 +224,7 @@ def evaluate(
 
     snap = store.snapshot()
     episodes = [e for c in configs for e in snap.episodes(client=c.client_id)[: c.episodes]]
-    success_rule = spec.success_rule
-    if any(e.success is None for e in episodes):  # the env says nothing: judge as the data was judged
-        from robo_post.store.minari_io import imported_rule, stored_success
-
-        if (rule := imported_rule(Store.open(policy_store).snapshot().episodes())) is not None:
-            episodes = [e if e.success is not None else dataclasses.replace(e, success=stored_success(rule, e))
-                        for e in episodes]
-            success_rule = f"{rule}: the rule the policy store's episodes were imported with (the env defines none)"
+    episodes, success_rule = _judged(episodes, spec, policy_store)
     limit = _step_limit(env_cfg, episodes)
     bounds = {**spec.bounds, "length": (0, limit)} if limit is not None else spec.bounds
     result = _summarise(episodes, tasks, spec.metric_ids, bounds)
@@ -250,6 +239,27 @@ def evaluate(
         results_path=os.path.join(store.root, RESULTS_DIR, f"{tag}.json"),
     )
     return _save_result(result)
+
+
+def _episodes_per_client(episodes_per_task: int, n_clients: int) -> list[int]:
+    """Client i runs k_i episodes of every task (tasks cycle episode by episode), so each task
+    gets exactly ``episodes_per_task`` episodes and the work is balanced."""
+    return [episodes_per_task // n_clients + (i < episodes_per_task % n_clients) for i in range(n_clients)]
+
+
+def _judged(episodes: list[EpisodeInfo], spec: EnvSpec, policy_store: str) -> tuple[list[EpisodeInfo], str]:
+    """(``episodes`` with a success label where the env gives none, the rule they are judged by):
+    the env's success rule; where it says nothing, the rule the policy store's episodes were
+    imported with (a dataset's own success), so eval judges as the data was judged."""
+    if all(e.success is not None for e in episodes):
+        return episodes, spec.success_rule
+    from robo_post.store.minari_io import imported_rule, stored_success
+
+    rule = imported_rule(Store.open(policy_store).snapshot().episodes())
+    if rule is None:
+        return episodes, spec.success_rule
+    return ([e if e.success is not None else dataclasses.replace(e, success=stored_success(rule, e)) for e in episodes],
+            f"{rule}: the rule the policy store's episodes were imported with (the env defines none)")
 
 
 def _save_result(result: dict[str, Any]) -> dict[str, Any]:

@@ -56,8 +56,10 @@ from robo_post.envs.registry import env_spec
 from robo_post.eval.rollout import check_observations
 from robo_post.fleet.client import ClientConfig, recorded_env_kwargs, store_schema
 from robo_post.learner.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
-from robo_post.learner.drivers import begin_run, check_resume, finished_run, publish_once, select_episodes
+from robo_post.learner.data import select_episodes
 from robo_post.learner.loop import truncate_log
+from robo_post.learner.publish import publish_once
+from robo_post.learner.runs import begin_run, check_resume, finished_run
 from robo_post.models.candidate_policy import CandidatePolicy, CandidatePolicyConfig
 from robo_post.models.features import infer_features, state_keys
 from robo_post.models.proposal_policy import ProposalPolicy, ProposalPolicyConfig
@@ -410,6 +412,69 @@ def _published_acting(registry: PolicyRegistry, run_dir: str, iteration: int) ->
     return latest if ours else None
 
 
+def _check_pretraining_env(where: str, schema: StoreSchema, config: CraftConfig, env: str, scene: dict) -> None:
+    """Pretraining learns from the store's episodes: the store must have been recorded in ``env``
+    (a store that names none is taken as is), and the fleet's env must observe and act as they did."""
+    recorded_in = schema.attrs.get("env")
+    if recorded_in is None:
+        return
+    if env_spec(env).key != recorded_in:
+        raise CraftDataError(f"store {where} was recorded in env {recorded_in!r}, and CRAFT pretrains on its "
+                             f"episodes to act in algo.env={config.env!r}: leave algo.env unset, or use a store "
+                             "recorded in that env")
+    check_observations(schema, store_schema({"name": env, **scene}, None), {"name": env_spec(env).key, **scene}, {},
+                       hint="give algo.env_kwargs the kwargs they were collected with")
+
+
+def _acting_version(method: Any, config: CraftConfig, registry: PolicyRegistry, online: Store, run_dir: str,
+                    parent: int, iteration: int, seed: int) -> int:
+    """The version the fleet samples from in ``iteration``: the one a killed run already published
+    for it, else the student published now (sampling; vetoed first with ``algo.veto_acting``)."""
+    acting = _published_acting(registry, run_dir, iteration)
+    if acting is not None:
+        return acting
+    policy, veto = method.policy, {}
+    if config.veto_acting and iteration > 0:  # so the run records the states the vetoed policy visits
+        policy = copy.deepcopy(method.policy)
+        veto = veto_fit(policy, config, online.snapshot(), registry, run_dir, seed + iteration)
+    return registry.publish(*method.artifact(
+        policy=policy, phase="online", iteration=iteration, parent_version=parent, deterministic=False,
+        env_extras=True, explore_eps=config.explore_eps, explore_margin=config.explore_margin,
+        run_dir=os.path.abspath(run_dir), **veto))
+
+
+def _collect_iteration(config: CraftConfig, online: Store, registry: PolicyRegistry, policy_store: str, version: int,
+                       iteration: int, env: str, env_kwargs: dict[str, Any], tasks: list[str], seed: int,
+                       show: bool) -> None:
+    """Run the fleet's clients on ``version`` (of ``registry``, the one of ``policy_store``) until the
+    online store holds exactly ``algo.episodes_per_iteration`` episodes of it (a resumed iteration
+    records only the rest)."""
+    from robo_post.fleet.launcher import LocalLauncher, raise_unfinished
+
+    share, extra = divmod(config.episodes_per_iteration, config.n_clients)  # exactly the episodes asked for
+    configs = [ClientConfig(store=online.root, client_id=f"{CLIENT_PREFIX}-{j}", episodes=0,
+                            env={"name": env, **env_kwargs},
+                            tasks=tasks, policy={"kind": "random"}, follow_registry=False,
+                            seed=seed + 1000 * (iteration + 1),
+                            policy_store=policy_store, policy_version=version, role="online")
+               for j in range(config.n_clients)]
+    for j, c in enumerate(configs):  # resume: count what this version already recorded
+        done = sum(e.policy_version == version for e in of_registry(online.shard_episodes(c.client_id), registry))
+        c.episodes = len(online.shard_episodes(c.client_id)) + max(share + (j < extra) - done, 0)
+    statuses = LocalLauncher(configs).run(show=show)
+    raise_unfinished(statuses, "craft clients", online.root)
+
+
+def _episode_metrics(episodes: list[EpisodeInfo], lengths: Any, extras: dict[str, Any],
+                     adv_eps: float) -> dict[str, Any]:
+    """An iteration's episodes in a metrics row: count, steps, mean return, collision rate,
+    mean speed, and how well the env's proxy scores rank candidates as its oracle does."""
+    return {"episodes": len(episodes), "steps": int(sum(lengths)), "episode_return": float(np.mean([e.ret for e in episodes])),
+            "collision": float(np.mean([bool((e.attrs.get("metrics") or {}).get("collision")) for e in episodes])),
+            "mean_speed": float(np.mean([(e.attrs.get("metrics") or {}).get("mean_speed", np.nan) for e in episodes])),
+            "proxy_oracle_corr": proxy_oracle_correlation(extras, adv_eps)}
+
+
 def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
     """`robo-post train algo=craft`: pretraining, on-policy iterations through the fleet, a greedy final version."""
     with contextlib.ExitStack() as held:  # the online store's client ids, from before pretraining publishes
@@ -418,7 +483,6 @@ def craft(cfg: DictConfig, spec: MethodSpec) -> dict[str, Any]:
 
 def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dict[str, Any]:
     from robo_post.fleet.collect import lock_client_ids
-    from robo_post.fleet.launcher import LocalLauncher, raise_unfinished
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.torch_threads)
@@ -442,16 +506,8 @@ def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dic
     scene = (recorded_env_kwargs(store.root, env_spec(env)) or {}) | dict(config.env_kwargs)
     env_kwargs = scene | ({"oracle": True} if config.oracle else {})
     tasks: list[str] = []
-    recorded_in = store.schema.attrs.get("env")
-    if config.reference_version is None and recorded_in is not None and env_spec(env).key != recorded_in:
-        raise CraftDataError(f"store {cfg.store} was recorded in env {recorded_in!r}, and CRAFT pretrains on its "
-                             f"episodes to act in algo.env={config.env!r}: leave algo.env unset, or use a store "
-                             "recorded in that env")
-    if config.reference_version is None and env_spec(env).key == recorded_in:
-        # pretraining learns from the store's episodes: the fleet's env must observe and act as they did
-        check_observations(store.schema, store_schema({"name": env, **scene}, None),
-                           {"name": env_spec(env).key, **scene}, {},
-                           hint="give algo.env_kwargs the kwargs they were collected with")
+    if config.reference_version is None:
+        _check_pretraining_env(cfg.store, store.schema, config, env, scene)
     if kind == "candidate":
         vocabulary = _vocabulary(env)
         k, candidate_shape = len(vocabulary), None
@@ -514,30 +570,11 @@ def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dic
     while state["iteration"] < config.iterations:
         i = state["iteration"]
         if "acting_version" not in state:  # the version the fleet samples from in this iteration
-            acting = _published_acting(registry, run_dir, i)
-            if acting is None:
-                policy, veto = method.policy, {}
-                if config.veto_acting and i > 0:  # so the run records the states the vetoed policy visits
-                    policy = copy.deepcopy(method.policy)
-                    veto = veto_fit(policy, config, online.snapshot(), registry, run_dir, cfg.seed + i)
-                acting = registry.publish(*method.artifact(
-                    policy=policy, phase="online", iteration=i, parent_version=parent, deterministic=False,
-                    env_extras=True, explore_eps=config.explore_eps, explore_margin=config.explore_margin,
-                    run_dir=os.path.abspath(run_dir), **veto))
-            state["acting_version"] = acting
+            state["acting_version"] = _acting_version(method, config, registry, online, run_dir, parent, i, cfg.seed)
             write_json_atomic(state_path, state)
         version = state["acting_version"]
-        share, extra = divmod(config.episodes_per_iteration, config.n_clients)  # exactly the episodes asked for
-        configs = [ClientConfig(store=online.root, client_id=f"{CLIENT_PREFIX}-{j}", episodes=0, env={"name": env, **env_kwargs},
-                                tasks=tasks, policy={"kind": "random"}, follow_registry=False,
-                                seed=cfg.seed + 1000 * (i + 1),
-                                policy_store=store.root, policy_version=version, role="online")
-                   for j in range(config.n_clients)]
-        for j, c in enumerate(configs):  # resume: count what this version already recorded
-            done = sum(e.policy_version == version for e in of_registry(online.shard_episodes(c.client_id), registry))
-            c.episodes = len(online.shard_episodes(c.client_id)) + max(share + (j < extra) - done, 0)
-        statuses = LocalLauncher(configs).run(show=cfg.show)
-        raise_unfinished(statuses, "craft clients", online.root)
+        _collect_iteration(config, online, registry, store.root, version, i, env, env_kwargs, tasks, cfg.seed,
+                           cfg.show)
         snap = online.snapshot()
         episodes = of_registry(snap.episodes(policy_version=version), registry)
         obs, _, extras, lengths = load_episodes(snap, episodes)
@@ -548,11 +585,8 @@ def _craft(cfg: DictConfig, spec: MethodSpec, held: contextlib.ExitStack) -> dic
             baseline_stats["guard_critical"] = guard.pop("critical")
         metrics = {k: float(v) for k, v in method.fit(batch, torch.Generator().manual_seed(cfg.seed + i)).items()}
         state["updates"] = state.get("updates", 0) + int(metrics.pop("updates"))
-        row = {"update": state["updates"], "iteration": i + 1, "version": version, "time": time.time(), "episodes": len(episodes),
-               "steps": int(sum(lengths)), "episode_return": float(np.mean([e.ret for e in episodes])),
-               "collision": float(np.mean([bool((e.attrs.get("metrics") or {}).get("collision")) for e in episodes])),
-               "mean_speed": float(np.mean([(e.attrs.get("metrics") or {}).get("mean_speed", np.nan) for e in episodes])),
-               "proxy_oracle_corr": proxy_oracle_correlation(extras, config.adv_eps), **metrics, **baseline_stats}
+        row = {"update": state["updates"], "iteration": i + 1, "version": version, "time": time.time(),
+               **_episode_metrics(episodes, lengths, extras, config.adv_eps), **metrics, **baseline_stats}
         with open(log_path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if cfg.show:

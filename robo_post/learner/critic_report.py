@@ -11,10 +11,14 @@ Three readings, each on episodes the method did not train on when the run held s
 - **drift**: how far the trained policy's chunks moved from its starting (reference)
   policy's on the same states and the same noise, as an RMS in normalised action units
   (actions span [-1, 1]); near 0 means the critic did not move the policy.
+
+Two warnings read the training's own metrics rows: a critic still moving at the end of its
+budget (``critic_trend``) and a categorical value piled up at its support's edges.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -24,6 +28,13 @@ from scipy.stats import spearmanr
 from robo_post.store import EpisodeInfo, Snapshot, WindowSampler
 
 BATCH = 512
+# End-atom probability mass above which the value support is reported as too narrow.
+EDGE_MASS_WARN = 0.25
+# A critic whose mean Q still moves by more than this share of the data's return span over
+# the last quarter of its updates (or whose TD loss grows by more than TD_RISE_WARN) has not
+# converged: its actor followed a moving target.
+Q_DRIFT_WARN = 0.05
+TD_RISE_WARN = 0.2
 
 
 def held_out(episodes: list[EpisodeInfo], share: float, seed: int) -> list[EpisodeInfo]:
@@ -92,3 +103,41 @@ def describe(d: dict[str, Any]) -> str:
     return (f"critic on {where}: Q of the data's chunks {d['q_mean']:.3g} vs their discounted return "
             f"{d['return_mean']:.3g}; Spearman {rho(d['spearman_steps'])} over steps, {rho(d['spearman_episodes'])} "
             f"over episode starts; policy drift from its start {d['drift_rms']:.3f} (RMS, actions in [-1, 1])")
+
+
+def warn_value_edges(logged: list[dict[str, float]], value_range_: tuple[float, float]) -> None:
+    """Say so when a categorical value piles up at its support's edges (support too narrow)."""
+    if logged and logged[-1].get("edge_mass", 0.0) > EDGE_MASS_WARN:
+        print(f"warning: {logged[-1]['edge_mass']:.0%} of the value distribution sits on the support's end atoms "
+              f"[{value_range_[0]:.3g}, {value_range_[1]:.3g}]; widen it with +algo.value.v_min=... +algo.value.v_max=...",
+              file=sys.stderr)
+
+
+def critic_trend(logged: list[dict[str, float]], return_span: float) -> dict[str, Any] | None:
+    """How the critic moved over the last quarter of the logged windows: mean Q's change
+    (least-squares line, in return units and as a share of the data's return span) and the TD
+    loss at that quarter's start and end; ``converged`` is False when Q still drifts by more
+    than ``Q_DRIFT_WARN`` of the span or the TD loss grows by more than ``TD_RISE_WARN``.
+    None for a method without a critic or fewer than 8 windows."""
+    rows = [r for r in logged if "q_mean" in r and "loss_q" in r]
+    if len(rows) < 8:
+        return None
+    tail = rows[-max(4, len(rows) // 4):]
+    u = np.array([r["update"] for r in tail], dtype=float)
+    q_change = float(np.polyfit(u, [r["q_mean"] for r in tail], 1)[0] * (u[-1] - u[0]))
+    td_start, td_end = (float(np.mean([r["loss_q"] for r in part])) for part in (tail[:2], tail[-2:]))
+    share = abs(q_change) / max(return_span, 1e-6)
+    converged = share <= Q_DRIFT_WARN and td_end <= (1 + TD_RISE_WARN) * td_start
+    return {"updates": [int(u[0]), int(u[-1])], "q_change": q_change, "q_change_share_of_span": share,
+            "td_loss_start": td_start, "td_loss_end": td_end, "converged": bool(converged)}
+
+
+def warn_unconverged(trend: dict[str, Any] | None) -> None:
+    """Say so when the critic has not converged at the end of the budget (``critic_trend``)."""
+    if trend is None or trend["converged"]:
+        return
+    a, b = trend["updates"]
+    print(f"warning: the critic has not converged: over updates {a}-{b} its mean Q moved by {trend['q_change']:+.3g} "
+          f"({trend['q_change_share_of_span']:.0%} of the data's return span) and its TD loss went from "
+          f"{trend['td_loss_start']:.3g} to {trend['td_loss_end']:.3g}; the actor followed a moving target. More "
+          "updates (a larger `updates=`, which resumes this run_dir) let it settle", file=sys.stderr)

@@ -6,7 +6,7 @@ The loop is method-agnostic: a method exposes ``modules``, ``optimizers`` and
 it back) and to the experiment trackers
 (``robo_post.learner.tracking``: TensorBoard in ``RUN/tensorboard/`` by default),
 saves ``RUN/run_metadata.json``, checkpoints to ``RUN/checkpoint`` (resume continues
-bit-for-bit) and shows progress; drivers (``robo_post.learner.drivers``) publish.
+bit-for-bit) and shows progress; drivers (``robo_post.learner.train.DRIVERS``) publish.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from robo_post.algos.registry import MethodSpec, method_spec
 from robo_post.learner import craft_driver
-from robo_post.learner.drivers import off_policy, run_lock, sb3
+from robo_post.learner.drivers import off_policy
+from robo_post.learner.runs import run_lock
+from robo_post.learner.sb3_driver import sb3
 from robo_post.store.integrity import warn_lost_shards
 from robo_post.store.registry import PolicyRegistry
 

@@ -23,12 +23,13 @@ from omegaconf import DictConfig, OmegaConf
 from robo_post.algos.divl import DIVL
 from robo_post.algos.registry import method_spec
 from robo_post.config import compose
-from robo_post.learner.drivers import (add_imitation, imitation_sampler, load_reference, measure, off_policy,
-                                       warn_value_edges)
+from robo_post.learner.critic_report import warn_value_edges
+from robo_post.learner.data import add_imitation, imitation_sampler, load_reference, measure
+from robo_post.learner.drivers import off_policy
 from robo_post.learner.loop import train_loop
 from robo_post.learner.value_report import write_value_report
-from robo_post.store import (EpisodeInfo, FreshPERConfig, MixedSampler, PolicyRegistry, PrioritizedSampler, Store,
-                             WindowSampler)
+from robo_post.store import (EpisodeInfo, FreshPERConfig, MixedSampler, PolicyRegistry, PrioritizedSampler, Snapshot,
+                             Store, WindowSampler)
 from robo_post.utils.device import resolve_device
 from robo_post.utils.io import write_json_atomic
 
@@ -93,19 +94,14 @@ def online(store_root: str, run_dir: str, cfg: DictConfig, offline_snapshot: str
     algo = spec.build(config, measure(store.schema, offline_sampler, None, cfg.gamma, reference), device, reference)
     algo.set_stage("online")
     start, total = cfg.offline.updates, cfg.offline.updates + on.updates
-    replay = None  # FreshPER over the online windows: |TD| priorities decaying with age
-    if on.replay.enabled:
-        replay_cfg = FreshPERConfig(**{k: v for k, v in on.replay.items() if k != "enabled"})
-        replay = PrioritizedSampler(online_sampler, replay_cfg, seed=cfg.seed + 2)
+    replay = _replay(on.replay, online_sampler, cfg.seed + 2)
     mixed = MixedSampler(offline_sampler, online_sampler if replay is None else replay, on.online_fraction)
     imitation = imitation_sampler(config, algo, [offline_sampler, online_sampler], cfg.seed + 3)
     state: dict[str, Any] = {"seen": base, "polled": 0.0, "drained": False, "batch": None}
 
     def ingest() -> None:
         snap = store.snapshot()
-        latest = registry.latest()
-        new = [e for e in snap.new_since(state["seen"]) if e.client_id.startswith(on.client_prefix)
-               and (on.max_staleness is None or latest - e.policy_version <= on.max_staleness)]
+        new = _fleet_episodes(snap, state["seen"], on.client_prefix, registry.latest(), on.max_staleness)
         state["seen"], state["polled"] = snap, time.monotonic()
         if not new:
             return
@@ -157,6 +153,23 @@ def online(store_root: str, run_dir: str, cfg: DictConfig, offline_snapshot: str
                "wall_s": time.perf_counter() - t0, "final": logged[-1] if logged else {}}
     _write_json(os.path.join(run_dir, "online.json"), summary)
     return summary
+
+
+def _replay(settings: DictConfig, online_sampler: WindowSampler, seed: int) -> PrioritizedSampler | None:
+    """FreshPER over the online windows (|TD| priorities decaying with age) when
+    ``online.replay.enabled``; None samples them uniformly."""
+    if not settings.enabled:
+        return None
+    config = FreshPERConfig(**{k: v for k, v in settings.items() if k != "enabled"})
+    return PrioritizedSampler(online_sampler, config, seed=seed)
+
+
+def _fleet_episodes(snap: Snapshot, seen: Snapshot, client_prefix: str, latest: int | None,
+                    max_staleness: int | None) -> list[EpisodeInfo]:
+    """The episodes ``snap`` holds beyond ``seen`` that the online fleet (clients ``client_prefix*``)
+    recorded, each with a policy at most ``max_staleness`` versions older than ``latest`` when set."""
+    return [e for e in snap.new_since(seen) if e.client_id.startswith(client_prefix)
+            and (max_staleness is None or latest - e.policy_version <= max_staleness)]
 
 
 def _stored_at(run_dir: str, episodes: list[EpisodeInfo], step: int) -> np.ndarray:

@@ -26,7 +26,7 @@ from robo_post.envs.registry import env_spec, spec_for_env
 from robo_post.fleet.client import make_env, store_schema
 from robo_post.fleet.collect import client_configs, env_config, make_launcher
 from robo_post.fleet.launcher import raise_unfinished
-from robo_post.learner.drivers import publish_once
+from robo_post.learner.publish import publish_once
 from robo_post.models.gaussian import Gaussian
 from robo_post.steering.auto import select_alpha_auto
 from robo_post.steering.bandit import bandit_arms, halving_plan, select_alpha_bandit
