@@ -507,15 +507,10 @@ def local_s3():
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-    from s3_server import S3Server, restore_env, set_env
+    from s3_server import running
 
-    server = S3Server()
-    old = set_env(server.env)
-    try:
+    with running() as server:
         yield server
-    finally:
-        restore_env(old)
-        server.close()
 
 
 # --- profile of the commit path ---------------------------------------------------------------

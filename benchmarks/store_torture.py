@@ -618,15 +618,10 @@ def local_s3():
     """moto's S3 server on loopback (tests/s3_server.py), its fake credentials in this process's
     environment (which the writers and the reader inherit) while it runs."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-    from s3_server import S3Server, restore_env, set_env
+    from s3_server import running
 
-    server = S3Server()
-    old = set_env(server.env)
-    try:
+    with running() as server:
         yield server
-    finally:
-        restore_env(old)
-        server.close()
 
 
 def main() -> None:

@@ -15,17 +15,12 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 def s3_server():
     """moto's S3 server on loopback for the session, its fake credentials in the environment.
     Skips (saying how to install it) where moto is not installed."""
-    from s3_server import S3Server, moto_available, restore_env, set_env
+    from s3_server import moto_available, running
 
     if not moto_available():
-        pytest.skip("moto[server] is not installed (see the README: the store on S3)")
-    server = S3Server()
-    old = set_env(server.env)
-    try:
+        pytest.skip("moto is not installed (`make setup` installs it; docs/guide/store.md)")
+    with running() as server:
         yield server
-    finally:
-        restore_env(old)
-        server.close()
 
 
 # The slow tests (pyproject's `slow` marker) of the files that do not mark them themselves

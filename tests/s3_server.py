@@ -4,6 +4,7 @@ Credentials are fake, random per server, and reach the clients through environme
 only (``S3Server.env``), as in production; tests grep the store for them.
 """
 
+import contextlib
 import os
 import secrets
 import socket
@@ -13,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 
 
 class S3Server:
@@ -72,16 +74,19 @@ def moto_available() -> bool:
     return True
 
 
-def set_env(env: dict[str, str]) -> dict[str, str | None]:
-    """Set ``env`` in ``os.environ``; returns what to put back (``restore_env``)."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    return old
-
-
-def restore_env(old: dict[str, str | None]) -> None:
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+@contextlib.contextmanager
+def running() -> Iterator[S3Server]:
+    """A server whose fake credentials are in this process's environment (and so its children's)
+    while it runs; the environment is put back after."""
+    server = S3Server()
+    old = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    try:
+        yield server
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.close()

@@ -90,8 +90,10 @@ from robo_post.store.records import (
     Unrepairable,
     index_ranges,
     parse_schema,
+    same_layout,
     schema_bytes,
     split_table,
+    write_salvaged,
 )
 from robo_post.store.writer import EpisodeWriter, decode_record, encode_record, episode_checksum, time_chunk
 
@@ -279,12 +281,7 @@ class BucketStore:
         if not objects.create("store.json", schema_bytes(schema)):
             if not exist_ok:
                 raise StoreError(f"a store already exists at {root}")
-            store = cls.open(root)
-            differences = store.schema.layout_differences(schema)
-            if differences:
-                raise StoreError(f"store at {root} has a different schema than requested (stored != requested): "
-                                 + "; ".join(differences))
-            return store
+            return same_layout(cls.open(root), schema)
         return cls(root, schema, objects=objects)
 
     @classmethod
@@ -814,12 +811,4 @@ def _salvage(store: BucketStore, shard: str, indices: Iterable[int], target: str
             ep, _ = store.record(shard, i)
             if (ep.key, ep.checksum) in before:
                 continue
-            rows = store.episode_arrays(shard, i)
-            schema = store.schema
-            writer.write_episode(
-                {k: rows[f"obs/{k}"] for k in schema.observations}, rows["action"], table=rows["step"],
-                extras={k: rows[f"extras/{k}"] for k in schema.extras}, task_id=ep.task_id,
-                instruction=ep.instruction, seed=ep.seed, success=ep.success, policy_version=ep.policy_version,
-                start_time=ep.start_time, end_time=ep.end_time, attrs={**ep.attrs, "salvaged_from": ep.key},
-                role=ep.role,
-            )
+            write_salvaged(writer, store.schema, store.episode_arrays(shard, i), ep)

@@ -28,7 +28,7 @@ from robo_post.store.schema import (
     is_object_url,
     validate_array,
 )
-from robo_post.store.records import LOST_SUFFIX, SALVAGE_SUFFIX, Unrepairable, index_ranges
+from robo_post.store.records import LOST_SUFFIX, SALVAGE_SUFFIX, Unrepairable, index_ranges, write_salvaged
 from robo_post.store.store import EpisodeInfo, Snapshot, Store, describe_lost
 from robo_post.store.writer import decode_record, episode_checksum, lock_shard
 
@@ -570,14 +570,7 @@ def _salvage(store: Store, shard: str, episodes: list[EpisodeInfo], target: str)
         for ep in episodes:
             if (ep.key, ep.checksum) in copied_before:
                 continue
-            rows = _episode_rows(arrays, ep)
-            writer.write_episode(
-                {k: rows[f"obs/{k}"] for k in schema.observations}, rows["action"], table=rows["step"],
-                extras={k: rows[f"extras/{k}"] for k in schema.extras}, task_id=ep.task_id,
-                instruction=ep.instruction, seed=ep.seed, success=ep.success, policy_version=ep.policy_version,
-                start_time=ep.start_time, end_time=ep.end_time, attrs={**ep.attrs, "salvaged_from": ep.key},
-                role=ep.role,
-            )
+            write_salvaged(writer, schema, _episode_rows(arrays, ep), ep)
             copied += 1
     return copied
 

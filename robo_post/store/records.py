@@ -268,6 +268,27 @@ class Snapshot:
         return iter(self._episodes)
 
 
+def same_layout(store: Any, schema: StoreSchema) -> Any:
+    """``store`` (an existing store opened again), if its layout is ``schema``'s; else a ``StoreError``."""
+    differences = store.schema.layout_differences(schema)
+    if differences:
+        raise StoreError(f"store at {store.root} has a different schema than requested (stored != requested): "
+                         + "; ".join(differences))
+    return store
+
+
+def write_salvaged(writer: Any, schema: StoreSchema, rows: dict[str, np.ndarray], ep: EpisodeInfo) -> None:
+    """Write again an episode that repair salvages: its ``rows`` (``obs/K``, ``action``, ``step``,
+    ``extras/K`` arrays) and its metadata, its old key recorded as ``salvaged_from``."""
+    writer.write_episode(
+        {k: rows[f"obs/{k}"] for k in schema.observations}, rows["action"], table=rows["step"],
+        extras={k: rows[f"extras/{k}"] for k in schema.extras}, task_id=ep.task_id,
+        instruction=ep.instruction, seed=ep.seed, success=ep.success, policy_version=ep.policy_version,
+        start_time=ep.start_time, end_time=ep.end_time, attrs={**ep.attrs, "salvaged_from": ep.key},
+        role=ep.role,
+    )
+
+
 def describe_lost(lost: dict[str, list[str]]) -> str:
     """``Store.lost_arrays``'s answer in words: ``.../data/action is a file, not a folder: the
     rows of action are gone``."""

@@ -28,6 +28,7 @@ from robo_post.store.records import (  # noqa: F401  (EpisodeInfo, describe_lost
     Snapshot,
     describe_lost,
     parse_schema,
+    same_layout,
     schema_crc,
 )
 from robo_post.store.schema import (
@@ -139,12 +140,7 @@ class Store:
         if os.path.exists(path):
             if not exist_ok:
                 raise StoreError(f"a store already exists at {root}")
-            store = cls.open(root)
-            differences = store.schema.layout_differences(schema)
-            if differences:
-                raise StoreError(f"store at {root} has a different schema than requested (stored != requested): "
-                                 + "; ".join(differences))
-            return store
+            return same_layout(cls.open(root), schema)
         if os.path.exists(root) and not os.path.isdir(root):
             raise StoreError(f"{root} is a file, not a robo-post store; give a new or empty path")
         # A store= typo naming a folder of other files would scatter the store's files among them.
