@@ -4,14 +4,14 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 export MUJOCO_GL ?= egl
+# The tests' S3 server (moto) and what it needs beyond the stack, installed without their declared
+# python-dateutil<3 (the stack pins 4.0.0, which botocore runs with).
 S3_TEST := moto boto3 botocore s3transfer jmespath responses xmltodict flask flask-cors blinker itsdangerous cryptography cffi pycparser
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip==25.3
 	$(BIN)/pip install -q -c constraints.txt -e '.[all]'
-	# The tests' S3 server (moto) and what it needs beyond the stack, without their declared
-	# python-dateutil<3 (the stack pins 4.0.0, which botocore runs with).
 	$(BIN)/pip install -q --no-deps -c constraints.txt $(S3_TEST)
 	touch $@
 
