@@ -28,6 +28,12 @@ from robo_post.steering.poe import select_alpha
 from robo_post.steering.sources import Source
 
 
+def auto_kind(successes: Any) -> str:
+    """The selector auto runs: ``bandit`` where the frozen calibration episodes report success
+    (``successes`` not None), else ``kl_budget``."""
+    return "kl_budget" if successes is None else "bandit"
+
+
 def select_alpha_auto(frozen: Any, actor: Source, prior: Source, play: Callable[[float, Sequence[int]], Any],
                       grid: Sequence[float], kl_budget: float, bandit_episodes: int, alpha_max: float | None = None,
                       margin: float = 0.01, seed: int = 0) -> tuple[float, dict[str, Any]]:
@@ -46,7 +52,7 @@ def select_alpha_auto(frozen: Any, actor: Source, prior: Source, play: Callable[
         ``(alpha, record)``: the record names the selector used (``kind``) and why, then that
         selector's own record.
     """
-    if frozen.successes is None:
+    if auto_kind(frozen.successes) == "kl_budget":
         with torch.no_grad():
             alpha, kls = select_alpha(actor.distribution(frozen.states), prior.distribution(frozen.states), grid,
                                       kl_budget, alpha_max)

@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from robo_post.steering.auto import auto_kind
 from robo_post.steering.bandit import rank, select_alpha_bandit
 from robo_post.steering.poe import select_alpha
 from robo_post.steering.policy import SteeredPolicy, SteeringConfig
@@ -213,8 +214,8 @@ def evaluate_prior(make_env: Callable[[], Any], actor: Source, prior: Source, lo
                                      grid.bandit_margin, seed=calibration_seed + grid.calibration_episodes)
         selected(f"bandit_{budget}", choice.alpha, selector=f"bandit {budget} episodes", bandit_episodes=budget,
                  episodes_spent=choice.episodes, bandit=choice.record())
-    # what `steer selector.kind=auto` would run here (robo_post.steering.auto): its rows above are that selector's
-    auto = "kl_budget" if calibration.successes is None else "bandit"
+    # what `steer selector.kind=auto` would run here: its rows above are that selector's
+    auto = auto_kind(calibration.successes)
     return {"cells": cells, "oracle_alpha": oracle, "oracle_set": tied, "margin": margin,
             "deterministic_poe_klreg_gap": det_gap, "selectors": selectors, "auto_selector": auto}
 

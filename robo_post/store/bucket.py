@@ -90,9 +90,11 @@ from robo_post.store.records import (
     Unrepairable,
     index_ranges,
     parse_schema,
+    array_names,
     same_layout,
     schema_bytes,
     split_table,
+    unpack,
     write_salvaged,
 )
 from robo_post.store.writer import EpisodeWriter, decode_record, encode_record, episode_checksum, time_chunk
@@ -416,11 +418,6 @@ class BucketStore:
         return sum(m["size"] for m in self.objects.list(""))
 
 
-def array_names(schema: StoreSchema) -> list[str]:
-    """The stored arrays of an episode, as ``episode_checksum`` names them."""
-    return [f"obs/{k}" for k in schema.observations] + ["action", "step"] + [f"extras/{k}" for k in schema.extras]
-
-
 class BucketSnapshot(Snapshot):
     """A snapshot of a ``BucketStore``: the same reads as ``Snapshot``, each episode's rows
     from its own objects."""
@@ -429,7 +426,7 @@ class BucketSnapshot(Snapshot):
         """One episode as numpy arrays (see ``Snapshot.load``)."""
         check_episode_size(self.store.schema, episode.key, episode.length, "not read")
         arrays = self._episode(episode)
-        out = _unpack(self.store.schema, arrays)
+        out = unpack(self.store.schema, arrays)
         out.update(split_table(arrays["step"]))
         out["info"] = episode
         return out
@@ -444,7 +441,7 @@ class BucketSnapshot(Snapshot):
         per_episode = list(_EPISODES.map(self._episode, episodes))
         names = array_names(self.store.schema)
         arrays = {name: np.concatenate([a[name] for a in per_episode]) for name in names}
-        out = _unpack(self.store.schema, arrays)
+        out = unpack(self.store.schema, arrays)
         out["step"] = arrays["step"]
         return out
 
@@ -462,14 +459,6 @@ class BucketSnapshot(Snapshot):
             raise StoreIntegrityError(f"episode {episode.key} fails its checksum: its data changed after commit "
                                       f"(`robo-post store validate {self.store.root}` lists every damaged episode)")
         return arrays
-
-
-def _unpack(schema: StoreSchema, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
-    return {
-        "obs": {k: arrays[f"obs/{k}"] for k in schema.observations},
-        "action": arrays["action"],
-        "extras": {k: arrays[f"extras/{k}"] for k in schema.extras},
-    }
 
 
 # --- the writer -------------------------------------------------------------------------

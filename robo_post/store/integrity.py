@@ -28,7 +28,8 @@ from robo_post.store.schema import (
     is_object_url,
     validate_array,
 )
-from robo_post.store.records import LOST_SUFFIX, SALVAGE_SUFFIX, Unrepairable, index_ranges, write_salvaged
+from robo_post.store.records import (LOST_SUFFIX, SALVAGE_SUFFIX, Unrepairable, array_names, index_ranges,
+                                     write_salvaged)
 from robo_post.store.store import EpisodeInfo, Snapshot, Store, describe_lost
 from robo_post.store.writer import decode_record, episode_checksum, lock_shard
 
@@ -328,10 +329,8 @@ def _episode_rows(arrays: dict[str, zarr.Array], ep: EpisodeInfo) -> dict[str, n
 
 
 def _shard_arrays(store: Store, shard: str) -> dict[str, zarr.Array]:
-    schema = store.schema
     group = zarr.open_group(os.path.join(store.root, "shards", shard, "data"), mode="r")
-    names = [f"obs/{k}" for k in schema.observations] + ["action", "step"] + [f"extras/{k}" for k in schema.extras]
-    return {name: group[name] for name in names}
+    return {name: group[name] for name in array_names(store.schema)}
 
 
 def scan_index(store: Store, shard: str, limit: int | None = None) -> IndexScan:
@@ -541,8 +540,7 @@ def _free_name(path: str) -> str:
 def _lost_array_metadata(store: Store, path: str) -> list[str]:
     """The folders under the shard at ``path`` whose ``zarr.json`` is missing or not a JSON object:
     an array's, or a group's (zarr opens no group without one: the shard's arrays are unreadable)."""
-    schema = store.schema
-    arrays = [f"obs/{k}" for k in schema.observations] + ["action", "step"] + [f"extras/{k}" for k in schema.extras]
+    arrays = array_names(store.schema)
     lost = []
     for name in ["data", "data/obs", "data/extras", *(f"data/{a}" for a in arrays)]:
         meta = os.path.join(path, name, "zarr.json")

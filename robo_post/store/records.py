@@ -159,8 +159,7 @@ class Snapshot:
             if shard not in self.counts:
                 raise InvalidNameError(f"shard {shard!r} is not in snapshot {self.id}")
             path = os.path.join(self.store.root, "shards", shard, "data")
-            schema = self.store.schema
-            names = [f"obs/{k}" for k in schema.observations] + ["action", "step"] + [f"extras/{k}" for k in schema.extras]
+            names = array_names(self.store.schema)
             name = None
             try:
                 group = zarr.open_group(path, mode="r")
@@ -209,9 +208,7 @@ class Snapshot:
         arrays = self._read_checked(shard, ranges, episode.key)
         if self.verify:
             self._check(episode, arrays)
-        out: dict[str, Any] = {"obs": {k: arrays[f"obs/{k}"] for k in schema.observations}}
-        out["action"] = arrays["action"]
-        out["extras"] = {k: arrays[f"extras/{k}"] for k in schema.extras}
+        out = unpack(schema, arrays)
         out.update(split_table(arrays["step"]))
         out["info"] = episode
         return out
@@ -257,15 +254,24 @@ class Snapshot:
                     name: rows[o0 : o0 + T + 1] if name.startswith("obs/") else rows[s0 : s0 + T]
                     for name, rows in arrays.items()
                 })
-        return {
-            "obs": {k: arrays[f"obs/{k}"] for k in schema.observations},
-            "action": arrays["action"],
-            "step": arrays["step"],
-            "extras": {k: arrays[f"extras/{k}"] for k in schema.extras},
-        }
+        return {**unpack(schema, arrays), "step": arrays["step"]}
 
     def __iter__(self) -> Iterator[EpisodeInfo]:
         return iter(self._episodes)
+
+
+def array_names(schema: StoreSchema) -> list[str]:
+    """The stored arrays of an episode, as ``episode_checksum`` names them."""
+    return [f"obs/{k}" for k in schema.observations] + ["action", "step"] + [f"extras/{k}" for k in schema.extras]
+
+
+def unpack(schema: StoreSchema, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Stored arrays by name -> ``obs`` (key -> rows), ``action`` and ``extras`` (name -> rows)."""
+    return {
+        "obs": {k: arrays[f"obs/{k}"] for k in schema.observations},
+        "action": arrays["action"],
+        "extras": {k: arrays[f"extras/{k}"] for k in schema.extras},
+    }
 
 
 def same_layout(store: Any, schema: StoreSchema) -> Any:

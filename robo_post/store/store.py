@@ -26,6 +26,7 @@ from robo_post.store.commit import read_commit
 from robo_post.store.records import (  # noqa: F401  (EpisodeInfo, describe_lost: imported from here too)
     EpisodeInfo,
     Snapshot,
+    array_names,
     describe_lost,
     parse_schema,
     same_layout,
@@ -238,8 +239,7 @@ class Store:
         """Where rows of ``shard`` are gone: the outermost folder (``data``, ``data/obs``, an
         array's) that is missing or is not a folder (e.g. a file) -> the arrays under it. A
         lost ``zarr.json`` in a folder that is still there leaves the rows intact."""
-        schema = self.schema
-        names = [f"obs/{k}" for k in schema.observations] + ["action", "step"] + [f"extras/{k}" for k in schema.extras]
+        names = array_names(self.schema)
         data = os.path.join(self.root, "shards", shard, "data")
         lost: dict[str, list[str]] = {}
         for name in names:
