@@ -99,6 +99,8 @@ class FlowPolicy(BoundedActions, nn.Module):
         # Outputs the chunk or the velocity (``predicts``); the name is the weights' key in published artifacts.
         self.velocity_net = mlp([c.hidden_dim + self.chunk_dim + TIME_FEATURES, c.hidden_dim, c.hidden_dim, self.chunk_dim])
         self.register_action_bounds(c.action_low, c.action_high, c.action_dim)
+        # a deterministic policy's noises, built once rather than at every decision
+        self.register_buffer("mode_noise", fixed_noises(c.mode_draws, c.horizon, c.action_dim), persistent=False)
 
     # --- normalisation ---------------------------------------------------------
     def set_state_stats(self, mean: np.ndarray, std: np.ndarray) -> None:
@@ -152,9 +154,9 @@ class FlowPolicy(BoundedActions, nn.Module):
         shape = (z.shape[0], self.config.horizon, self.config.action_dim)
         if noise is None and self.config.deterministic:
             k = self.config.mode_draws
-            fixed = torch.randn((k, *shape[1:]), generator=torch.Generator().manual_seed(0))
-            fixed[0] = 0.0  # the centre: the only draw when k = 1
-            chunks = self.integrate(z.repeat_interleave(k, 0), fixed.to(self.device).repeat(shape[0], 1, 1))
+            if len(self.mode_noise) != k:  # the setting changed after construction
+                self.mode_noise = fixed_noises(k, *shape[1:]).to(self.device)
+            chunks = self.integrate(z.repeat_interleave(k, 0), self.mode_noise.repeat(shape[0], 1, 1))
             return self.unnormalize_actions(densest(chunks.view(shape[0], k, -1)).view(shape))
         if noise is None:
             gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
@@ -184,6 +186,13 @@ class FlowPolicy(BoundedActions, nn.Module):
         model = cls(FlowPolicyConfig.from_json(model_json))
         model.load_state_dict(weights)
         return model.to(device).eval()
+
+
+def fixed_noises(k: int, horizon: int, action_dim: int) -> torch.Tensor:
+    """A deterministic policy's ``k`` noises (k, H, A): the centre (x_0 = 0), then draws of seed 0."""
+    noises = torch.randn((k, horizon, action_dim), generator=torch.Generator().manual_seed(0))
+    noises[0] = 0.0
+    return noises
 
 
 def densest(x: torch.Tensor, iters: int = 10) -> torch.Tensor:
