@@ -170,7 +170,7 @@ def run_writer(root: str, shard: str, seed: int, incarnation: int, fsync: bool, 
     """Append this shard's episodes forever, from its committed count on, pausing uniform
     in [0, 2 x ``pause_s``] before each, and print what it does."""
     from robo_post.store import ShardLockedError, Store
-    from robo_post.store.schema import is_object_url
+    from robo_post.utils.io import is_object_url
 
     lease = {"lease_s": S3_LEASE_S} if is_object_url(root) else {}
     while True:
@@ -433,7 +433,7 @@ class Torture:
     def _account(self, inc: Incarnation) -> None:
         """Check the shard of a killed writer against everything its writers acknowledged,
         and tell where the kill landed."""
-        from robo_post.store.schema import is_object_url
+        from robo_post.utils.io import is_object_url
 
         book = self.books[inc.shard]
         ready = next((i for _, w, i in inc.lines if w == "ready"), None)

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from robo_post.utils.io import host_dir
+
 STALE_S = 10.0  # a running bridge whose status file heartbeat is older than this is dead
 
 
@@ -39,7 +41,7 @@ def read_bridge_status(root: str, client_id: str, stale_s: float = STALE_S, now:
         FileNotFoundError: no status file for ``client_id``.
         BridgeStatusError: the file is damaged.
     """
-    path = os.path.join(root, "fleet", f"{client_id}.json")
+    path = os.path.join(host_dir(root, "fleet"), f"{client_id}.json")
     try:
         with open(path) as f:
             status = json.load(f)
@@ -61,7 +63,7 @@ def read_bridge_status(root: str, client_id: str, stale_s: float = STALE_S, now:
 
 def bridge_statuses(root: str, stale_s: float = STALE_S) -> list[dict[str, Any]]:
     """``read_bridge_status`` of every ROS 2 bridge with a status file under ``root``."""
-    folder = Path(root) / "fleet"
+    folder = Path(host_dir(root, "fleet"))
     out = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:

@@ -29,7 +29,7 @@ from gymnasium import spaces
 from robo_post.envs.registry import EnvRegistryError, EnvSpec, env_spec
 from robo_post.fleet.policies import ExpertPolicy, build_policy, policy_extras, recorded_extras
 from robo_post.store import EpisodeValidationError, PolicyRegistry, Store, StoreSchema
-from robo_post.utils.io import write_json_atomic
+from robo_post.utils.io import absolute_root, host_dir, write_json_atomic
 
 
 MAX_REJECTED_IN_A_ROW = 3
@@ -239,7 +239,7 @@ def run_client(cfg: ClientConfig) -> dict[str, Any]:
     torch.set_num_threads(1)  # one core per client; the fleet scales by processes
     store = Store.open(cfg.store)
     registry = PolicyRegistry(cfg.policy_store or store.root)
-    status_path = os.path.join(store.root, "fleet", f"{cfg.client_id}.json")
+    status_path = os.path.join(host_dir(store.root, "fleet"), f"{cfg.client_id}.json")
     os.makedirs(os.path.dirname(status_path), exist_ok=True)
     spec = env_spec(cfg.env["name"])
     tasks = cfg.tasks or list(spec.default_tasks())
@@ -297,7 +297,7 @@ def run_client(cfg: ClientConfig) -> dict[str, Any]:
             success = spec.success(info)
             attrs = {"interventions": n_interventions, "policy": policy_name(cfg, version), "env_kwargs": env_kwargs}
             if cfg.policy_store:  # whose version numbers policy_version counts (a shared store may hold several)
-                attrs["policy_store"] = os.path.abspath(cfg.policy_store)
+                attrs["policy_store"] = absolute_root(cfg.policy_store)
             limit = spec.step_limit(env)
             if isinstance(limit, int) and limit > 0:  # bounds the eval's length interval when the kwargs do not name it
                 attrs["step_limit"] = limit
@@ -337,7 +337,7 @@ def policy_name(cfg: ClientConfig, version: int) -> str:
 def read_status(store_root: str, client_id: str) -> dict[str, Any] | None:
     """The last status a client wrote, or ``None`` before its first write."""
     try:
-        with open(os.path.join(store_root, "fleet", f"{client_id}.json")) as f:
+        with open(os.path.join(host_dir(store_root, "fleet"), f"{client_id}.json")) as f:
             return json.load(f)
     except (FileNotFoundError, json.JSONDecodeError):
         return None
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         status = read_status(cfg.store, cfg.client_id) or {"client_id": cfg.client_id}
         status.update(state="crashed", last_error=traceback.format_exc(limit=3))
-        write_json_atomic(os.path.join(cfg.store, "fleet", f"{cfg.client_id}.json"), status, fsync=False)
+        write_json_atomic(os.path.join(host_dir(cfg.store, "fleet"), f"{cfg.client_id}.json"), status, fsync=False)
         raise
     return 0
 

@@ -18,7 +18,7 @@ from robo_post.store import PolicyNotFoundError, PolicyRegistry, ShardLockedErro
 from robo_post.store.integrity import warn_lost_shards
 from robo_post.store.schema import BARE_OBS_ATTR, infer_role
 from robo_post.store.writer import lock_shard
-from robo_post.utils.io import try_lock
+from robo_post.utils.io import host_dir, is_object_url, try_lock
 
 
 def env_config(cfg: DictConfig) -> tuple[dict[str, Any], list[str]]:
@@ -103,7 +103,7 @@ def check_env_supports(cfg: DictConfig, spec: EnvSpec) -> None:
         raise CollectSettingsError(f"seed={cfg.seed}: seeds must be >= 0")
     policies = os.path.join(str(cfg.store), "policies")
     # no registry yet: nothing published (and PolicyRegistry would create its folder)
-    registry = PolicyRegistry(str(cfg.store)) if os.path.isdir(policies) else None
+    registry = PolicyRegistry(str(cfg.store)) if is_object_url(str(cfg.store)) or os.path.isdir(policies) else None
     published = registry.versions() if registry is not None else []
     if (pinned := fleet.get("policy_version")) is not None:  # each client would fail loading it, and restart
         if pinned not in published:
@@ -211,7 +211,7 @@ def lock_client_ids(root: str, prefix: str, refused: str | None = None) -> int:
     Raises:
         ShardLockedError: another holds it; ``refused`` is the message (default: a collect's).
     """
-    os.makedirs(os.path.join(root, "fleet"), exist_ok=True)
+    os.makedirs(host_dir(root, "fleet"), exist_ok=True)
     message = refused or (f"another collect with fleet.client_prefix={prefix} is running into {root}: nothing was "
                           "recorded; wait for it, or give this one its own fleet.client_prefix")
-    return try_lock(os.path.join(root, "fleet", f".collect-{prefix}.lock"), lambda: ShardLockedError(message))
+    return try_lock(os.path.join(host_dir(root, "fleet"), f".collect-{prefix}.lock"), lambda: ShardLockedError(message))

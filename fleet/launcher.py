@@ -17,6 +17,7 @@ from typing import Any
 
 from robo_post.fleet.client import LAUNCHER_PID_ENV, ClientConfig, read_status, run_client
 from robo_post.store import Store, StoreError
+from robo_post.utils.io import host_dir
 
 
 # Free bytes under which a client's unexplained exit is put down to a full disk.
@@ -90,7 +91,7 @@ class LocalLauncher(_Launcher):
 
     def _spawn(self, client_id: str) -> None:
         cfg = self.configs[client_id]
-        log = open(os.path.join(cfg.store, "fleet", f"{client_id}.log"), "ab")
+        log = open(os.path.join(host_dir(cfg.store, "fleet"), f"{client_id}.log"), "ab")
         self.procs[client_id] = subprocess.Popen(
             [sys.executable, "-m", "robo_post.fleet.client", json.dumps(asdict(cfg))],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -100,7 +101,7 @@ class LocalLauncher(_Launcher):
 
     def start(self) -> None:
         for cfg in self.configs.values():
-            os.makedirs(os.path.join(cfg.store, "fleet"), exist_ok=True)
+            os.makedirs(host_dir(cfg.store, "fleet"), exist_ok=True)
         for client_id in self.configs:
             self._spawn(client_id)
 
@@ -173,7 +174,7 @@ class RayLauncher(_Launcher):
 
     def start(self) -> None:
         for client_id, cfg in self.configs.items():
-            os.makedirs(os.path.join(cfg.store, "fleet"), exist_ok=True)
+            os.makedirs(host_dir(cfg.store, "fleet"), exist_ok=True)
             self.actors[client_id] = self.actor_cls.remote()
             self.futures[client_id] = self.actors[client_id].run.remote(json.dumps(asdict(cfg)))
 

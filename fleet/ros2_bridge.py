@@ -25,6 +25,7 @@ from robo_post.fleet.robot import RobotDescription
 from robo_post.fleet.ros2_settings import (HEARTBEAT_S, STATUS_QOS, STATUS_TOPIC, BridgeConfig, queue_depth,
                                            topic_qos)
 from robo_post.store import PolicyRegistry, ShardLockedError, Store, StoreNotFoundError
+from robo_post.utils.io import host_dir
 from robo_post.utils.io import try_lock, write_json_atomic
 
 STATUS_FILE_S = 1.0  # status file refresh period (its heartbeat)
@@ -74,9 +75,9 @@ class BridgeNode(Node):
         # Every bridge on a namespace records every episode: a second one into the same store
         # (under another client_id) would store each twice.
         domain, where = self.context.get_domain_id(), "/" + cfg.namespace.strip("/")
-        os.makedirs(os.path.join(self.store.root, "fleet"), exist_ok=True)
+        os.makedirs(host_dir(self.store.root, "fleet"), exist_ok=True)
         self._namespace_lock = try_lock(
-            os.path.join(self.store.root, "fleet", f".ros2-{domain}-{where.strip('/').replace('/', '.')}.lock"),
+            os.path.join(host_dir(self.store.root, "fleet"), f".ros2-{domain}-{where.strip('/').replace('/', '.')}.lock"),
             lambda: ShardLockedError(f"another bridge records namespace {where} (ROS domain {domain}) into "
                                      f"{self.store.root}: each would store every episode; stop it, or record "
                                      "into another store"))
@@ -89,7 +90,7 @@ class BridgeNode(Node):
         self.wrong_type: dict[str, list[str]] = {}  # topic -> foreign message types seen on it
         self.other_bridges = 0  # other bridges on this namespace: each records every episode
         self._started = time.time()
-        self._status_path = os.path.join(self.store.root, "fleet", f"{cfg.client_id}.json")
+        self._status_path = os.path.join(host_dir(self.store.root, "fleet"), f"{cfg.client_id}.json")
         os.makedirs(os.path.dirname(self._status_path), exist_ok=True)
 
         qos = topic_qos(self.depth)

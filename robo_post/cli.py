@@ -26,7 +26,6 @@ def _store_info(args: argparse.Namespace) -> int:
 
     from robo_post.store import ROLES, PolicyRegistry, Store
     from robo_post.store.integrity import lost_since_snapshots
-    from robo_post.store.schema import is_object_url
     from robo_post.store.store import describe_lost
 
     store = Store.open(args.path)
@@ -55,7 +54,7 @@ def _store_info(args: argparse.Namespace) -> int:
         },
         "roles": {r: roles[r] for r in ROLES if roles[r]},
         "success_rules": dict(sorted(rules.items())),
-        "policy_versions": [] if is_object_url(store.root) else PolicyRegistry(store.root).versions(),
+        "policy_versions": PolicyRegistry(store.root).versions(),
         "size_bytes": store.size_bytes(),
         "lost": lost,
         "lost_shards": lost_since_snapshots(store),

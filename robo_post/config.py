@@ -36,13 +36,19 @@ def _is_path(key: str) -> bool:
     return name in ("store", "run_dir") or name.endswith(("_store", "_dir"))
 
 
+def _is_url(value: str) -> bool:
+    """A store on object storage (``s3://bucket/prefix``): a location, not a folder to resolve."""
+    return "://" in value
+
+
 def absolute_paths(config: dict[str, Any]) -> dict[str, Any]:
     """``config`` (a resolved container) with every folder setting made absolute, as a run
-    records it: resumed from another directory, or with ``./s`` for ``s``, it names the same folders."""
+    records it: resumed from another directory, or with ``./s`` for ``s``, it names the same folders
+    (object-storage URLs stay as given)."""
     def walk(node: Any, prefix: str) -> Any:
         if isinstance(node, dict):
             return {k: walk(v, f"{prefix}.{k}" if prefix else k) for k, v in node.items()}
-        return os.path.abspath(node) if isinstance(node, str) and _is_path(prefix) else node
+        return os.path.abspath(node) if isinstance(node, str) and _is_path(prefix) and not _is_url(node) else node
     return walk(config, "")
 
 
@@ -50,7 +56,8 @@ def changed_settings(recorded: dict[str, Any], given: dict[str, Any]) -> dict[st
     """``{dotted.key: (recorded, given)}`` for every setting two resolved configs differ in,
     display settings (``DISPLAY_SETTINGS``) left out; folders are compared as resolved paths."""
     def settings(node: Any) -> dict[str, Any]:
-        return {k: os.path.realpath(v) if isinstance(v, str) and _is_path(k) else v for k, v in _flat(node).items()
+        return {k: os.path.realpath(v) if isinstance(v, str) and _is_path(k) and not _is_url(v) else v
+                for k, v in _flat(node).items()
                 if not set(k.split(".")) & set(DISPLAY_SETTINGS)}
 
     old, new = settings(recorded), settings(given)

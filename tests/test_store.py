@@ -27,7 +27,7 @@ from robo_post.store import (
     WindowSampler,
 )
 from robo_post.store.integrity import validate_store
-from robo_post.store.schema import is_object_url
+from robo_post.utils.io import is_object_url
 
 SCHEMA = StoreSchema(
     observations={"proprio": ArraySpec("float32", (5,)), "image": ArraySpec("uint8", (8, 8, 3))},
@@ -401,13 +401,13 @@ def test_policy_registry(store):
     assert reg.publish({"w": weights["w"] * 2}, {"arch": "mlp"}) == 2
     with pytest.raises(PolicyVersionExistsError):
         reg.publish(weights, {}, version=2)
-    os.makedirs(os.path.join(reg.dir, ".tmp-halfwritten"))  # a publisher killed mid-write
+    os.makedirs(os.path.join(reg.location, ".tmp-halfwritten"))  # a publisher killed mid-write
     assert reg.versions() == [1, 2] and reg.latest() == 2
     w, cfg = reg.load(1)
     assert torch.equal(w["w"], weights["w"]) and cfg == {"arch": "mlp", "version": 1}
     assert torch.equal(reg.load()[0]["w"], weights["w"] * 2)
     # the weights are as readable as the config (safetensors' own writer made them 0600)
-    version_dir = os.path.join(reg.dir, "v000002")
+    version_dir = os.path.join(reg.location, "v000002")
     modes = {name: os.stat(os.path.join(version_dir, name)).st_mode & 0o777 for name in os.listdir(version_dir)}
     umask = os.umask(0)
     os.umask(umask)
@@ -428,7 +428,7 @@ def test_a_damaged_policy_version_is_an_error_naming_it(store):
     weights = {"w": torch.arange(6.0).reshape(2, 3)}
     for _ in range(4):
         reg.publish(weights, {"arch": "mlp"})
-    path = lambda v, name: os.path.join(reg.dir, f"v{v:06d}", name)  # noqa: E731
+    path = lambda v, name: os.path.join(reg.location, f"v{v:06d}", name)  # noqa: E731
     flip_last_byte(path(1, "model.safetensors"))  # one byte of tensor data: the file still parses
     with pytest.raises(PolicyArtifactError, match=r"policy version 1: .*model.safetensors does not match"):
         reg.load(1)
@@ -458,16 +458,16 @@ def test_a_version_without_its_checksums_or_in_another_folder_is_refused(store):
     weights = {"w": torch.arange(6.0).reshape(2, 3)}
     for _ in range(2):
         reg.publish(weights, {"arch": "mlp"})
-    v1, v2 = (os.path.join(reg.dir, f"v{v:06d}") for v in (1, 2))
+    v1, v2 = (os.path.join(reg.location, f"v{v:06d}") for v in (1, 2))
     os.remove(os.path.join(v1, "checksums.json"))  # deleted, then a byte of tensor data changed
     flip_last_byte(os.path.join(v1, "model.safetensors"))
     with pytest.raises(PolicyArtifactError, match=r"policy version 1: .*v000001/checksums.json is missing"):
         reg.load(1)
-    shutil.copytree(v2, os.path.join(reg.dir, "v000003"))  # a version folder copied by hand
+    shutil.copytree(v2, os.path.join(reg.location, "v000003"))  # a version folder copied by hand
     with pytest.raises(PolicyArtifactError, match=r"policy version 3: .*v000003/config.json is version 2's"):
         reg.load(3)
-    shutil.copytree(v2, os.path.join(reg.dir, "v0000002"))  # another spelling of version 2
-    open(os.path.join(reg.dir, "v000009"), "w").close()  # a file, not a version
+    shutil.copytree(v2, os.path.join(reg.location, "v0000002"))  # another spelling of version 2
+    open(os.path.join(reg.location, "v000009"), "w").close()  # a file, not a version
     assert reg.versions() == [1, 2, 3] and reg.latest() == 3
     w, cfg = reg.load(2)  # the config reads back as published
     assert torch.equal(w["w"], weights["w"]) and cfg == {"arch": "mlp", "version": 2}

@@ -18,6 +18,7 @@ from helpers import run_cli
 
 from robo_post.store import ShardLockedError, Store, StoreError, StoreNotFoundError, StoreSchema, ArraySpec
 from robo_post.store.bucket import BucketStore, validate_bucket
+from robo_post.eval.rollout import load_results
 from robo_post.store.integrity import repair_store, validate_store
 from robo_post.store.registry import PolicyRegistry
 from robo_post.store.schema import StoreAccessError, StoreURLError
@@ -115,12 +116,63 @@ def test_bad_urls_and_missing_bucket_are_typed_errors(s3_server, monkeypatch):
         Store.create("s3://no-such-bucket-here/x", SCHEMA)
     with pytest.raises(StoreNotFoundError, match="missing store.json"):
         Store.open(f"s3://{s3_server.bucket()}/nothing")
-    with pytest.raises(StoreError, match="not supported yet"):
-        PolicyRegistry(f"s3://{s3_server.bucket()}/x")
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(key)
     with pytest.raises(StoreAccessError, match="no credentials"):
         Store.open(f"s3://{s3_server.bucket()}/x")
+
+
+def test_policy_registry_on_s3_publishes_whole_versions_once_and_checks_them(url):
+    import threading
+
+    import torch
+
+    from robo_post.store.registry import PolicyArtifactError, PolicyVersionExistsError
+
+    Store.create(url, SCHEMA)
+    reg = PolicyRegistry(url)
+    assert reg.latest() is None and reg.location == f"{url}/policies"
+    reg.check_writable()
+    weights = {"w": torch.arange(6.0).reshape(2, 3)}
+    assert [reg.publish({"w": weights["w"] * k}, {"arch": "mlp"}) for k in (1, 2)] == [1, 2]
+    w, config = reg.load(2)
+    assert torch.equal(w["w"], weights["w"] * 2) and config == {"arch": "mlp", "version": 2}
+    with pytest.raises(PolicyVersionExistsError):
+        reg.publish(weights, {}, version=2)
+    raw = reg._files.objects.store
+    # a publisher killed after uploading its files, before its record: no version, nothing read
+    obstore.put(raw, "v000003-deadbeef/model.safetensors", b"half")
+    assert PolicyRegistry(url).versions() == [1, 2]
+    # eight publishers race for version 3: exactly one wins, the others' uploads are gone
+    results, barrier = [], threading.Barrier(8)
+
+    def publish(k):
+        barrier.wait()
+        try:
+            results.append(PolicyRegistry(url).publish({"w": weights["w"] + k}, {"k": k}, version=3))
+        except PolicyVersionExistsError:
+            results.append(None)
+
+    threads = [threading.Thread(target=publish, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results, key=str) == [3] + [None] * 7
+    w, config = reg.load(3)
+    assert torch.equal(w["w"], weights["w"] + config["k"])
+    folders = {m["path"].split("/")[0] for m in obstore.list(raw).collect()} - {"v000003-deadbeef"}
+    assert sum(f.startswith("v000003-") for f in folders) == 1, folders
+    # a byte of version 1's weights changed after publishing: named, and validate reports it
+    record = json.loads(bytes(obstore.get(raw, "v000001.json").bytes()))
+    key = f"{record['folder']}/model.safetensors"
+    data = bytearray(bytes(obstore.get(raw, key).bytes()))
+    data[-1] ^= 0xFF
+    obstore.put(raw, key, bytes(data))
+    with pytest.raises(PolicyArtifactError, match=r"policy version 1: .*model.safetensors does not match"):
+        reg.load(1)
+    assert validate_store(url)[1] == [str(pytest.raises(PolicyArtifactError, reg.load, 1).value)]
+    assert json.loads(run_cli("store", "info", url, "--json").stdout)["policy_versions"] == [1, 2, 3]
 
 
 def test_validate_and_repair_find_and_cut_damage(url):
@@ -243,3 +295,28 @@ def test_no_credentials_in_store_or_logs(s3_server, url, tmp_path):
         assert not any(s.encode() in data or s in m["path"] for s in secrets), m["path"]
     for r in [*outputs, failed]:
         assert not any(s in r.stdout + r.stderr for s in secrets)
+
+
+def test_collect_train_follow_and_eval_with_the_store_on_s3(s3_server, url, tmp_path, monkeypatch):
+    """A user's loop on an S3 store: the fleet records, training publishes to the bucket's
+    registry, a following client picks the version up between episodes, eval reads it and saves
+    its results in the bucket; host-local fleet state (status, logs, locks) stays on this host."""
+    monkeypatch.setenv("ROBO_POST_STATE_DIR", str(tmp_path / "state"))
+    quiet = ("env.tasks=[reach]", "env.kwargs.render_images=false", "fleet.n_clients=1", "show=false")
+    run_cli("collect", f"store={url}", "episodes=3", "fleet.client_prefix=demo", *quiet)
+    run_cli("train", f"store={url}", "algo=bc_flow", "updates=20", f"run_dir={tmp_path / 'bc'}", "show=false")
+    assert PolicyRegistry(url).versions() == [1]
+    run_cli("collect", f"store={url}", "episodes=1", "fleet.client_prefix=follow", "fleet.follow_registry=true", *quiet)
+    r = run_cli("eval", f"store={url}", "version=latest", "tasks=[reach]", "episodes_per_task=1",
+                "env_kwargs={render_images: false}", "show=false")
+    snap = Store.open(url).snapshot()
+    assert [e.policy_version for e in snap.episodes(client="follow-0")] == [1]
+    (result,) = load_results(f"{url}-eval")
+    assert result["policy"]["version"] == 1 and result["results_path"].startswith(f"{url}-eval/evals/")
+    assert result["results_path"] in r.stdout
+    assert validate_store(url) == (4, [])
+    bucket, prefix = url[len("s3://"):].split("/", 1)
+    state = tmp_path / "state" / "s3" / bucket / prefix / "fleet"
+    assert (state / "follow-0.json").exists() and not os.path.exists("s3:")  # no folder named by the URL
+    written = [p.read_text() for p in state.rglob("*") if p.is_file()]
+    assert not any(s in text for text in written for s in (s3_server.access_key, s3_server.secret_key))

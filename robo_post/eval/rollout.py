@@ -34,7 +34,7 @@ from robo_post.fleet.client import ClientConfig, recorded_env_kwargs, store_sche
 from robo_post.fleet.launcher import LocalLauncher, raise_unfinished
 from robo_post.store import EpisodeInfo, PolicyNotFoundError, PolicyRegistry, Store
 from robo_post.utils.device import resolve_device
-from robo_post.utils.io import write_json_atomic
+from robo_post.utils.io import absolute_root, is_object_url, write_json_atomic
 
 Split = Literal["train", "heldout"]
 
@@ -185,8 +185,8 @@ def evaluate(
         raise ValueError("need at least one episode per task and one client")
     if split not in ("train", "heldout"):
         raise ValueError(f"unknown split {split!r}; expected 'train' or 'heldout'")
-    policy_store = os.path.abspath(policy_store)
-    out_store = os.path.abspath(out_store or policy_store.rstrip("/") + "-eval")
+    policy_store = absolute_root(policy_store)
+    out_store = absolute_root(out_store or policy_store.rstrip("/") + "-eval")
     if out_store == policy_store:
         raise ValueError("out_store must differ from policy_store so eval episodes never become training data")
     spec = env_spec(env or _recorded_env(policy_store))
@@ -236,7 +236,7 @@ def evaluate(
         shards=[c.client_id for c in configs], tag=tag,
         train_seed_overlap=_seed_overlap(policy_store, episodes), wall_s=time.perf_counter() - t0,
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        results_path=os.path.join(store.root, RESULTS_DIR, f"{tag}.json"),
+        results_path=f"{store.root}/{RESULTS_DIR}/{tag}.json",
     )
     return _save_result(result)
 
@@ -267,8 +267,14 @@ def _save_result(result: dict[str, Any]) -> dict[str, Any]:
     (a NaN return, an infinite interval) become ``None``, since JSON has no NaN or Infinity
     and strict parsers reject the bare ``NaN`` that ``json.dump`` writes by default."""
     result = _finite(result)
-    os.makedirs(os.path.dirname(result["results_path"]), exist_ok=True)
-    write_json_atomic(result["results_path"], result, fsync=False)
+    path = result["results_path"]
+    if is_object_url(path):
+        from robo_post.store.bucket import write_object
+
+        write_object(path, json.dumps(result).encode())
+        return result
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_json_atomic(path, result, fsync=False)
     return result
 
 
@@ -375,7 +381,7 @@ def eval_from_config(cfg: Any) -> list[dict[str, Any]]:
     # every version up front: a missing one in a list failed only after the others' evals had run
     published = registry.versions()
     if missing := [v for v in versions if v not in (None, 0) and v not in published]:
-        raise PolicyNotFoundError(f"policy version(s) {missing} not found in {registry.dir}; published: "
+        raise PolicyNotFoundError(f"policy version(s) {missing} not found in {registry.location}; published: "
                                   f"{published or 'none'}")
     for version in versions:
         _check_baseline(env_spec(env_name), version, dict(policy or EXPERT))
@@ -409,19 +415,30 @@ def eval_from_config(cfg: Any) -> list[dict[str, Any]]:
 
 def load_results(eval_store: str) -> list[dict[str, Any]]:
     """Every result saved in ``EVAL_STORE/evals/``, oldest first."""
-    directory = os.path.join(eval_store, RESULTS_DIR)
-    if not os.path.isdir(directory):
-        return []
-    results = [read_result(os.path.join(directory, name)) for name in sorted(os.listdir(directory))
-               if name.endswith(".json")]
+    if is_object_url(eval_store):
+        from robo_post.store.bucket import object_names
+
+        directory = f"{eval_store.rstrip('/')}/{RESULTS_DIR}"
+        names = object_names(directory)
+    else:
+        directory = os.path.join(eval_store, RESULTS_DIR)
+        names = os.listdir(directory) if os.path.isdir(directory) else []
+    results = [read_result(f"{directory}/{name}") for name in sorted(names) if name.endswith(".json")]
     return sorted(results, key=lambda r: r["created"])
 
 
 def read_json_object(path: str, what: str, keys: tuple[str, ...] = ()) -> dict[str, Any]:
     """A JSON object holding ``keys``; anything else is a ``ValueError`` naming the file as not ``what``."""
     try:
-        with open(path) as f:
-            value = json.load(f)
+        if is_object_url(path):
+            from robo_post.store.bucket import read_object
+
+            if (data := read_object(path)) is None:
+                raise FileNotFoundError(f"no object {path}")
+            value = json.loads(data)
+        else:
+            with open(path) as f:
+                value = json.load(f)
         if not isinstance(value, dict):
             raise ValueError(f"a JSON {type(value).__name__}, not an object")
         if missing := [k for k in keys if k not in value]:

@@ -298,7 +298,7 @@ def of_registry(episodes: list[EpisodeInfo], registry: PolicyRegistry) -> list[E
     """Those of ``episodes`` recorded by versions of ``registry``: an online store shared by runs
     on several stores holds versions whose numbers mean other policies here. Episodes recorded
     before clients named their policy store count as this registry's."""
-    root = os.path.realpath(os.path.dirname(registry.dir))
+    root = os.path.realpath(os.path.dirname(registry.location))
     stores = {e.attrs.get("policy_store") for e in episodes} - {None}
     others = {s for s in stores if os.path.realpath(s) != root}
     return [e for e in episodes if e.attrs.get("policy_store") not in others]

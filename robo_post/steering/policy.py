@@ -22,6 +22,7 @@ from robo_post.steering.poe import check_rule, compose
 from robo_post.steering.sources import (OwnActor, SB3Actor, ScriptedPrior, Source, SteeringSourceError,
                                         load_sb3_zip, prior_settings, sha256_file)
 from robo_post.store.schema import ArraySpec
+from robo_post.utils.io import absolute_root
 
 ARTIFACT_KIND = "steered"
 EXTRAS = ("actor_mean", "actor_std", "prior_mean", "prior_std", "steered_mean", "steered_std")
@@ -114,7 +115,7 @@ def resolve_source(cfg: Mapping[str, Any], what: str) -> tuple[dict[str, torch.T
         if config.get("kind") not in ("gaussian", "sb3_agent"):
             raise SteeringSourceError(f"{what}: registry version {version} is a {config.get('kind')!r} policy; "
                                       "steering composes diagonal Gaussians (algo=gaussian_bc or an SB3 agent)")
-        return weights, {**config, "source": {"store": os.path.abspath(cfg["store"]), "version": version}}
+        return weights, {**config, "source": {"store": absolute_root(cfg["store"]), "version": version}}
     if kind == "sb3":
         missing = [k for k in ("path", "algo") if not cfg.get(k)]
         if missing:

@@ -197,7 +197,7 @@ def _error(e: Exception, url: str, doing: str) -> StoreError:
     return StoreError(f"cannot {doing} in {url}: {_first_line(e)}")
 
 
-class _Objects:
+class Objects:
     """The few operations the store needs, on one obstore store, with typed errors."""
 
     def __init__(self, url: str, create: bool = False):
@@ -240,12 +240,44 @@ class _Objects:
             raise _error(e, self.url, f"list {prefix}") from None
         return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in found["common_prefixes"])
 
+    def put(self, key: str, data: bytes) -> None:
+        """Write the object, replacing any."""
+        try:
+            obstore.put(self.store, key, data)
+        except Exception as e:
+            raise _error(e, self.url, f"write {key}") from None
+
+    def files(self, prefix: str) -> list[str]:
+        """Names of the objects right under ``prefix`` (not those in its 'folders')."""
+        try:
+            found = obstore.list_with_delimiter(self.store, prefix or None)
+        except Exception as e:
+            raise _error(e, self.url, f"list {prefix}") from None
+        return sorted(m["path"].rsplit("/", 1)[-1] for m in found["objects"])
+
     def delete(self, keys: list[str]) -> None:
         if keys:
             try:
                 obstore.delete(self.store, keys)
             except Exception as e:
                 raise _error(e, self.url, f"delete {keys[0]}") from None
+
+
+def read_object(url: str) -> bytes | None:
+    """The bytes of the object at ``url`` (``s3://bucket/prefix/name``), None when there is none."""
+    folder, name = url.rstrip("/").rsplit("/", 1)
+    return Objects(folder).get(name)
+
+
+def write_object(url: str, data: bytes) -> None:
+    """Write the object at ``url``, replacing any."""
+    folder, name = url.rstrip("/").rsplit("/", 1)
+    Objects(folder, create=True).put(name, data)
+
+
+def object_names(url: str) -> list[str]:
+    """Names of the objects right under the 'folder' ``url``."""
+    return Objects(url, create=True).files("")
 
 
 def _index_key(n: int) -> str:
@@ -266,11 +298,11 @@ class BucketStore:
     Committed records never change, so they are read once per ``BucketStore`` and kept.
     """
 
-    def __init__(self, root: str, schema: StoreSchema, verify: bool = True, objects: _Objects | None = None):
+    def __init__(self, root: str, schema: StoreSchema, verify: bool = True, objects: Objects | None = None):
         self.root = root.rstrip("/")
         self.schema = schema
         self.verify = verify
-        self.objects = objects or _Objects(self.root)
+        self.objects = objects or Objects(self.root)
         self.zarr = ObjectStore(self.objects.store, read_only=True)
         self._records: dict[tuple[str, int], tuple[EpisodeInfo, str]] = {}
 
@@ -279,7 +311,7 @@ class BucketStore:
         """Create a store with ``schema`` at the URL ``root`` (with ``exist_ok``, open the one there,
         whose schema must equal ``schema``). Raises ``StoreURLError``, ``StoreAccessError``,
         ``StoreNotFoundError`` (a missing bucket) or ``StoreError``."""
-        objects = _Objects(root, create=True)
+        objects = Objects(root, create=True)
         if not objects.create("store.json", schema_bytes(schema)):
             if not exist_ok:
                 raise StoreError(f"a store already exists at {root}")
@@ -290,7 +322,7 @@ class BucketStore:
     def open(cls, root: str, verify: bool = True) -> "BucketStore":
         """Open the store at the URL ``root``: ``StoreNotFoundError`` when none is there (or its
         bucket is missing), ``SchemaVersionError`` / ``StoreIntegrityError`` as ``Store.open``."""
-        objects = _Objects(root)
+        objects = Objects(root)
         data = objects.get("store.json")
         if data is None:
             raise StoreNotFoundError(f"no robo-post store at {root} (missing store.json)")
@@ -473,7 +505,7 @@ class ShardLease:
         lease_s: how long a generation lasts.
     """
 
-    def __init__(self, objects: _Objects, shard: str, token: str, lease_s: float):
+    def __init__(self, objects: Objects, shard: str, token: str, lease_s: float):
         if not lease_s > 0:
             raise ValueError(f"lease_s must be positive, got {lease_s!r}")
         self.objects, self.shard, self.token, self.lease_s = objects, shard, token, float(lease_s)
@@ -692,9 +724,15 @@ def validate_bucket(root: str) -> tuple[int, list[str]]:
         for i, why in sorted(bad.items()):
             problems.append(f"{shard}/{i}: {why} (`robo-post store repair --apply` cuts it out and keeps the intact "
                             "episodes after it)")
+    records = _snapshot_records(store)
     problems += [f"{store.root}/{key}: damaged snapshot record: {shards!r} (`robo-post store repair` sets it aside)"
-                 for key, shards in _snapshot_records(store) if isinstance(shards, Exception)]
+                 for key, shards in records if isinstance(shards, Exception)]
     return checked, problems + lost_since_snapshots(store, committed)
+
+
+def snapshot_ids(root: str) -> set[str]:
+    """Ids of the snapshots recorded in the store on object storage at ``root``."""
+    return {key.rsplit("/", 1)[-1].removesuffix(".json") for key, _ in _snapshot_records(BucketStore.open(root, verify=False))}
 
 
 def lost_since_snapshots(store: BucketStore, committed: dict[str, int] | None = None) -> list[str]:

@@ -15,7 +15,7 @@ import zarr
 
 from robo_post.store.chunks import read_rows
 from robo_post.store.commit import inspect_commit, write_commit_file
-from robo_post.store.registry import PolicyRegistry, check_policies_folder
+from robo_post.store.registry import PolicyRegistry, check_policies_folder, version_problems
 from robo_post.store.schema import (
     ROLES,
     EpisodeTooLargeError,
@@ -25,13 +25,13 @@ from robo_post.store.schema import (
     StoreLayoutError,
     UnsupportedFormatError,
     check_episode_size,
-    is_object_url,
     validate_array,
 )
 from robo_post.store.records import (LOST_SUFFIX, SALVAGE_SUFFIX, Unrepairable, array_names, index_ranges,
                                      write_salvaged)
 from robo_post.store.store import EpisodeInfo, Snapshot, Store, describe_lost
 from robo_post.store.writer import decode_record, episode_checksum, lock_shard
+from robo_post.utils.io import is_object_url
 
 
 class EpisodeDataError(StoreIntegrityError):
@@ -89,9 +89,15 @@ def validate_store(root: str) -> tuple[int, list[str]]:
     episode index, and whether the shard's trailing episodes all fail).
     """
     if is_object_url(root):  # the same checks, on the layout of object storage
-        from robo_post.store.bucket import validate_bucket
+        from robo_post.store.bucket import snapshot_ids, validate_bucket
 
-        return validate_bucket(root)
+        checked, problems = validate_bucket(root)
+        try:
+            recorded = snapshot_ids(root)
+        except StoreError:  # the store does not open: validate_bucket said so
+            return checked, problems
+        return checked, problems + version_problems(PolicyRegistry(root), recorded,
+                                                    lambda snapshot: f"{root}/snapshots/{snapshot}.json")
     try:
         store = Store.open(root, verify=False)
     except (StoreError, OSError, ValueError, KeyError) as e:
@@ -192,21 +198,10 @@ def validate_store(root: str) -> tuple[int, list[str]]:
     problems += [f"{path}: damaged snapshot record: {shards!r} (`robo-post store repair` sets it aside)"
                  for _, path, shards in _snapshot_records(store.root) if isinstance(shards, Exception)]
     problems += [loss.problem for loss in _lost_since_snapshots(store.root, committed)]
-    registry = PolicyRegistry(store.root) if os.path.isdir(os.path.join(store.root, "policies")) else None
-    recorded = {name.removesuffix(".json") for name, _, _ in _snapshot_records(store.root)}
-    for version in registry.versions() if registry is not None else []:
-        try:
-            _, config = registry.load(version)
-        except StoreError as e:  # PolicyArtifactError names the version and the file
-            problems.append(str(e))
-            continue
-        # The snapshot a version was trained on reopens by id only through its record.
-        snapshot = config.get("snapshot")
-        if isinstance(snapshot, str) and snapshot not in recorded:
-            problems.append(f"policy v{version} was trained on snapshot {snapshot}, whose record "
-                            f"{os.path.join(store.root, 'snapshots', snapshot + '.json')} is missing: that "
-                            "snapshot cannot be reopened by id (a resumed or repeated run on it fails); no "
-                            "episode is lost, and nothing can write the record again")
+    if os.path.isdir(os.path.join(store.root, "policies")):
+        recorded = {name.removesuffix(".json") for name, _, _ in _snapshot_records(store.root)}
+        problems += version_problems(PolicyRegistry(store.root), recorded,
+                                     lambda snapshot: os.path.join(store.root, "snapshots", snapshot + ".json"))
     return checked, problems
 
 

@@ -1,7 +1,8 @@
-"""Policy registry beside the data: ``ROOT/policies/v000001/{model.safetensors, config.json, checksums.json}``.
+"""Policy registry beside the data: ``ROOT/policies/v000001/{model.safetensors, config.json, checksums.json}``
+on a file system, ``ROOT/policies/v000001.json`` (the version's record) beside its files on object storage.
 
-A version directory is assembled under a temporary name and renamed into place
-in one step, so readers either see a complete version or none. Each file's CRC32C
+A version becomes visible in one step (a folder renamed into place; a create-only record),
+so readers either see a complete version or none. Each file's CRC32C
 is recorded at publishing and checked on every load: damage done afterwards is an
 error naming the version and file, never a policy that silently acts differently.
 """
@@ -13,17 +14,18 @@ import os
 import re
 import shutil
 import uuid
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import crc32c
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from robo_post.store.schema import StoreError, check_folder, is_object_url
-from robo_post.utils.io import naming, write_json_atomic
+from robo_post.store.schema import StoreError, check_folder
+from robo_post.utils.io import is_object_url, naming, write_json_atomic
 
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
+_VERSION_RECORD = re.compile(r"^v(\d{6,})\.json$")
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 CHECKSUM_FILE = "checksums.json"
@@ -50,38 +52,21 @@ class PolicyRegistry:
     """Versioned policy artifacts (safetensors weights + JSON config) in a store.
 
     Args:
-        store_root: root directory of the trajectory store.
+        store_root: root of the trajectory store: a directory, or an object-storage URL
+            (``s3://bucket/prefix``, ``gs://``, ``az://``, ``file://``).
     """
 
     def __init__(self, store_root: str):
-        if is_object_url(store_root):
-            raise StoreError(f"the policy registry of {store_root}: publishing policies to object storage is not "
-                             "supported yet; keep the registry in a store on a local or shared disk")
-        self.dir = os.path.join(store_root, "policies")
-        check_policies_folder(store_root)
-        os.makedirs(self.dir, exist_ok=True)
+        self._files = _BucketVersions(store_root) if is_object_url(store_root) else _LocalVersions(store_root)
+        self.location = self._files.location
 
     def check_writable(self) -> None:
         """Fail before a training run, not at its end, when nothing can be published here."""
-        probe = os.path.join(self.dir, f".probe-{uuid.uuid4().hex}")
-        try:
-            with open(probe, "wb"):
-                pass
-            os.remove(probe)
-        except OSError as e:
-            raise RegistryNotWritableError(f"cannot publish policies to {self.dir}: {e.strerror or e}") from e
+        self._files.check_writable()
 
     def versions(self) -> list[int]:
         """Published versions, ascending."""
-        out = []
-        for name in os.listdir(self.dir):
-            m = _VERSION_DIR.match(name)
-            # Only the folder `load` reads: a `v0000002` beside `v000002` (a copy, a hand-made
-            # folder) or a plain file named like a version would count a version twice or one
-            # that cannot load.
-            if m and name == _dirname(int(m.group(1))) and os.path.isdir(os.path.join(self.dir, name)):
-                out.append(int(m.group(1)))
-        return sorted(out)
+        return self._files.versions()
 
     def latest(self) -> int | None:
         """The newest published version, or ``None`` if nothing was published."""
@@ -101,39 +86,21 @@ class PolicyRegistry:
             version = (self.latest() or 0) + 1
         if not isinstance(version, int) or version < 1:
             raise ValueError(f"policy version must be a positive int, got {version!r}")
-        final = os.path.join(self.dir, _dirname(version))
-        if os.path.exists(final):
+        if self._files.has(version):
             raise PolicyVersionExistsError(f"policy version {version} already exists")
-        tmp = os.path.join(self.dir, f".tmp-{uuid.uuid4().hex}")
-        os.makedirs(tmp)
-        try:
-            tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-            # written by us, not safetensors' save_file, which makes the file 0600: fleet processes
-            # of another user must read the weights as they read the config (the umask decides)
-            with naming(final), open(os.path.join(tmp, WEIGHTS_FILE), "wb") as f:
-                f.write(save_safetensors(tensors))
-            with naming(final), open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-                json.dump({**config, "version": version, _CHECKSUMMED: True}, f, indent=1, allow_nan=False)
-            checksums = {}
-            for name in (WEIGHTS_FILE, CONFIG_FILE):
-                with open(os.path.join(tmp, name), "rb") as f:
-                    checksums[name] = crc32c.crc32c(f.read())
-                    os.fsync(f.fileno())
-            write_json_atomic(os.path.join(tmp, CHECKSUM_FILE), checksums)
-            try:
-                os.rename(tmp, final)  # atomic; fails if `final` appeared meanwhile
-            except OSError:
-                raise PolicyVersionExistsError(f"policy version {version} already exists") from None
-        finally:
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)
+        tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
+        files = {WEIGHTS_FILE: save_safetensors(tensors),
+                 CONFIG_FILE: json.dumps({**config, "version": version, _CHECKSUMMED: True}, indent=1,
+                                         allow_nan=False).encode()}
+        if not self._files.write(version, files, {name: crc32c.crc32c(data) for name, data in files.items()}):
+            raise PolicyVersionExistsError(f"policy version {version} already exists")
         return version
 
     def peek_config(self, version: int) -> dict[str, Any] | None:
         """``version``'s config as its file reads, unchecked and without its weights (to list
         versions; ``load`` is what checks a version), or None where it does not read as one."""
         try:
-            config = json.loads(_read(os.path.join(self.dir, _dirname(version)), CONFIG_FILE, version))
+            config = json.loads(self._read(version, CONFIG_FILE))
         except (PolicyArtifactError, ValueError):
             return None
         return config if isinstance(config, dict) else None
@@ -143,40 +110,215 @@ class PolicyRegistry:
         if version is None:
             version = self.latest()
             if version is None:
-                raise PolicyNotFoundError(f"no policy published in {self.dir}")
-        path = os.path.join(self.dir, _dirname(version))
-        if not os.path.isdir(path):
-            raise PolicyNotFoundError(f"policy version {version} not found in {self.dir}")
-        data = {name: _read(path, name, version) for name in (WEIGHTS_FILE, CONFIG_FILE)}
-        checksummed = os.path.exists(os.path.join(path, CHECKSUM_FILE))  # versions published before checksums have none
-        if checksummed:
-            try:
-                expected = dict(json.loads(_read(path, CHECKSUM_FILE, version)))
-            except (ValueError, TypeError) as e:
-                raise _unreadable(path, CHECKSUM_FILE, version, e) from e
+                raise PolicyNotFoundError(f"no policy published in {self.location}")
+        if not self._files.has(version):
+            raise PolicyNotFoundError(f"policy version {version} not found in {self.location}")
+        data = {name: self._read(version, name) for name in (WEIGHTS_FILE, CONFIG_FILE)}
+        expected = self._files.checksums(version)  # None: published before checksums were recorded
+        if expected is not None:
             for name, raw in data.items():
                 if crc32c.crc32c(raw) != expected.get(name):
-                    raise PolicyArtifactError(f"policy version {version}: {os.path.join(path, name)} does not match "
-                                              f"the checksum recorded when it was published (changed or damaged since)")
+                    raise PolicyArtifactError(f"policy version {version}: {self._files.path(version, name)} does not "
+                                              "match the checksum recorded when it was published (changed or "
+                                              "damaged since)")
         try:
             weights = {k: v.to(device) for k, v in load_safetensors(data[WEIGHTS_FILE]).items()}
         except Exception as e:  # safetensors raises its own error type for a malformed file
-            raise _unreadable(path, WEIGHTS_FILE, version, e) from e
+            raise self._unreadable(version, WEIGHTS_FILE, e) from e
         try:
             config = json.loads(data[CONFIG_FILE])
             if not isinstance(config, dict):
                 raise ValueError(f"a JSON {type(config).__name__}, not an object")
         except ValueError as e:
-            raise _unreadable(path, CONFIG_FILE, version, e) from e
+            raise self._unreadable(version, CONFIG_FILE, e) from e
         # A version published with checksums says so in its config: without the file, damaged
         # weights would load unchecked.
-        if config.pop(_CHECKSUMMED, False) and not checksummed:
-            raise PolicyArtifactError(f"policy version {version}: {os.path.join(path, CHECKSUM_FILE)} is missing "
-                                      f"(written when it was published); its files cannot be checked")
+        if config.pop(_CHECKSUMMED, False) and expected is None:
+            raise PolicyArtifactError(f"policy version {version}: {self._files.path(version, CHECKSUM_FILE)} is "
+                                      "missing (written when it was published); its files cannot be checked")
         if config.get("version", version) != version:  # a version folder copied or renamed by hand
-            raise PolicyArtifactError(f"policy version {version}: {os.path.join(path, CONFIG_FILE)} is version "
+            raise PolicyArtifactError(f"policy version {version}: {self._files.path(version, CONFIG_FILE)} is version "
                                       f"{config['version']}'s (a copied or renamed version folder)")
         return weights, config
+
+    def _read(self, version: int, name: str) -> bytes:
+        data = self._files.read(version, name)
+        if data is None:
+            raise PolicyArtifactError(f"policy version {version}: cannot read {self._files.path(version, name)} "
+                                      "(it is missing)")
+        return data
+
+    def _unreadable(self, version: int, name: str, e: Exception) -> PolicyArtifactError:
+        return PolicyArtifactError(f"policy version {version}: {self._files.path(version, name)} is unreadable "
+                                   f"({type(e).__name__}: {e})")
+
+
+class _LocalVersions:
+    """Versions as folders ``vNNNNNN/`` on a file system: a version is assembled under a temporary
+    name and renamed into place in one step (the rename fails if the name was taken meanwhile)."""
+
+    def __init__(self, store_root: str):
+        self.location = os.path.join(store_root, "policies")
+        check_policies_folder(store_root)
+        os.makedirs(self.location, exist_ok=True)
+
+    def path(self, version: int, name: str) -> str:
+        return os.path.join(self.location, _dirname(version), name)
+
+    def check_writable(self) -> None:
+        probe = os.path.join(self.location, f".probe-{uuid.uuid4().hex}")
+        try:
+            with open(probe, "wb"):
+                pass
+            os.remove(probe)
+        except OSError as e:
+            raise RegistryNotWritableError(f"cannot publish policies to {self.location}: {e.strerror or e}") from e
+
+    def versions(self) -> list[int]:
+        out = []
+        for name in os.listdir(self.location):
+            m = _VERSION_DIR.match(name)
+            # Only the folder `load` reads: a `v0000002` beside `v000002` (a copy, a hand-made
+            # folder) or a plain file named like a version would count a version twice or one
+            # that cannot load.
+            if m and name == _dirname(int(m.group(1))) and os.path.isdir(os.path.join(self.location, name)):
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def has(self, version: int) -> bool:
+        return os.path.isdir(os.path.join(self.location, _dirname(version)))
+
+    def write(self, version: int, files: dict[str, bytes], checksums: dict[str, int]) -> bool:
+        final = os.path.join(self.location, _dirname(version))
+        tmp = os.path.join(self.location, f".tmp-{uuid.uuid4().hex}")
+        os.makedirs(tmp)
+        try:
+            for name, data in files.items():
+                # written by us, not safetensors' save_file, which makes the file 0600: fleet processes
+                # of another user must read the weights as they read the config (the umask decides)
+                with naming(final), open(os.path.join(tmp, name), "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            write_json_atomic(os.path.join(tmp, CHECKSUM_FILE), checksums)
+            try:
+                os.rename(tmp, final)  # atomic; fails if `final` appeared meanwhile
+            except OSError:
+                return False
+        finally:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+        return True
+
+    def read(self, version: int, name: str) -> bytes | None:
+        path = self.path(version, name)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise PolicyArtifactError(f"policy version {version}: cannot read {path} ({e})") from e
+
+    def checksums(self, version: int) -> dict[str, int] | None:
+        raw = self.read(version, CHECKSUM_FILE)  # versions published before checksums have none
+        if raw is None:
+            return None
+        try:
+            return dict(json.loads(raw))
+        except (ValueError, TypeError) as e:
+            raise PolicyArtifactError(f"policy version {version}: {self.path(version, CHECKSUM_FILE)} is unreadable "
+                                      f"({type(e).__name__}: {e})") from e
+
+
+class _BucketVersions:
+    """Versions on object storage. A version's files are uploaded under a fresh name
+    (``vNNNNNN-<random>/``), then one create-only record ``vNNNNNN.json`` (If-None-Match) naming
+    them with their checksums publishes it: readers see a version only once it is complete, and
+    of two publishers racing for a number, the one whose record lands first wins; the other's
+    create fails, so it deletes its uploads and reports the version taken."""
+
+    def __init__(self, store_root: str):
+        from robo_post.store.bucket import Objects
+
+        self.objects = Objects(store_root.rstrip("/") + "/policies", create=True)
+        self.location = self.objects.url
+
+    def path(self, version: int, name: str) -> str:
+        return f"{self.location}/{_dirname(version)}.json" if name == CHECKSUM_FILE else \
+            f"{self.location}/{_dirname(version)}-*/{name}"
+
+    def check_writable(self) -> None:
+        probe = f".probe-{uuid.uuid4().hex}"
+        try:
+            self.objects.create(probe, b"")
+            self.objects.delete([probe])
+        except StoreError as e:
+            raise RegistryNotWritableError(f"cannot publish policies to {self.location}: {e}") from e
+
+    def versions(self) -> list[int]:
+        out = []
+        for name in self.objects.files(""):
+            m = _VERSION_RECORD.match(name)
+            if m and name == f"{_dirname(int(m.group(1)))}.json":
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def _record(self, version: int) -> dict[str, Any] | None:
+        raw = self.objects.get(f"{_dirname(version)}.json")
+        if raw is None:
+            return None
+        try:
+            record = json.loads(raw)
+            if not (isinstance(record, dict) and isinstance(record.get("folder"), str)
+                    and isinstance(record.get("checksums"), dict)):
+                raise ValueError("not a version record (folder and checksums)")
+        except ValueError as e:
+            raise PolicyArtifactError(f"policy version {version}: {self.path(version, CHECKSUM_FILE)} is unreadable "
+                                      f"({type(e).__name__}: {e})") from e
+        return record
+
+    def has(self, version: int) -> bool:
+        return self.objects.get(f"{_dirname(version)}.json") is not None
+
+    def write(self, version: int, files: dict[str, bytes], checksums: dict[str, int]) -> bool:
+        folder = f"{_dirname(version)}-{uuid.uuid4().hex}"
+        keys = [f"{folder}/{name}" for name in files]
+        for key, data in zip(keys, files.values()):
+            self.objects.create(key, data)  # a fresh folder: nothing to overwrite
+        record = json.dumps({"folder": folder, "checksums": checksums}).encode()
+        if self.objects.create(f"{_dirname(version)}.json", record):
+            return True
+        self.objects.delete(keys)
+        return False
+
+    def read(self, version: int, name: str) -> bytes | None:
+        record = self._record(version)
+        return None if record is None else self.objects.get(f"{record['folder']}/{name}")
+
+    def checksums(self, version: int) -> dict[str, int] | None:
+        record = self._record(version)
+        return None if record is None else record["checksums"]
+
+
+def version_problems(registry: PolicyRegistry, recorded: set[str], record_path: Callable[[str], str]) -> list[str]:
+    """What ``store validate`` reports of the published versions: each one whose files fail their
+    checks, and each trained on a snapshot whose record (at ``record_path(id)``) is not among
+    the ``recorded`` snapshot ids."""
+    problems = []
+    for version in registry.versions():
+        try:
+            _, config = registry.load(version)
+        except StoreError as e:  # PolicyArtifactError names the version and the file
+            problems.append(str(e))
+            continue
+        # The snapshot a version was trained on reopens by id only through its record.
+        snapshot = config.get("snapshot")
+        if isinstance(snapshot, str) and snapshot not in recorded:
+            problems.append(f"policy v{version} was trained on snapshot {snapshot}, whose record "
+                            f"{record_path(snapshot)} is missing: that snapshot cannot be reopened by id (a resumed "
+                            "or repeated run on it fails); no episode is lost, and nothing can write the record again")
+    return problems
 
 
 def check_policies_folder(store_root: str) -> None:
@@ -190,14 +332,3 @@ def _dirname(version: int) -> str:
     return f"v{version:06d}"
 
 
-def _unreadable(path: str, name: str, version: int, e: Exception) -> PolicyArtifactError:
-    return PolicyArtifactError(f"policy version {version}: {os.path.join(path, name)} is unreadable "
-                               f"({type(e).__name__}: {e})")
-
-
-def _read(path: str, name: str, version: int) -> bytes:
-    try:
-        with open(os.path.join(path, name), "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise PolicyArtifactError(f"policy version {version}: cannot read {os.path.join(path, name)} ({e})") from e

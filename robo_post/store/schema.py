@@ -163,16 +163,6 @@ class StoreLayoutError(StoreIntegrityError):
         super().__init__(f"{path} is {kind} where the store keeps {what}: {way_out}")
 
 
-OBJECT_SCHEMES = ("s3", "gs", "az", "file")
-"""URL schemes of stores on object storage (``bucket.py``): S3 and its compatibles, Google Cloud
-Storage, Azure Blob Storage, and a local folder through the same layer (``file://``)."""
-
-
-def is_object_url(root: str) -> bool:
-    """Whether ``root`` names a store on object storage (``s3://bucket/prefix``, ...) rather than a path."""
-    return isinstance(root, str) and root.partition("://")[0].lower() in OBJECT_SCHEMES and "://" in root
-
-
 def check_folder(path: str, what: str, way_out: str) -> None:
     """Raise ``StoreLayoutError`` when ``path`` exists but is not a folder (a missing one is
     the caller's to create or do without)."""

@@ -40,10 +40,9 @@ from robo_post.store.schema import (
     StoreSchema,
     check_folder,
     check_name,
-    is_object_url,
 )
 from robo_post.store.writer import ShardWriter, decode_record
-from robo_post.utils.io import write_json_atomic
+from robo_post.utils.io import is_object_url, write_json_atomic
 
 # Errors of a write refused for want of permission or on a read-only file system.
 _READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)

@@ -1,6 +1,7 @@
 """File helpers shared by the store, the learner, eval, the fleet and the pipelines:
-atomic JSON writes, errors that name their file, non-blocking file locks and reading a
-metrics log that a killed writer may have cut short."""
+store locations (a path or an object-storage URL), atomic JSON writes, errors that name
+their file, non-blocking file locks and reading a metrics log that a killed writer may have
+cut short."""
 
 from __future__ import annotations
 
@@ -9,7 +10,35 @@ import fcntl
 import json
 import os
 import threading
+import urllib.parse
 from typing import Any, Callable, Iterator
+
+
+OBJECT_SCHEMES = ("s3", "gs", "az", "file")
+"""URL schemes of stores on object storage (``bucket.py``): S3 and its compatibles, Google Cloud
+Storage, Azure Blob Storage, and a local folder through the same layer (``file://``)."""
+
+
+def is_object_url(root: str) -> bool:
+    """Whether ``root`` names a store on object storage (``s3://bucket/prefix``, ...) rather than a path."""
+    return isinstance(root, str) and root.partition("://")[0].lower() in OBJECT_SCHEMES and "://" in root
+
+
+def absolute_root(root: str) -> str:
+    """A store root as runs record it: an object-storage URL as given, a path made absolute."""
+    return root if is_object_url(root) else os.path.abspath(root)
+
+
+def host_dir(root: str, name: str) -> str:
+    """The folder of this host's process state ``name`` (``fleet``: client status, logs, locks)
+    for the store at ``root``: inside a store on disk; for one on object storage, a local folder
+    by its URL under ``$ROBO_POST_STATE_DIR`` (default ``~/.cache/robo-post``), since logs and
+    locks belong to the host that runs the processes."""
+    if not is_object_url(root):
+        return os.path.join(root, name)
+    parts = urllib.parse.urlsplit(root)
+    base = os.environ.get("ROBO_POST_STATE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "robo-post")
+    return os.path.join(base, parts.scheme, parts.netloc or "local", parts.path.strip("/"), name)
 
 
 @contextlib.contextmanager
