@@ -36,7 +36,7 @@ def raise_unfinished(statuses: list[dict[str, Any]], what: str, store_root: str)
     failed = [s for s in statuses if s.get("state") != "done"]
     if failed:
         reasons = "; ".join(f"{s['client_id']}: {_last_line(s.get('last_error')) or s.get('state')}" for s in failed)
-        raise FleetError(f"{what} did not finish ({reasons}); logs in {store_root}/fleet/")
+        raise FleetError(f"{what} did not finish ({reasons}); logs in {host_dir(store_root, 'fleet')}/")
 
 
 def _last_line(text: str | None) -> str:
@@ -62,12 +62,16 @@ class _Launcher:
         ``before``: the episodes, successes and judged episodes its shard held before this run."""
         out = []
         for client_id, cfg in self.configs.items():
-            status = read_status(cfg.store, client_id) or {"client_id": client_id, "state": "starting", "episodes": 0}
+            status = self._status(cfg) or {"client_id": client_id, "state": "starting", "episodes": 0}
             status["restarts"] = self.restarts.get(client_id, 0)
             status["target"] = cfg.episodes
             status["before"] = self.before.get(client_id, _NOTHING)
             out.append(status)
         return out
+
+    def _status(self, cfg: ClientConfig) -> dict[str, Any] | None:
+        """The last status ``cfg``'s client wrote (on this host), None before its first."""
+        return read_status(cfg.store, cfg.client_id)
 
 
 class LocalLauncher(_Launcher):
@@ -148,7 +152,12 @@ class LocalLauncher(_Launcher):
 
 
 class RayLauncher(_Launcher):
-    """One Ray actor per client; Ray restarts a dead actor and retries its run.
+    """One Ray actor per client; Ray restarts a dead actor and retries its run, on any node.
+
+    Clients may run on other machines than the launcher: each reports its status (and the
+    node it runs on) through its actor, and a client restarted elsewhere resumes from its
+    shard's committed episodes. On a store in a bucket the restart waits out the dead
+    writer's lease (``LEASE_S``) before it takes the shard.
 
     Args:
         address: Ray cluster address; ``None`` starts a local Ray instance.
@@ -166,10 +175,15 @@ class RayLauncher(_Launcher):
             ray.init(address=address, num_cpus=local_cpus, include_dashboard=False, log_to_driver=False)
         self.configs = {c.client_id: c for c in configs}
         self.restarts = {c: 0 for c in self.configs}
-        self.actor_cls = ray.remote(num_cpus=1, max_restarts=max_restarts, max_task_retries=max_restarts)(_ClientActor)
+        # A dead actor is restarted max_restarts times, and its run waits for the restart (-1: a
+        # restart can wait for a free CPU longer than a counted retry lasts). Two threads per
+        # actor: the client's run, and the status queries answered beside it.
+        self.actor_cls = ray.remote(num_cpus=1, max_restarts=max_restarts, max_task_retries=-1,
+                                    max_concurrency=2)(_ClientActor)
         self.actors: dict[str, Any] = {}
         self.futures: dict[str, Any] = {}
         self.errors: dict[str, str] = {}
+        self.final: dict[str, dict[str, Any]] = {}  # client -> the status its finished run returned
         self.before: dict[str, dict[str, int]] = {}  # client -> its shard's counts when run() started
 
     def start(self) -> None:
@@ -184,16 +198,34 @@ class RayLauncher(_Launcher):
         for client_id, fut in self.futures.items():
             if fut in done and client_id not in self.errors:
                 try:
-                    self.ray.get(fut)
+                    self.final[client_id] = self.ray.get(fut)
                     self.errors[client_id] = ""
                 except Exception as e:  # the actor gave up after max_restarts
                     self.errors[client_id] = str(e)
+                # a live actor keeps its CPU: free it for a client rescheduled from a lost node
+                self.ray.kill(self.actors[client_id], no_restart=True)
         return len(self.errors) < len(self.futures)
+
+    def _status(self, cfg: ClientConfig) -> dict[str, Any] | None:
+        """The client's status from the node it runs on: its finished run's, else as its actor
+        reads it there; this host's file while the actor does not answer (restarting, or its node gone)."""
+        if cfg.client_id in self.final:
+            return dict(self.final[cfg.client_id])
+        actor = self.actors.get(cfg.client_id)
+        if actor is not None:
+            try:
+                query = actor.status.options(max_task_retries=0).remote(cfg.store, cfg.client_id)
+                return self.ray.get(query, timeout=STATUS_TIMEOUT_S)
+            except Exception:  # GetTimeoutError, RayActorError: it is being restarted
+                pass
+        return super()._status(cfg)
 
     def stop(self) -> None:
         for actor in self.actors.values():
             self.ray.kill(actor)
 
+
+STATUS_TIMEOUT_S = 5.0  # a status query to a client's actor; past it the launcher reads this host's file
 
 
 class _ClientActor:
@@ -203,7 +235,19 @@ class _ClientActor:
         return os.getpid()
 
     def run(self, cfg_json: str) -> dict[str, Any]:
-        return run_client(ClientConfig(**json.loads(cfg_json)))
+        """The client's final status, with the node it ran on."""
+        return {**run_client(ClientConfig(**json.loads(cfg_json))), "node": _node_id()}
+
+    def status(self, store: str, client_id: str) -> dict[str, Any] | None:
+        """The client's last status on this node, with the node it runs on."""
+        status = read_status(store, client_id)
+        return None if status is None else {**status, "node": _node_id()}
+
+
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
 
 
 _NOTHING = {"episodes": 0, "successes": 0, "judged": 0}

@@ -177,6 +177,53 @@ def test_ray_launcher_runs_two_clients(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.fleet
+def test_ray_fleet_on_two_nodes_writes_to_s3_and_a_killed_node_loses_only_its_episode_in_flight(s3_server, tmp_path,
+                                                                                                  monkeypatch):
+    """Two Ray nodes (Ray's cluster utilities: two raylets on this machine), one client on each,
+    both writing to a store on S3. The worker node is killed mid-run: its client is rescheduled
+    on the head node, waits out the dead writer's lease, and resumes from its committed episodes."""
+    from ray.cluster_utils import Cluster
+
+    monkeypatch.setenv("ROBO_POST_STATE_DIR", str(tmp_path / "state"))
+    url = f"s3://{s3_server.bucket()}/fleet"
+    store = make_store(url)
+    episodes = 6
+    configs = [ClientConfig(store=url, client_id=f"node{i}", episodes=episodes, env=ENV, tasks=TASKS) for i in range(2)]
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    worker = cluster.add_node(num_cpus=1)
+    head = cluster.head_node.node_id
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        launcher = RayLauncher(configs)
+        launcher.start()
+        try:
+            # Each client needs a whole CPU of the two: one runs on each node.
+            wait_for(lambda: all(s.get("episodes", 0) >= 1 for s in launcher.statuses()), "both clients' first episode")
+            running = {s["client_id"]: s for s in launcher.statuses()}
+            nodes = {c: s["node"] for c, s in running.items()}
+            assert sorted(nodes.values()) == sorted([head, worker.node_id]), nodes
+            victim = next(c for c, n in nodes.items() if n == worker.node_id)
+            before = committed(store, victim)
+            # The node dies whole: its raylet and the client's process (which would outlive its raylet here).
+            os.kill(running[victim]["pid"], signal.SIGKILL)
+            cluster.remove_node(worker, allow_graceful=False)
+            supervise(launcher)
+            after = {s["client_id"]: s for s in launcher.statuses()}
+        finally:
+            launcher.stop()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert launcher.errors == {"node0": "", "node1": ""}
+    snap = Store.open(url).snapshot()
+    assert snap.counts == {c.client_id: {**snap.counts[c.client_id], "episodes": episodes} for c in configs}
+    assert before <= committed(store, victim) == episodes  # nothing committed before the kill was lost
+    assert after[victim]["node"] == head and after[victim]["pid"] != running[victim]["pid"]
+    assert validate_store(url) == (2 * episodes, [])
+
+
+@pytest.mark.slow
+@pytest.mark.fleet
 def test_ray_launcher_joins_an_existing_cluster_without_sizing_it(monkeypatch):
     calls = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
