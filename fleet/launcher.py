@@ -211,6 +211,9 @@ class RayLauncher(_Launcher):
         reads it there; this host's file while the actor does not answer (restarting, or its node gone)."""
         if cfg.client_id in self.final:
             return dict(self.final[cfg.client_id])
+        if self.errors.get(cfg.client_id):  # given up: the error its run raised on its node
+            status = super()._status(cfg) or {"client_id": cfg.client_id, "episodes": 0}
+            return {**status, "state": "crashed", "last_error": self.errors[cfg.client_id]}
         actor = self.actors.get(cfg.client_id)
         if actor is not None:
             try:

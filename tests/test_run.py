@@ -13,16 +13,21 @@ from robo_post.store import PolicyRegistry, Store
 from robo_post.store.writer import lock_shard
 
 
+TINY = [
+    "show=false", "env.tasks=[reach]", "env.kwargs.render_images=false",
+    "preset.demo_episodes=6", "preset.play_episodes=3", "preset.deploy_episodes=2", "preset.bc_updates=30", "bc.eval.every=0",
+    "+bc.model.use_text=false", "+bc.model.hidden_dim=32", "+bc.model.embed_dim=16", "bc.batch_size=16",
+    "preset.critic_warmup=5", "preset.offline_updates=15", "preset.online_publish_every=10",
+    "preset.online_episodes=2", "preset.online_updates=10", "preset.eval_episodes=2", "lwd.batch_size=16",
+]
+
+
 @pytest.mark.slow
 @pytest.mark.fleet
 def test_run_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     overrides = [
-        f"run_dir={run_dir}", "show=false", "env.tasks=[reach]", "env.kwargs.render_images=false", "fleet.n_clients=1",
-        "preset.demo_episodes=6", "preset.play_episodes=3", "preset.deploy_episodes=2", "preset.bc_updates=30", "bc.eval.every=0",
-        "+bc.model.use_text=false", "+bc.model.hidden_dim=32", "+bc.model.embed_dim=16", "bc.batch_size=16",
-        "preset.critic_warmup=5", "preset.offline_updates=15", "preset.online_publish_every=10",
-        "preset.online_episodes=2", "preset.online_updates=10", "preset.eval_episodes=2", "lwd.batch_size=16",
+        f"run_dir={run_dir}", *TINY, "fleet.n_clients=1",
         # The interventions recipe, with the overseer rescuing the fleet's own episodes from step 2 on; a
         # co-trained base imitates that.
         "recipe=interventions", "fleet.overseer.deadline=0.05",
@@ -57,6 +62,33 @@ def test_run_end_to_end(tmp_path):
     online = 25 - offline["final"]["update"]  # the online phase's counter goes on from the offline one's
     assert f"| `{run_dir / 'lwd'}` (online) | v3 | 2 | 25 ({online} online) |" in report
     assert "v3" in report and os.path.getsize(run_dir / "report" / "success_rates.png") > 0
+
+
+@pytest.mark.slow
+@pytest.mark.fleet
+def test_run_with_the_store_on_s3_and_the_fleet_on_two_ray_nodes(s3_server, tmp_path, monkeypatch):
+    """The whole loop with its episodes and policies in a bucket and its fleet stages on a Ray
+    cluster of two nodes (Ray's cluster utilities on this machine): one client per node."""
+    from ray.cluster_utils import Cluster
+
+    monkeypatch.setenv("ROBO_POST_STATE_DIR", str(tmp_path / "state"))
+    url = f"s3://{s3_server.bucket()}/run"
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})  # after the fixture's credentials
+    cluster.add_node(num_cpus=1)
+    try:
+        r = subprocess.run([sys.executable, "-m", "robo_post.cli", "run", f"run_dir={tmp_path / 'run'}", f"store={url}",
+                            "fleet.launcher=ray", f"fleet.address={cluster.address}", "fleet.n_clients=2", *TINY],
+                           capture_output=True, text=True, timeout=900)
+    finally:
+        cluster.shutdown()
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert sorted({(row["version"], row["split"]) for row in summary["results"]}) == [
+        (v, s) for v in (1, 2, 3) for s in ("heldout", "train")]
+    assert PolicyRegistry(url).versions() == [1, 2, 3] and not (tmp_path / "run" / "store").exists()
+    snap = Store.open(url).snapshot()
+    assert sorted(snap.counts) == [f"{stage}-{i}" for stage in ("demo", "deploy", "online", "play") for i in (0, 1)]
+    assert sum(e.client_id.startswith("demo") for e in snap) == 6
 
 
 @pytest.mark.fleet

@@ -32,7 +32,7 @@ from omegaconf.errors import ConfigKeyError
 
 from robo_post.config import absolute_paths, changed_settings, check_dir_path, compose, describe_changes
 from robo_post.pipelines import lwd
-from robo_post.store import PolicyRegistry, Store
+from robo_post.store import PolicyRegistry, Store, StoreNotFoundError
 from robo_post.utils.io import write_json_atomic
 
 
@@ -65,12 +65,17 @@ def bc_stage_config(cfg: DictConfig) -> DictConfig:
     method = cfg.bc.algo.get("name")  # a recipe may train another method first (recipe=craft)
     try:
         return _compose("train", {
-            "store": os.path.join(cfg.run_dir, "store"), "run_dir": os.path.join(cfg.run_dir, "bc"),
+            "store": run_store(cfg), "run_dir": os.path.join(cfg.run_dir, "bc"),
             "device": cfg.device, "seed": cfg.seed, "show": cfg.show, **OmegaConf.to_container(cfg.bc, resolve=True),
         }, [f"algo={method}"] if method else None)
     except ConfigKeyError as e:
         raise RunSettingsError(f"bc.{e.full_key}: `robo-post train{f' algo={method}' if method else ''}` has no "
                                f"such setting ({e.msg.splitlines()[0]})") from None
+
+
+def run_store(cfg: DictConfig) -> str:
+    """Where the run's episodes and policies live: ``store``, else ``RUN_DIR/store``."""
+    return cfg.get("store") or os.path.join(cfg.run_dir, "store")
 
 
 def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, policy: dict[str, Any],
@@ -81,7 +86,10 @@ def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, 
     ``layout_repeats`` times, watched by ``overseer`` (``fleet.overseer`` keys) if given."""
     from robo_post.fleet.collect import collect
 
-    store = Store.open(store_root) if os.path.exists(os.path.join(store_root, "store.json")) else None
+    try:
+        store = Store.open(store_root)
+    except StoreNotFoundError:  # the first stage creates it
+        store = None
     done = sum(1 for e in store.snapshot() if e.client_id.startswith(f"{prefix}-")) if store else 0
     if done >= episodes:
         return
@@ -89,8 +97,9 @@ def collect_stage(cfg: DictConfig, store_root: str, prefix: str, episodes: int, 
         "store": store_root, "episodes": episodes - done, "seed": cfg.seed, "show": cfg.show if show is None else show,
         "policy": policy,
         "fleet": {"n_clients": cfg.fleet.n_clients, "client_prefix": prefix, "follow_registry": follow_registry,
+                  **({"address": cfg.fleet.address} if cfg.fleet.launcher == "ray" else {}),
                   "layout_repeats": layout_repeats, **({"overseer": overseer} if overseer else {})},
-    })
+    }, [f"fleet={cfg.fleet.launcher}"])
     collect_cfg.env = cfg.env  # replaced whole: another env's kwargs must not merge in
     collect(collect_cfg)
 
@@ -190,7 +199,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     check_dir_path("run_dir", cfg.run_dir)
     check_same_settings(cfg)
     os.makedirs(cfg.run_dir, exist_ok=True)
-    store_root = os.path.join(cfg.run_dir, "store")
+    store_root = run_store(cfg)
     eval_store = os.path.join(cfg.run_dir, "eval-store")
     path = os.path.join(cfg.run_dir, "config.yaml")
     with open(f"{path}.tmp", "w") as f:  # swapped in whole: a rerun compares its settings with it
