@@ -436,7 +436,7 @@ def test_critic_diagnostics_read_values_ranking_and_drift(tmp_path):
     same for the same seed."""
     from types import SimpleNamespace
 
-    from robo_post.learner.critic_report import critic_diagnostics, held_out
+    from robo_post.learner.critic_report import critic_diagnostics, describe, held_out
     from robo_post.models.features import state_features
     from robo_post.models.flow import FlowPolicy, FlowPolicyConfig
     from robo_post.store import ArraySpec, Store, StoreSchema
@@ -463,6 +463,17 @@ def test_critic_diagnostics_read_values_ranking_and_drift(tmp_path):
     assert d["q_minus_return"] == pytest.approx(0.0, abs=1e-4)
     assert d["spearman_steps"] == pytest.approx(1.0) and d["spearman_episodes"] == pytest.approx(1.0)
     assert d["drift_rms"] == 0.0
+    # that critic ignores the action: no contrast, below its heads' disagreement (0: identical heads)
+    assert d["q_contrast_draws"] == d["q_contrast_random"] == d["q_heads_spread"] == 0.0
+    assert d["q_states_spread"] > 1.0
+    # one that adds the chunk's sum tells chunks apart: uniform chunks on [-1, 1]^2 spread by sqrt(2/3)
+    contrast = SimpleNamespace(critic_fn=lambda: lambda obs, chunk: (obs["state"][:, 0] + chunk.sum((1, 2))).expand(2, -1))
+    method.value = contrast
+    d = critic_diagnostics(method, snap, episodes, g, held=False)
+    assert d["q_contrast_random"] == pytest.approx((2 / 3) ** 0.5, rel=0.15) and d["q_contrast_draws"] > 0
+    assert "warning" not in describe(d) and "cannot tell the policy's choices apart" in describe(
+        {**d, "q_heads_spread": 10.0})
+    method.value = exact
     method.policy = FlowPolicy(config)  # other weights: its chunks differ from the reference's
     assert critic_diagnostics(method, snap, episodes, g, held=False)["drift_rms"] > 0.05
     held = held_out(episodes, 0.1, seed=3)

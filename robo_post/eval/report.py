@@ -346,14 +346,19 @@ def _critic_section(doc: _Doc, run_dirs: list[str]) -> None:
         rho = [("–" if d.get(k) is None else f"{d[k]:+.2f}") for k in ("spearman_steps", "spearman_episodes")]
         converged = "–" if not trend else "yes" if trend.get("converged") else (
             f"no (Q moved {trend['q_change']:+.3g} over the last quarter)")
+        contrast = ("–" if "q_contrast_draws" not in d else  # summaries written before it was measured
+                    f"{d['q_contrast_draws']:.3g} / {d['q_contrast_random']:.3g} / {d['q_heads_spread']:.3g}")
         rows.append([f"`{run_dir}`", f"{d['episodes']} ({'held out' if d['held_out'] else 'trained on'})",
-                     f"{d['q_mean']:.3g} / {d['return_mean']:.3g}", *rho, f"{d['drift_rms']:.3f}", converged])
+                     f"{d['q_mean']:.3g} / {d['return_mean']:.3g}", *rho, f"{d['drift_rms']:.3f}", contrast, converged])
     if rows:
         doc.paragraph("Critics, on episodes they did not train on where the run held some out: the mean Q of the "
                       "data's chunks against the discounted return that followed, their rank correlation over steps "
-                      "and over episode starts, and how far the policy moved from its start (RMS, actions in [-1, 1]).")
+                      "and over episode starts, how far the policy moved from its start (RMS, actions in [-1, 1]), "
+                      "and how much Q changes with the action at a state (its spread over the reference's draws and "
+                      "over random chunks) against its heads' disagreement: below it, the critic cannot tell the "
+                      "policy's choices apart.")
         doc.table(["run", "episodes", "Q / return", "Spearman (steps)", "Spearman (starts)", "policy drift",
-                   "critic converged"], rows)
+                   "Q contrast: draws / random / heads", "critic converged"], rows)
 
 
 def _run_row(name: str, published: str, episodes: Any, final: dict[str, Any], wall_s: Any,
