@@ -39,7 +39,6 @@ SLOW_TESTS = {
         "test_bad_bandit_settings_are_one_line_config_errors",
     },
     "test_steering_envs.py": {"test_collect_point_mass_from_the_cli"},
-    "test_store.py": {"test_a_damaged_policy_version_is_an_error_naming_it", "test_cli_info_and_validate_detect_corruption"},
     "test_store_append.py": {
         "test_snapshots_read_what_was_committed_while_another_process_writes",
         "test_kill_between_chunk_writes_and_commit_record",

@@ -423,6 +423,7 @@ def flip_last_byte(path):
         f.write(bytes([last[0] ^ 0xFF]))
 
 
+@pytest.mark.slow  # spawns the CLI
 def test_a_damaged_policy_version_is_an_error_naming_it(store):
     reg = PolicyRegistry(store.root)
     weights = {"w": torch.arange(6.0).reshape(2, 3)}
@@ -478,6 +479,7 @@ def _cli(*args):
     return subprocess.run([sys.executable, "-m", "robo_post.cli", *args], capture_output=True, text=True)
 
 
+@pytest.mark.slow  # spawns the CLI
 def test_cli_info_and_validate_detect_corruption(store):
     rng = np.random.default_rng(5)
     with store.writer("a") as w:
