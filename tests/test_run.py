@@ -89,6 +89,16 @@ def test_run_with_the_store_on_s3_and_the_fleet_on_two_ray_nodes(s3_server, tmp_
     snap = Store.open(url).snapshot()
     assert sorted(snap.counts) == [f"{stage}-{i}" for stage in ("demo", "deploy", "online", "play") for i in (0, 1)]
     assert sum(e.client_id.startswith("demo") for e in snap) == 6
+    # no credentials in anything the run wrote: its folder, the host's fleet state, the bucket's objects
+    import obstore
+
+    from robo_post.store.bucket import Objects
+
+    secrets = [s3_server.access_key.encode(), s3_server.secret_key.encode()]
+    written = [p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()]
+    objects = Objects(url)
+    written += [objects.get(m["path"]) for batch in obstore.list(objects.store) for m in batch]
+    assert len(written) > 50 and not any(key in data for data in written for key in secrets)
 
 
 @pytest.mark.fleet
