@@ -20,6 +20,8 @@ from robo_post.store import Store, StoreError
 from robo_post.utils.io import host_dir
 
 
+# A status query to a Ray client's actor waits this long; past it the launcher reads this host's file.
+STATUS_TIMEOUT_S = 5.0
 # Free bytes under which a client's unexplained exit is put down to a full disk.
 _FULL_BYTES = 1 << 20
 
@@ -226,9 +228,6 @@ class RayLauncher(_Launcher):
     def stop(self) -> None:
         for actor in self.actors.values():
             self.ray.kill(actor)
-
-
-STATUS_TIMEOUT_S = 5.0  # a status query to a client's actor; past it the launcher reads this host's file
 
 
 class _ClientActor:

@@ -243,10 +243,16 @@ class _BucketVersions:
 
         self.objects = Objects(store_root.rstrip("/") + "/policies", create=True)
         self.location = self.objects.url
+        self._records: dict[int, dict[str, Any]] = {}  # records never change once created
 
     def path(self, version: int, name: str) -> str:
-        return f"{self.location}/{_dirname(version)}.json" if name == CHECKSUM_FILE else \
-            f"{self.location}/{_dirname(version)}-*/{name}"
+        if name == CHECKSUM_FILE:
+            return f"{self.location}/{_dirname(version)}.json"
+        try:
+            folder = (self._record(version) or {}).get("folder", f"{_dirname(version)}-*")
+        except PolicyArtifactError:
+            folder = f"{_dirname(version)}-*"
+        return f"{self.location}/{folder}/{name}"
 
     def check_writable(self) -> None:
         probe = f".probe-{uuid.uuid4().hex}"
@@ -265,6 +271,8 @@ class _BucketVersions:
         return sorted(out)
 
     def _record(self, version: int) -> dict[str, Any] | None:
+        if version in self._records:
+            return self._records[version]
         raw = self.objects.get(f"{_dirname(version)}.json")
         if raw is None:
             return None
@@ -276,10 +284,14 @@ class _BucketVersions:
         except ValueError as e:
             raise PolicyArtifactError(f"policy version {version}: {self.path(version, CHECKSUM_FILE)} is unreadable "
                                       f"({type(e).__name__}: {e})") from e
+        self._records[version] = record
         return record
 
     def has(self, version: int) -> bool:
-        return self.objects.get(f"{_dirname(version)}.json") is not None
+        try:
+            return self._record(version) is not None
+        except PolicyArtifactError:  # a damaged record still takes its number
+            return True
 
     def write(self, version: int, files: dict[str, bytes], checksums: dict[str, int]) -> bool:
         folder = f"{_dirname(version)}-{uuid.uuid4().hex}"
