@@ -28,8 +28,8 @@ from gymnasium import spaces
 
 from robo_post.envs.registry import EnvRegistryError, EnvSpec, env_spec
 from robo_post.fleet.policies import ExpertPolicy, build_policy, policy_extras, recorded_extras
-from robo_post.store import EpisodeValidationError, PolicyRegistry, ShardLockedError, Store, StoreSchema
-from robo_post.utils.io import absolute_root, host_dir, is_object_url, write_json_atomic
+from robo_post.store import EpisodeValidationError, PolicyRegistry, Store, StoreSchema
+from robo_post.utils.io import absolute_root, host_dir, write_json_atomic
 
 
 MAX_REJECTED_IN_A_ROW = 3
@@ -250,7 +250,7 @@ def run_client(cfg: ClientConfig) -> dict[str, Any]:
     if cfg.policy_version is not None:
         version, policy = cfg.policy_version, build_policy(*registry.load(cfg.policy_version), cfg.device)
     t_start, steps_run, rejected_in_a_row = time.perf_counter(), 0, 0
-    with _open_writer(store, cfg.client_id) as writer:
+    with store.writer(cfg.client_id, takeover=True) as writer:  # a restarted client waits out its dead self
         done = store.shard_episodes(cfg.client_id)  # counters survive restarts: start from what is committed
         status = {"client_id": cfg.client_id, "pid": os.getpid(), "episodes": len(done),
                   "steps": sum(e.length for e in done), "successes": sum(bool(e.success) for e in done),
@@ -332,24 +332,6 @@ def run_client(cfg: ClientConfig) -> dict[str, Any]:
 
 def policy_name(cfg: ClientConfig, version: int) -> str:
     return f"v{version}" if version else f"fallback:{cfg.policy.get('kind')}"
-
-
-def _open_writer(store: Store, client_id: str):
-    """The shard's writer. On a store in a bucket, a client restarted after its process or node
-    died waits out the dead writer's lease (up to ``LEASE_S`` and a margin) instead of failing:
-    nothing else frees the shard. On a disk the OS frees a dead writer's lock at once."""
-    if not is_object_url(store.root):
-        return store.writer(client_id)
-    from robo_post.store.bucket import LEASE_S
-
-    deadline = time.monotonic() + LEASE_S + 5.0
-    while True:
-        try:
-            return store.writer(client_id)
-        except ShardLockedError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1.0)
 
 
 def read_status(store_root: str, client_id: str) -> dict[str, Any] | None:

@@ -101,6 +101,10 @@ def test_lease_refuses_a_second_writer_and_fences_a_late_one(url):
     assert [e.attrs for e in snap] == [{"i": 0}] * 6
     assert validate_store(url)[1] == []
     store.writer("a").close()  # closing released it: no wait
+    store.writer("c", lease_s=0.5)  # a writer that dies without closing
+    with pytest.raises(ShardLockedError):
+        store.writer("c", lease_s=0.5)
+    store.writer("c", lease_s=0.5, takeover=True).close()  # its restart waits the lease out
 
 
 def test_bad_urls_and_missing_bucket_are_typed_errors(s3_server, monkeypatch):

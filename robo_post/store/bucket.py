@@ -101,6 +101,7 @@ from robo_post.store.writer import EpisodeWriter, decode_record, encode_record, 
 
 LEASE_S = 30.0
 """Default writer lease, seconds: how long a shard stays taken after its writer was killed."""
+TAKEOVER_MARGIN_S = 5.0  # a taking-over writer waits this much past a lease, for clock skew and slow requests
 _WIDTH = 9  # digits of episode indices and lease generations in object names
 # Requests in flight at once. Tasks on _POOL make requests and never wait on other tasks; tasks
 # on _EPISODES (one episode each) wait on _POOL's: one pool for both could deadlock.
@@ -329,11 +330,21 @@ class BucketStore:
         return cls(root, parse_schema(data, f"{root.rstrip('/')}/store.json"), verify, objects)
 
     # --- writing -------------------------------------------------------------------
-    def writer(self, client_id: str, fsync: bool = True, lease_s: float = LEASE_S) -> "BucketShardWriter":
+    def writer(self, client_id: str, fsync: bool = True, lease_s: float = LEASE_S,
+               takeover: bool = False) -> "BucketShardWriter":
         """Open shard ``client_id`` for writing: ``ShardLockedError`` while another writer's lease
-        on it lasts. Every commit is durable when it returns (``fsync`` is accepted for the
-        interface; an object store acknowledges a PUT once it is stored)."""
-        return BucketShardWriter(self, client_id, lease_s=lease_s)
+        on it lasts. With ``takeover`` (a writer restarted after its process or node died) it
+        first waits out that lease, up to ``lease_s`` and a margin: nothing else frees the shard.
+        Every commit is durable when it returns (``fsync`` is accepted for the interface; an
+        object store acknowledges a PUT once it is stored)."""
+        deadline = time.monotonic() + (lease_s + TAKEOVER_MARGIN_S if takeover else 0.0)
+        while True:
+            try:
+                return BucketShardWriter(self, client_id, lease_s=lease_s)
+            except ShardLockedError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(1.0)
 
     # --- shards ----------------------------------------------------------------------
     def shards(self, strict: bool = True) -> list[str]:
@@ -724,9 +735,8 @@ def validate_bucket(root: str) -> tuple[int, list[str]]:
         for i, why in sorted(bad.items()):
             problems.append(f"{shard}/{i}: {why} (`robo-post store repair --apply` cuts it out and keeps the intact "
                             "episodes after it)")
-    records = _snapshot_records(store)
     problems += [f"{store.root}/{key}: damaged snapshot record: {shards!r} (`robo-post store repair` sets it aside)"
-                 for key, shards in records if isinstance(shards, Exception)]
+                 for key, shards in _snapshot_records(store) if isinstance(shards, Exception)]
     return checked, problems + lost_since_snapshots(store, committed)
 
 

@@ -124,13 +124,13 @@ class PolicyRegistry:
         try:
             weights = {k: v.to(device) for k, v in load_safetensors(data[WEIGHTS_FILE]).items()}
         except Exception as e:  # safetensors raises its own error type for a malformed file
-            raise self._unreadable(version, WEIGHTS_FILE, e) from e
+            raise _unreadable(version, self._files.path(version, WEIGHTS_FILE), e) from e
         try:
             config = json.loads(data[CONFIG_FILE])
             if not isinstance(config, dict):
                 raise ValueError(f"a JSON {type(config).__name__}, not an object")
         except ValueError as e:
-            raise self._unreadable(version, CONFIG_FILE, e) from e
+            raise _unreadable(version, self._files.path(version, CONFIG_FILE), e) from e
         # A version published with checksums says so in its config: without the file, damaged
         # weights would load unchecked.
         if config.pop(_CHECKSUMMED, False) and expected is None:
@@ -147,10 +147,6 @@ class PolicyRegistry:
             raise PolicyArtifactError(f"policy version {version}: cannot read {self._files.path(version, name)} "
                                       "(it is missing)")
         return data
-
-    def _unreadable(self, version: int, name: str, e: Exception) -> PolicyArtifactError:
-        return PolicyArtifactError(f"policy version {version}: {self._files.path(version, name)} is unreadable "
-                                   f"({type(e).__name__}: {e})")
 
 
 class _LocalVersions:
@@ -227,8 +223,7 @@ class _LocalVersions:
         try:
             return dict(json.loads(raw))
         except (ValueError, TypeError) as e:
-            raise PolicyArtifactError(f"policy version {version}: {self.path(version, CHECKSUM_FILE)} is unreadable "
-                                      f"({type(e).__name__}: {e})") from e
+            raise _unreadable(version, self.path(version, CHECKSUM_FILE), e) from e
 
 
 class _BucketVersions:
@@ -282,8 +277,7 @@ class _BucketVersions:
                     and isinstance(record.get("checksums"), dict)):
                 raise ValueError("not a version record (folder and checksums)")
         except ValueError as e:
-            raise PolicyArtifactError(f"policy version {version}: {self.path(version, CHECKSUM_FILE)} is unreadable "
-                                      f"({type(e).__name__}: {e})") from e
+            raise _unreadable(version, self.path(version, CHECKSUM_FILE), e) from e
         self._records[version] = record
         return record
 
@@ -311,6 +305,10 @@ class _BucketVersions:
     def checksums(self, version: int) -> dict[str, int] | None:
         record = self._record(version)
         return None if record is None else record["checksums"]
+
+
+def _unreadable(version: int, path: str, e: Exception) -> PolicyArtifactError:
+    return PolicyArtifactError(f"policy version {version}: {path} is unreadable ({type(e).__name__}: {e})")
 
 
 def version_problems(registry: PolicyRegistry, recorded: set[str], record_path: Callable[[str], str]) -> list[str]:

@@ -186,14 +186,15 @@ class Store:
         return cls(root, schema, verify)
 
     # --- writing -----------------------------------------------------------------
-    def writer(self, client_id: str, fsync: bool = True) -> ShardWriter:
+    def writer(self, client_id: str, fsync: bool = True, takeover: bool = False) -> ShardWriter:
         """Open the shard ``client_id`` for writing (creating it if new).
 
         Commits are atomic and survive the writer process being killed. With
         ``fsync=True`` (default) each commit is durable (survives power loss) before
         it returns, at the cost of syncing every file it wrote; with ``fsync=False``
         the most recent episodes may be lost in an OS crash or power loss (see
-        ``ShardWriter``).
+        ``ShardWriter``). ``takeover`` (a writer restarted after its process died) changes
+        nothing on a disk: the OS frees a dead writer's lock at once.
         """
         check_folder(os.path.join(self.root, "shards"), *_SHARDS)
         check_folder(os.path.join(self.root, "shards", check_name(client_id)), *_shard_folder(client_id))
